@@ -1,0 +1,42 @@
+# One entry point for every set-up step: a fresh machine needs only `make run` or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint typecheck pytest bench demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch==2.13.0 is pinned in the `transformers` extra: pip takes the machine's local CPU build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test,transformers]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/kvtier serve
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: install
+	$(BIN)/mypy
+
+pytest: install
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+bench: install
+	$(BIN)/python -m benchmarks.run --output docs/benchmarks.md
+
+demo: install
+	$(BIN)/kvtier demo
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
