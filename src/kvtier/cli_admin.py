@@ -1,0 +1,200 @@
+"""`kvtier status` and `kvtier clear`: operator commands that talk to a running server's admin API.
+
+Plain functions with typer annotations; `kvtier.cli` registers them as commands. `app` is a small
+typer app with just these two, for `python -m kvtier.cli_admin`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from typing import Annotated, Any, NoReturn
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+DEFAULT_ADMIN = "http://127.0.0.1:8080"
+TIMEOUT_S = 10.0
+
+AdminOption = Annotated[
+    str, typer.Option("--admin", help="Base URL of the server's admin API.", show_default=True)
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help=f"Admin API bearer token (default: ${TOKEN_ENV}).", show_default=False
+    ),
+]
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"kvtier: {message}", file=sys.stderr)
+    raise typer.Exit(1)
+
+
+def _request(
+    method: str, admin: str, path: str, token: str | None, body: dict[str, Any] | None = None
+) -> Any:
+    """Call the admin API and return the decoded JSON; any failure exits with a one-line error."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = admin.rstrip("/") + path
+    try:
+        response = httpx.request(method, url, headers=headers, json=body, timeout=TIMEOUT_S)
+    except httpx.InvalidURL as exc:
+        _fail(f"bad --admin URL {admin!r}: {exc}")
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the kvtier admin API at {admin} ({type(exc).__name__}: {exc})")
+    if response.status_code == 401:
+        _fail(f"the admin API at {admin} refused the token: pass --token or set {TOKEN_ENV}")
+    try:
+        payload = response.json()
+    except ValueError:
+        _fail(f"{method} {url} answered HTTP {response.status_code} with a non-JSON body")
+    if response.is_error:
+        error = payload.get("error") if isinstance(payload, dict) else payload
+        _fail(f"{method} {url} failed with HTTP {response.status_code}: {error}")
+    return payload
+
+
+def status_command(
+    admin: AdminOption = DEFAULT_ADMIN,
+    token: TokenOption = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the raw /status JSON instead of tables.")
+    ] = False,
+) -> None:
+    """Show a running server's status: L1, L2 tiers, sessions, clients, recent errors."""
+    status = _request("GET", admin, "/status", token)
+    if json_output:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return
+    Console().print(*render_status(status))
+
+
+def clear_command(
+    admin: AdminOption = DEFAULT_ADMIN,
+    token: TokenOption = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Clear only this model's chunks.")
+    ] = None,
+    cache_salt: Annotated[
+        str | None, typer.Option("--cache-salt", help="Clear only chunks with this cache salt.")
+    ] = None,
+) -> None:
+    """Drop cached chunks from L1 and L2 (all of them unless --model / --cache-salt narrow it)."""
+    result = _request("POST", admin, "/clear", token, {"model": model, "cache_salt": cache_salt})
+    print(f"cleared {result['cleared']} chunks")
+
+
+def _bytes(n: float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _fill(used: float, capacity: float) -> str:
+    if capacity <= 0:
+        return f"{_bytes(used)} (unbounded)"
+    return f"{_bytes(used)} / {_bytes(capacity)} ({100 * used / capacity:.1f}%)"
+
+
+def _clock_time(when: Any) -> str:
+    """Local HH:MM:SS of a wall-clock timestamp; other values as they are."""
+    if isinstance(when, int | float):
+        return datetime.datetime.fromtimestamp(when).strftime("%H:%M:%S")
+    return str(when)
+
+
+def render_status(status: dict[str, Any]) -> list[Table]:
+    """The /status snapshot as rich tables, in the order an operator reads them."""
+    lookup = status["lookup"]
+    requested, hit = lookup["requested_tokens"], lookup["hit_tokens"]
+    overview = Table(title="kvtier server", show_header=False, title_justify="left")
+    overview.add_column(style="bold")
+    overview.add_column()
+    overview.add_row("version", str(status["version"]))
+    overview.add_row("uptime", f"{status['uptime_s']:.0f} s")
+    overview.add_row("ready", "yes" if status["ready"] else "[red]no[/red]")
+    if "threads_healthy" in status:
+        healthy = status["threads_healthy"]
+        overview.add_row("threads", "healthy" if healthy else "[red]stalled[/red]")
+    rate = f"{100 * hit / requested:.1f}%" if requested else "n/a"
+    overview.add_row("lookup hit rate", f"{rate} ({hit:,} of {requested:,} tokens)")
+    sessions = status["sessions"]
+    overview.add_row(
+        "sessions",
+        f"{sessions['active']} active, {sessions['created']} created, "
+        f"{sessions['expired']} expired, {sessions['orphaned']} orphaned",
+    )
+
+    l1 = status["l1"]
+    l1_table = Table(title="L1 (shared memory)", show_header=False, title_justify="left")
+    l1_table.add_column(style="bold")
+    l1_table.add_column()
+    l1_table.add_row("fill", _fill(l1["used_bytes"], l1["capacity_bytes"]))
+    l1_table.add_row("groups", f"{l1['groups']} ({l1['ready_groups']} ready)")
+    l1_table.add_row("pinned groups", str(l1["pinned_groups"]))
+    l1_table.add_row("staging shards", str(l1["staging_shards"]))
+    l1_table.add_row("evictions", f"{l1['evictions']} ({_bytes(l1['evicted_bytes'])})")
+
+    l2 = status["l2"]
+    l2_table = Table(
+        title=(
+            f"L2 tiers (write queue {l2['queue_depth']}/{l2['queue_capacity']}, "
+            f"policy {l2['policy']}, written {l2['written']}, dropped {l2['dropped']}, "
+            f"errors {l2['write_errors']})"
+        ),
+        title_justify="left",
+    )
+    for column in ("tier", "fill", "objects", "hits", "misses", "corrupt", "errors"):
+        l2_table.add_column(column, justify="left" if column in ("tier", "fill") else "right")
+    for tier in l2["tiers"]:
+        l2_table.add_row(
+            str(tier["name"]),
+            _fill(tier["used_bytes"], tier["capacity_bytes"]),
+            *(str(tier[k]) for k in ("objects", "hits", "misses", "corrupt", "errors")),
+        )
+
+    clients = Table(title="Clients", title_justify="left")
+    for column in ("client", "connected", "last seen", "registrations"):
+        clients.add_column(column)
+    for client in status["clients"]:
+        registrations = ", ".join(
+            f"{r['model']} rank {r['worker_id']}/{r['world_size']} {r['dtype']}{r['chunk_shape']}"
+            for r in client["registrations"]
+        )
+        clients.add_row(
+            str(client["client_id"]),
+            f"{client['connected_s']:.0f} s",
+            f"{client['last_seen_s']:.1f} s ago",
+            registrations or "-",
+        )
+
+    errors = Table(title="Recent errors (newest last)", title_justify="left")
+    for column in ("time", "operation", "code", "message"):
+        errors.add_column(column)
+    for error in status["recent_errors"][-10:]:
+        errors.add_row(
+            _clock_time(error["time"]),
+            str(error["operation"]),
+            str(error["code"]),
+            str(error["message"]),
+        )
+    return [overview, l1_table, l2_table, clients, errors]
+
+
+app = typer.Typer(help="Operator commands for a running kvtier server.", no_args_is_help=True)
+app.command("status")(status_command)
+app.command("clear")(clear_command)
+
+if __name__ == "__main__":
+    app()

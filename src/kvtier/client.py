@@ -1,0 +1,380 @@
+"""The client library used by schedulers and workers.
+
+One `Client` per process is enough: it is thread-safe (each thread gets its own ZMQ socket, all
+under one client id, so TP workers in threads do not serialize on a lock). On the server's
+machine the KV bytes go straight between the caller's arrays and the server's shared-memory
+arena; elsewhere they travel inline as ZMQ frames. Both paths give the same results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from kvtier import protocol as p
+from kvtier.errors import (
+    BadArrayError,
+    KVTierError,
+    NotConnectedError,
+    error_from_code,
+)
+from kvtier.hashing import TokenHasher, TokenIds, token_bytes
+from kvtier.storage.arena import Arena
+
+__all__ = ["Client"]
+
+logger = logging.getLogger(__name__)
+
+Transfer = Literal["auto", "shm", "inline"]
+
+
+def _tokens(tokens: TokenIds) -> bytes:
+    raw = token_bytes(tokens)
+    return raw if isinstance(raw, bytes) else bytes(raw)
+
+
+def _chunk_rows(
+    array: Any, what: str, *, writable: bool
+) -> tuple[npt.NDArray[np.uint8], list[int], str]:
+    """A (num_chunks, chunk_bytes) uint8 view of a numpy array or CPU torch tensor, no copy.
+
+    Returns the view, the chunk shape (array shape without its first axis) and the dtype name.
+    """
+    if isinstance(array, np.ndarray):
+        if array.ndim < 2:
+            raise BadArrayError(
+                f"{what} must be (num_chunks, *chunk_shape), got shape {array.shape}"
+            )
+        if not array.flags.c_contiguous:
+            raise BadArrayError(f"{what} must be C-contiguous (use np.ascontiguousarray)")
+        if writable and not array.flags.writeable:
+            raise BadArrayError(f"{what} is read-only; retrieve writes into it")
+        rows = array.reshape(array.shape[0], -1).view(np.uint8)
+        return rows, list(array.shape[1:]), array.dtype.name
+    if type(array).__module__.startswith("torch"):
+        if array.device.type != "cpu":
+            raise BadArrayError(f"{what} is on {array.device}; kvtier moves CPU tensors")
+        if array.dim() < 2:
+            raise BadArrayError(
+                f"{what} must be (num_chunks, *chunk_shape), got {tuple(array.shape)}"
+            )
+        if not array.is_contiguous():
+            raise BadArrayError(f"{what} must be contiguous (call .contiguous())")
+        import torch  # only reached when the caller already uses torch
+
+        flat = array.detach().reshape(array.shape[0], -1)
+        rows_t = flat.view(torch.uint8)
+        return rows_t.numpy(), list(array.shape[1:]), str(array.dtype).removeprefix("torch.")
+    raise BadArrayError(f"{what} must be a numpy array or a CPU torch tensor, got {type(array)}")
+
+
+class Client:
+    """A connection to one `kvtier serve`. See the README for the flow of one request."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        hasher: TokenHasher | None = None,
+        timeout: float = 30.0,
+        transfer: Transfer = "auto",
+        heartbeat_interval: float = 1.0,
+        client_id: str | None = None,
+    ) -> None:
+        if transfer not in ("auto", "shm", "inline"):
+            raise ValueError(f"transfer must be 'auto', 'shm' or 'inline', got {transfer!r}")
+        self.address = address
+        self.timeout = timeout
+        self.hasher = hasher
+        self.client_id = client_id or uuid.uuid4().hex
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket[bytes]] = []
+        self._sockets_lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._world_sizes: dict[str, int] = {}
+        self._closed = False
+        self._arena: Arena | None = None
+        self._arena_bytes: npt.NDArray[np.uint8] | None = None
+        try:
+            self.server = self._socket_hello()
+            if transfer != "inline":
+                self._attach_arena(transfer)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(heartbeat_interval,),
+            name=f"kvtier-client-heartbeat-{self.client_id[:8]}",
+            daemon=True,
+        )
+        self._heartbeat.start()
+
+    # -- connection -----------------------------------------------------------------------------
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk, as the server names chunks."""
+        return self.server.chunk_size
+
+    @property
+    def transfer(self) -> str:
+        """ "shm" when bytes go through the server's arena, "inline" when they go as frames."""
+        return "shm" if self._arena is not None else "inline"
+
+    def _attach_arena(self, transfer: Transfer) -> None:
+        if self.server.host_id == p.local_host_id():
+            try:
+                self._arena = Arena.attach(self.server.arena_name, self.server.arena_size)
+                self._arena_bytes = self._arena.ndarray(0, self._arena.size)
+                return
+            except OSError as exc:
+                if transfer == "shm":
+                    raise NotConnectedError(
+                        f"cannot map the server's arena {self.server.arena_name!r}: {exc}"
+                    ) from exc
+                logger.info("arena not mappable (%s); moving bytes inline", exc)
+        elif transfer == "shm":
+            raise NotConnectedError(
+                f"transfer='shm' needs the server on this machine; it runs on "
+                f"{self.server.host_id!r}, this is {p.local_host_id()!r}"
+            )
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
+        if sock is None:
+            self._socket_hello()
+            sock = self._local.socket
+        return sock
+
+    def _socket_hello(self) -> p.HelloReply:
+        """Open this thread's socket and shake hands on it."""
+        if self._closed:
+            raise NotConnectedError("the client is closed")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        with self._sockets_lock:
+            self._sockets.append(sock)
+        self._local.socket = sock
+        hello = p.Hello(
+            protocol_version=p.PROTOCOL_VERSION,
+            client_id=self.client_id,
+            contract=self.hasher.contract() if self.hasher else None,
+            contract_info=dict(self.hasher.contract_info()) if self.hasher else {},
+            host_id=p.local_host_id(),
+        )
+        reply, _ = self._call_on(sock, hello)
+        assert isinstance(reply, p.HelloReply)
+        return reply
+
+    def _call(self, msg: Any, payloads: Sequence[Any] = ()) -> tuple[p.Reply, list[zmq.Frame]]:
+        return self._call_on(self._socket(), msg, payloads)
+
+    def _call_on(
+        self, sock: zmq.Socket[bytes], msg: Any, payloads: Sequence[Any] = ()
+    ) -> tuple[p.Reply, list[zmq.Frame]]:
+        seq = next(self._seq).to_bytes(8, "little")
+        sock.send_multipart([seq, p.encode(msg), *payloads], copy=False)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
+                raise NotConnectedError(
+                    f"no reply from kvtier at {self.address} within {self.timeout:g}s to "
+                    f"{type(msg).__name__}: is `kvtier serve --address {self.address}` running?"
+                )
+            frames = sock.recv_multipart(copy=False)
+            if frames[0].bytes != seq:
+                continue  # the late answer to a request that already timed out
+            reply = p.decode_reply(frames[1].buffer)
+            if isinstance(reply, p.ErrorReply):
+                raise error_from_code(reply.code, reply.message)
+            return reply, frames[2:]
+
+    def _heartbeat_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._call(p.Heartbeat())
+            except KVTierError as exc:
+                logger.debug("heartbeat failed: %s", exc)
+            except zmq.ZMQError:
+                return  # the context is being destroyed
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def register(
+        self,
+        *,
+        model: str,
+        world_size: int = 1,
+        worker_id: int = 0,
+        chunk_shape: Sequence[int],
+        dtype: str,
+    ) -> None:
+        """Tell the server this worker's KV layout: one chunk of its shard is `chunk_shape`."""
+        dtype = str(dtype).removeprefix("torch.")
+        self._call(p.Register(model, world_size, worker_id, [int(d) for d in chunk_shape], dtype))
+        self._world_sizes[model] = world_size
+
+    def lookup(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        *,
+        model: str,
+        world_size: int = 1,
+        cache_salt: str = "",
+    ) -> int:
+        """Leading tokens whose chunks every rank has cached (pinned until retrieved)."""
+        reply, _ = self._call(p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt))
+        assert isinstance(reply, p.LookupReply)
+        return reply.hit_tokens
+
+    def store(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        kv: Any,
+        *,
+        model: str,
+        worker_id: int = 0,
+        start: int = 0,
+        end: int | None = None,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> int:
+        """Store chunks [start, end) of this rank from `kv` (num_chunks, *chunk_shape).
+
+        `end` defaults to start + num_chunks * chunk_size. Returns the tokens now stored.
+        """
+        rows, shape, dtype = _chunk_rows(kv, "kv", writable=False)
+        num_chunks = rows.shape[0]
+        end = start + num_chunks * self.chunk_size if end is None else end
+        ws = world_size or self._world_sizes.get(model, 1)
+        args = (
+            request_id,
+            _tokens(tokens),
+            model,
+            ws,
+            worker_id,
+            start,
+            end,
+            shape,
+            dtype,
+            num_chunks,
+            cache_salt,
+        )
+        if self._arena_bytes is None:
+            reply, _ = self._call(p.StoreInline(*args), [rows[i] for i in range(num_chunks)])
+            assert isinstance(reply, p.StoreReply)
+            return reply.stored_chunks * self.chunk_size
+        reserved, _ = self._call(p.Reserve(*args))
+        assert isinstance(reserved, p.ReserveReply)
+        if not reserved.reservation_id:
+            return len(reserved.offsets) * self.chunk_size  # everything was already stored
+        nbytes, arena = reserved.chunk_nbytes, self._arena_bytes
+        try:
+            for i, offset in enumerate(reserved.offsets):
+                if offset >= 0:
+                    arena[offset : offset + nbytes] = rows[i]
+        except BaseException:
+            self._call(p.Abort(reserved.reservation_id))
+            raise
+        reply, _ = self._call(p.Commit(reserved.reservation_id))
+        assert isinstance(reply, p.StoreReply)
+        return reply.stored_chunks * self.chunk_size
+
+    def retrieve(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        out: Any,
+        *,
+        model: str,
+        worker_id: int = 0,
+        start: int = 0,
+        end: int | None = None,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> int:
+        """Copy this rank's shards of chunks [start, end) into `out` (num_chunks, *chunk_shape).
+
+        Returns the tokens retrieved from `start`: it stops at the first chunk not cached.
+        """
+        rows, shape, dtype = _chunk_rows(out, "out", writable=True)
+        num_chunks = rows.shape[0]
+        end = start + num_chunks * self.chunk_size if end is None else end
+        ws = world_size or self._world_sizes.get(model, 1)
+        inline = self._arena_bytes is None
+        reply, frames = self._call(
+            p.Retrieve(
+                request_id,
+                _tokens(tokens),
+                model,
+                ws,
+                worker_id,
+                start,
+                end,
+                shape,
+                dtype,
+                num_chunks,
+                cache_salt,
+                inline,
+            )
+        )
+        assert isinstance(reply, p.RetrieveReply)
+        if inline:
+            for i, frame in enumerate(frames):
+                rows[i] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            return reply.num_chunks * self.chunk_size
+        nbytes, arena = reply.chunk_nbytes, self._arena_bytes
+        assert arena is not None
+        try:
+            for i, offset in enumerate(reply.offsets):
+                rows[i] = arena[offset : offset + nbytes]
+        finally:
+            if reply.lease_id:
+                self._call(p.RetrieveDone(reply.lease_id))
+        return reply.num_chunks * self.chunk_size
+
+    def release(self, request_id: str) -> None:
+        """Drop the request's lookup pins (the engine computed those chunks itself)."""
+        self._call(p.Release(request_id))
+
+    def end_session(self, request_id: str) -> None:
+        """The request is finished: the server forgets its session and releases its pins."""
+        self._call(p.EndSession(request_id))
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Disconnect; idempotent. The server reclaims anything still leased to this client."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._heartbeat.is_alive() and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=2)
+        self._ctx.destroy(linger=0)
+        self._arena_bytes = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,118 @@
+"""The server's configuration: one dataclass, the single source of truth for every option.
+
+`kvtier serve`'s flags and the `KVTIER_*` environment variables are generated from the fields
+below (name, default, help), so an option cannot exist in one place and not the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ServerConfig", "format_size", "parse_size"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "2GiB", "512MiB", "1G", "4096"; binary (1024) units for both GiB and G."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (examples: 4096, 512MiB, 2GiB)")
+    number, unit, _ = m.groups()
+    return int(float(number) * 1024 ** _POWERS[unit.lower()])
+
+
+def format_size(num_bytes: int) -> str:
+    """The inverse of parse_size for display: 2147483648 -> "2GiB"."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:g}{unit}" if unit != "B" else f"{int(value)}B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _opt(default: Any, help: str, *, kind: str = "", **kw: Any) -> Any:
+    """A config field with its CLI help; `kind` "size" parses byte sizes like 2GiB."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, "kind": kind})
+    return field(default=default, metadata={"help": help, "kind": kind, **kw})
+
+
+@dataclass
+class ServerConfig:
+    """Every knob of `kvtier serve`, with its default."""
+
+    address: list[str] = _opt(
+        ["ipc:///tmp/kvtier.sock"],
+        "ZMQ address(es) to listen on: ipc:///path or tcp://host:port (repeat for several)",
+    )
+    l1_size: int = _opt(1024**3, "Byte capacity of the shared-memory L1 (e.g. 2GiB)", kind="size")
+    l2: list[str] = _opt(
+        [],
+        "L2 tier URL(s), consulted in order: disk:///path?size=50GiB, redis://host:6379/0"
+        "?prefix=kvtier&ttl=3600 (repeat for several)",
+    )
+    chunk_size: int = _opt(256, "Tokens per chunk")
+    hash_algorithm: str = _opt("blake3", "Chunk hash: blake3, xxh3_128, sha256, sha256_cbor")
+    hash_seed: str | None = _opt(
+        None, "Hash seed (sha256_cbor needs the engine's PYTHONHASHSEED to match vLLM)"
+    )
+    arena_name: str | None = _opt(
+        None, "Shared-memory segment name (default: derived from the first address)"
+    )
+    prefault: bool = _opt(True, "Touch every arena page at start so no store pays first-touch")
+    session_ttl: float = _opt(600.0, "Seconds after its last use that a session expires")
+    session_cleanup_interval: float = _opt(10.0, "Seconds between session expiry sweeps")
+    pin_lease: float = _opt(
+        60.0, "Seconds a lookup's pins survive without the request using them again"
+    )
+    staging_lease: float = _opt(30.0, "Seconds a store may hold uncommitted staging slots")
+    client_timeout: float = _opt(
+        10.0, "Seconds without a heartbeat after which a client's leases are reclaimed"
+    )
+    reap_interval: float = _opt(1.0, "Seconds between lease-reclaim sweeps")
+    l2_queue_size: int = _opt(1024, "Chunks the L2 write-through queue holds")
+    l2_queue_policy: str = _opt(
+        "drop", "When the write-through queue is full: drop (and count) or block"
+    )
+    admin_host: str = _opt(
+        "127.0.0.1", "Admin HTTP host; any non-loopback host requires --admin-token"
+    )
+    admin_port: int = _opt(8080, "Admin HTTP port (0 picks a free one; -1 disables the API)")
+    admin_token: str | None = _opt(None, "Bearer token every admin endpoint then requires")
+    log_level: str = _opt("info", "Log level: debug, info, warning, error")
+
+    def __post_init__(self) -> None:
+        self.l1_size = parse_size(self.l1_size)
+        if self.l1_size <= 0:
+            raise ValueError(f"--l1-size must be positive, got {self.l1_size}")
+        if self.chunk_size <= 0:
+            raise ValueError(f"--chunk-size must be positive, got {self.chunk_size}")
+        if not self.address:
+            raise ValueError("at least one --address is required")
+        if self.l2_queue_policy not in ("drop", "block"):
+            raise ValueError(
+                f"--l2-queue-policy must be 'drop' or 'block', got {self.l2_queue_policy!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe view, with the admin token masked."""
+        data = dataclasses.asdict(self)
+        if data["admin_token"]:
+            data["admin_token"] = "***"
+        return data
+
+    @staticmethod
+    def env_var(name: str) -> str:
+        return "KVTIER_" + name.upper()
+
+    @classmethod
+    def options(cls) -> list[dataclasses.Field[Any]]:
+        return list(dataclasses.fields(cls))

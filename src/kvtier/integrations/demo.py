@@ -1,0 +1,318 @@
+"""`kvtier demo`: time-to-first-token of a real transformers model with and without kvtier, on a
+multi-turn chat and on questions about one shared document; prints a table and writes a plot.
+
+The model has random weights built from a config (nothing is downloaded): TTFT depends on the
+model's shape, not on what it has learnt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from kvtier.integrations.transformers import KVClient, KVTierCache, full_prefill
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def random_model(
+    arch: str = "llama",
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    vocab_size: int = 256,
+    max_positions: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A causal LM with seeded random weights (same arguments, same weights), in eval mode."""
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim or hidden_size // num_heads,
+        "max_position_embeddings": max_positions,
+    }
+    torch.manual_seed(seed)
+    model: PreTrainedModel
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(f"arch={arch!r} is not one of {ARCHITECTURES}")
+    # Through nn.Module: transformers wraps `to` and `eval` in decorators mypy cannot see through.
+    torch.nn.Module.to(model, dtype)
+    torch.nn.Module.eval(model)
+    return model
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """How big the demo's model and prompts are."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    system_tokens: int
+    turn_tokens: int
+    reply_tokens: int
+    turns: int
+    document_tokens: int
+    question_tokens: int
+    questions: int
+    chunk_size: int  # for a server the demo starts itself
+
+
+FULL = DemoSize(1024, 4096, 2, 8, 512, 192, 24, 6, 3072, 48, 4, 256)
+QUICK = DemoSize(64, 128, 2, 4, 48, 24, 4, 3, 96, 8, 2, 16)
+
+
+@dataclass(frozen=True)
+class DemoStep:
+    """One prompt of a scenario, timed with and without kvtier."""
+
+    scenario: str
+    step: str
+    prompt_tokens: int
+    hit_tokens: int
+    ttft_baseline: float
+    ttft_kvtier: float
+
+
+@contextlib.contextmanager
+def serve(chunk_size: int, l1_size: str = "2GiB") -> Iterator[str]:
+    """Runs a kvtier server subprocess on a private socket; yields its address, stops it
+    with SIGINT on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+        address = f"ipc://{tmp}/kvtier.sock"
+        argv = [sys.executable, "-m", "kvtier.cli", "serve", "--address", address]
+        argv += ["--l1-size", l1_size, "--chunk-size", str(chunk_size)]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            yield address
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def connect(address: str, *, wait: float = 30.0) -> Any:
+    """A `kvtier.Client` for `address`, retrying while a just-started server comes up."""
+    from kvtier.client import Client
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return Client(address, timeout=2.0)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def plot_ttft(
+    lengths: Sequence[int],
+    baseline: Sequence[float],
+    kvtier: Sequence[float],
+    path: Path,
+    *,
+    title: str,
+) -> Path:
+    """Writes a PNG of TTFT (ms) against prompt length, full recompute against kvtier reuse."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    xs = np.asarray(lengths)[order]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(xs, np.asarray(baseline)[order] * 1e3, "o-", label="full recompute (no kvtier)")
+    ax.plot(xs, np.asarray(kvtier)[order] * 1e3, "s-", label="kvtier: reuse cached prefix")
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _tokens(rng: np.random.Generator, n: int, vocab: int) -> npt.NDArray[np.int64]:
+    return rng.integers(0, vocab, n, dtype=np.int64)
+
+
+def _baseline_ttft(model: PreTrainedModel, prompt: npt.NDArray[np.int64]) -> float:
+    t0 = time.perf_counter()
+    full_prefill(model, prompt)
+    return time.perf_counter() - t0
+
+
+def _chat(
+    model: PreTrainedModel, kv: KVTierCache, size: DemoSize, rng: np.random.Generator
+) -> Iterator[DemoStep]:
+    """Each turn resends the whole history plus a new user message; replies are generated."""
+    vocab = int(model.config.vocab_size)
+    history = _tokens(rng, size.system_tokens, vocab)
+    for turn in range(size.turns):
+        prompt = np.concatenate([history, _tokens(rng, size.turn_tokens, vocab)])
+        baseline = _baseline_ttft(model, prompt)
+        out = kv.generate(prompt, max_new_tokens=size.reply_tokens)
+        yield DemoStep(
+            "chat",
+            f"turn {turn + 1}",
+            len(prompt),
+            kv.last_hit_tokens,
+            baseline,
+            kv.last_timings["ttft"],
+        )
+        history = out[0].numpy()
+
+
+def _document(
+    model: PreTrainedModel, kv: KVTierCache, size: DemoSize, rng: np.random.Generator
+) -> Iterator[DemoStep]:
+    """Several questions, each appended to the same long document."""
+    vocab = int(model.config.vocab_size)
+    document = _tokens(rng, size.document_tokens, vocab)
+    for q in range(size.questions):
+        prompt = np.concatenate([document, _tokens(rng, size.question_tokens, vocab)])
+        baseline = _baseline_ttft(model, prompt)
+        kv.prefill(prompt)
+        yield DemoStep(
+            "document",
+            f"question {q + 1}",
+            len(prompt),
+            kv.last_hit_tokens,
+            baseline,
+            kv.last_timings["ttft"],
+        )
+
+
+def _table(steps: Sequence[DemoStep]) -> Table:
+    table = Table(title="Time to first token, with and without kvtier")
+    for name in ("scenario", "step", "prompt", "hit", "hit rate", "no kvtier", "kvtier", "speedup"):
+        table.add_column(name, justify="left" if name in ("scenario", "step") else "right")
+    for s in steps:
+        table.add_row(
+            s.scenario,
+            s.step,
+            str(s.prompt_tokens),
+            str(s.hit_tokens),
+            f"{s.hit_tokens / s.prompt_tokens:.0%}",
+            f"{s.ttft_baseline * 1e3:.0f} ms",
+            f"{s.ttft_kvtier * 1e3:.0f} ms",
+            f"{s.ttft_baseline / s.ttft_kvtier:.1f}x",
+        )
+    return table
+
+
+def run_demo(
+    address: str | None,
+    output_dir: Path,
+    *,
+    quick: bool = False,
+    console: Console | None = None,
+) -> Path:
+    """Runs both scenarios against the server at `address` (or one started here when None),
+    prints the TTFT table and returns the path of the PNG plot it writes in `output_dir`."""
+    console = console or Console()
+    size = QUICK if quick else FULL
+    with contextlib.ExitStack() as stack:
+        if address is None:
+            address = stack.enter_context(serve(size.chunk_size))
+            console.print(f"started a kvtier server at {address}")
+        client: KVClient = connect(address)
+        stack.callback(client.close)
+        model = random_model(
+            "llama",
+            hidden_size=size.hidden_size,
+            intermediate_size=size.intermediate_size,
+            num_layers=size.num_layers,
+            num_heads=size.num_heads,
+            num_kv_heads=max(1, size.num_heads // 2),
+            head_dim=64 if not quick else None,
+            vocab_size=1024,
+            max_positions=8192,
+        )
+        # A fresh name per run, so every run starts cold even against a long-lived server.
+        kv = KVTierCache(model, client, f"kvtier-demo-{uuid.uuid4().hex[:8]}", store_generated=True)
+        rng = np.random.default_rng(0)
+        steps: list[DemoStep] = []
+        total = size.turns + size.questions
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("prefill with and without kvtier", total=total)
+            for scenario in (_chat(model, kv, size, rng), _document(model, kv, size, rng)):
+                for step in scenario:
+                    steps.append(step)
+                    progress.advance(task)
+    console.print(_table(steps))
+    console.print(
+        f"model: random-weight Llama, {size.num_layers} layers, hidden {size.hidden_size}; "
+        f"chunk size {kv.chunk_size} tokens"
+    )
+    path = plot_ttft(
+        [s.prompt_tokens for s in steps],
+        [s.ttft_baseline for s in steps],
+        [s.ttft_kvtier for s in steps],
+        Path(output_dir) / "kvtier-demo-ttft.png",
+        title="kvtier demo: time to first token",
+    )
+    console.print(f"wrote the TTFT plot to {path}")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m kvtier.integrations.demo [--quick] [--address A] [--output-dir D]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--address", default=None)
+    parser.add_argument("--output-dir", type=Path, default=Path(os.getcwd()))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    run_demo(args.address, args.output_dir, quick=args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The wire protocol: msgspec tagged-union Structs, one encoder, one typed decoder.
+
+A message is a ZMQ multipart: `[seq, header, *payloads]`. `seq` is 8 opaque bytes the client
+chooses and the server echoes, so a late reply is never taken for the answer to a newer request.
+`header` is a msgpack-encoded request or reply Struct (array-like: positional, tag first).
+`payloads` carry KV bytes only when a client cannot map the shared-memory arena (another
+machine): one frame per chunk. Tokens always travel as packed little-endian uint32 bytes.
+
+`Hello` is the first request on every socket; its shape never changes between versions, so a
+peer of another version always gets a clear `PROTOCOL_VERSION` error instead of garbage.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import msgspec
+
+from kvtier.errors import KVTierError, MalformedFrameError, UnknownRequestError
+
+PROTOCOL_VERSION = 1
+
+
+def local_host_id() -> str:
+    """Names this machine's current boot: a client whose id equals the server's can map the
+    server's shared-memory arena; any other client moves bytes inline."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Msg(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """Base of every message: positional encoding, the class name as the tag."""
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+class Hello(_Msg):
+    """Handshake. `contract` None means: adopt the server's hashing settings."""
+
+    protocol_version: int
+    client_id: str
+    contract: str | None = None
+    contract_info: dict[str, Any] = {}
+    host_id: str = ""
+    pid: int = 0
+
+
+class Heartbeat(_Msg):
+    """Keeps the client's leases (staging slots, in-flight retrieves) alive."""
+
+
+class Register(_Msg):
+    """A worker's KV layout for one model: the shape and dtype of one chunk of its shard."""
+
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_shape: list[int]
+    dtype: str
+
+
+class Lookup(_Msg):
+    """How many leading tokens are cached for every rank; pins those chunks for the request."""
+
+    request_id: str
+    tokens: bytes
+    model: str
+    world_size: int = 1
+    cache_salt: str = ""
+
+
+class Reserve(_Msg):
+    """Store, step 1 (shared memory): staging slots for chunks [start, end) of this rank."""
+
+    request_id: str
+    tokens: bytes
+    model: str
+    world_size: int
+    worker_id: int
+    start: int
+    end: int
+    chunk_shape: list[int]
+    dtype: str
+    num_chunks: int
+    cache_salt: str = ""
+
+
+class Commit(_Msg):
+    """Store, step 2: the client wrote every reserved slot; make them visible."""
+
+    reservation_id: int
+
+
+class Abort(_Msg):
+    """Give back a reservation without committing it."""
+
+    reservation_id: int
+
+
+class StoreInline(_Msg):
+    """Store for a client without the arena: one payload frame per chunk follows."""
+
+    request_id: str
+    tokens: bytes
+    model: str
+    world_size: int
+    worker_id: int
+    start: int
+    end: int
+    chunk_shape: list[int]
+    dtype: str
+    num_chunks: int
+    cache_salt: str = ""
+
+
+class Retrieve(_Msg):
+    """Slots (or, `inline`, the bytes) of this rank's shards of chunks [start, end)."""
+
+    request_id: str
+    tokens: bytes
+    model: str
+    world_size: int
+    worker_id: int
+    start: int
+    end: int
+    chunk_shape: list[int]
+    dtype: str
+    num_chunks: int
+    cache_salt: str = ""
+    inline: bool = False
+
+
+class RetrieveDone(_Msg):
+    """The client copied the slots of a retrieve out: the server may reuse them."""
+
+    lease_id: int
+
+
+class Release(_Msg):
+    """Drop a request's lookup pins (the engine computed those chunks itself)."""
+
+    request_id: str
+
+
+class EndSession(_Msg):
+    """The request is finished: remove its session and release its pins."""
+
+    request_id: str
+
+
+Request = (
+    Hello
+    | Heartbeat
+    | Register
+    | Lookup
+    | Reserve
+    | Commit
+    | Abort
+    | StoreInline
+    | Retrieve
+    | RetrieveDone
+    | Release
+    | EndSession
+)
+
+REQUEST_TAGS = frozenset(t.__name__ for t in Request.__args__)  # type: ignore[attr-defined]
+
+
+# -- replies -----------------------------------------------------------------------------------
+
+
+class HelloReply(_Msg):
+    server_version: str
+    protocol_version: int
+    contract: str
+    contract_info: dict[str, Any]
+    chunk_size: int
+    arena_name: str
+    arena_size: int
+    host_id: str
+
+
+class Ok(_Msg):
+    pass
+
+
+class LookupReply(_Msg):
+    hit_tokens: int
+
+
+class ReserveReply(_Msg):
+    """`offsets[i]` is the arena offset for chunk i, or -1 when it is already stored."""
+
+    reservation_id: int
+    offsets: list[int]
+    chunk_nbytes: int
+
+
+class StoreReply(_Msg):
+    """Chunks that are now stored for this rank (written now or already present)."""
+
+    stored_chunks: int
+
+
+class RetrieveReply(_Msg):
+    """Leading chunks available; their arena offsets (empty when inline: frames follow)."""
+
+    num_chunks: int
+    offsets: list[int]
+    lease_id: int
+    chunk_nbytes: int
+
+
+class ErrorReply(_Msg):
+    code: int
+    message: str
+
+
+Reply = HelloReply | Ok | LookupReply | ReserveReply | StoreReply | RetrieveReply | ErrorReply
+
+
+# -- codec -------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_raw_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(header: bytes | memoryview) -> Request:
+    """Decode a request header, raising MalformedFrame or UnknownRequest errors."""
+    try:
+        return _request_decoder.decode(header)
+    except msgspec.DecodeError as exc:
+        raise _classify(header, exc) from None
+
+
+def _classify(header: bytes | memoryview, exc: msgspec.DecodeError) -> KVTierError:
+    try:
+        raw = _raw_decoder.decode(header)
+    except msgspec.DecodeError:
+        return MalformedFrameError(f"request header is not valid msgpack: {exc}")
+    if isinstance(raw, list) and raw and isinstance(raw[0], str) and raw[0] not in REQUEST_TAGS:
+        return UnknownRequestError(
+            f"unknown request type {raw[0][:64]!r}; known: {', '.join(sorted(REQUEST_TAGS))}"
+        )
+    return MalformedFrameError(f"malformed request: {exc}")
+
+
+def decode_reply(header: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(header)
+
+
+def error_reply(exc: KVTierError) -> bytes:
+    return encode(ErrorReply(int(exc.code), exc.message))

@@ -1,0 +1,537 @@
+"""The admin HTTP API: health, status, sessions, threads, Prometheus metrics, cache clearing and
+the status page, served by uvicorn on a background thread of the server process.
+
+Every backend call may wait for the engine lock, so handlers run it on the thread pool rather
+than on the event loop. With a token set, every route needs `Authorization: Bearer <token>`; the
+status page and its assets also take `?token=`, since a browser cannot add headers to a page load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import html
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvtier.metrics import Metrics
+from kvtier.periodic import PeriodicThreadRegistry
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+DEFAULT_SESSIONS_LIMIT = 50
+MAX_SESSIONS_LIMIT = 1000
+
+T = TypeVar("T")
+
+
+class AdminBackend(Protocol):
+    """What the admin API reads from and acts on: the server engine."""
+
+    metrics: Metrics
+
+    def is_ready(self) -> bool:
+        """True once the arena is ready and the server serves requests."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-safe snapshot: version, config, l1, l2, clients, sessions, lookup, errors."""
+        ...
+
+    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """(total, one page of sessions, newest first)."""
+        ...
+
+    def get_session(self, request_id: str) -> dict[str, Any] | None:
+        """The session named `request_id`, or None."""
+        ...
+
+    def end_session(self, request_id: str) -> bool:
+        """End the session named `request_id`; False if there was none."""
+        ...
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        """Drop cached chunks matching the filters (None = any) from L1 and L2; how many."""
+        ...
+
+
+class BadRequestError(ValueError):
+    """Admin API input the server refuses; becomes a 400 reply naming the parameter."""
+
+
+# -- route table ---------------------------------------------------------------------------------
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """One route and its OpenAPI operation, so the served schema cannot drift from the routes."""
+
+    path: str
+    method: str
+    handler: Handler
+    summary: str
+    responses: dict[str, str]
+    parameters: list[dict[str, Any]] = field(default_factory=list)
+    request_body: dict[str, Any] | None = None
+    content_type: str = "application/json"
+
+
+def _json_error(status_code: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status_code)
+
+
+def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    """An integer query parameter within [lo, hi]; BadRequestError names it otherwise."""
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequestError(f"query parameter {name!r} must be an integer, got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise BadRequestError(f"query parameter {name!r} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+class _Handlers:
+    """The route handlers over one backend and one thread registry."""
+
+    def __init__(
+        self, backend: AdminBackend, registry: PeriodicThreadRegistry, token: str | None
+    ) -> None:
+        self.backend = backend
+        self.registry = registry
+        self.token = token
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await run_in_threadpool(partial(fn, *args, **kwargs))
+
+    async def health(self, request: Request) -> Response:
+        reasons: list[str] = []
+        if not await self._call(self.backend.is_ready):
+            reasons.append(
+                "the server is not ready: its L1 arena is not up (starting or shutting down)"
+            )
+        health = await self._call(self.registry.health)
+        for item in health["unhealthy"]:
+            reasons.append(f"{item['level']} thread {item['name']!r} stalled: {item['reason']}")
+        if reasons:
+            return JSONResponse({"status": "unavailable", "reasons": reasons}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def status(self, request: Request) -> Response:
+        status = await self._call(self.backend.status)
+        status["threads_healthy"] = await self._call(self.registry.is_healthy)
+        return JSONResponse(status)
+
+    async def list_sessions(self, request: Request) -> Response:
+        offset = _query_int(request, "offset", 0, 0, 2**62)
+        limit = _query_int(request, "limit", DEFAULT_SESSIONS_LIMIT, 1, MAX_SESSIONS_LIMIT)
+        total, sessions = await self._call(self.backend.list_sessions, offset, limit)
+        return JSONResponse(
+            {"total": total, "offset": offset, "limit": limit, "sessions": sessions}
+        )
+
+    async def get_session(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        session = await self._call(self.backend.get_session, request_id)
+        if session is None:
+            return _json_error(404, f"no session with request_id {request_id!r}")
+        return JSONResponse(session)
+
+    async def end_session(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        if not await self._call(self.backend.end_session, request_id):
+            return _json_error(404, f"no session with request_id {request_id!r}")
+        return JSONResponse({"ended": request_id})
+
+    async def threads(self, request: Request) -> Response:
+        threads = [thread.to_dict() for thread in self.registry.get_all()]
+        return JSONResponse({"threads": threads, "health": await self._call(self.registry.health)})
+
+    async def metrics(self, request: Request) -> Response:
+        body = await self._call(self.backend.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def clear(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequestError(f"request body must be a JSON object, got {type(body).__name__}")
+        unknown = sorted(set(body) - {"model", "cache_salt"})
+        if unknown:
+            raise BadRequestError(f"unknown fields {unknown}; expected 'model' and 'cache_salt'")
+        filters: dict[str, str | None] = {}
+        for name in ("model", "cache_salt"):
+            value = body.get(name)
+            if value is not None and not isinstance(value, str):
+                raise BadRequestError(f"field {name!r} must be a string or null, got {value!r}")
+            filters[name] = value
+        cleared = await self._call(
+            self.backend.clear, model=filters["model"], cache_salt=filters["cache_salt"]
+        )
+        return JSONResponse({"cleared": cleared})
+
+    async def index(self, request: Request) -> Response:
+        page = (STATIC_DIR / "index.html").read_text(encoding="utf-8")
+        if self.token is not None:
+            # The page's own asset loads cannot carry a header: pass the token along in their URLs.
+            query = html.escape("?token=" + urllib.parse.quote(self.token, safe=""))
+            for asset in ("/static/style.css", "/static/app.js"):
+                page = page.replace(f'"{asset}"', f'"{asset}{query}"')
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+
+def _endpoints(h: _Handlers) -> list[_Endpoint]:
+    session_id = [
+        {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    return [
+        _Endpoint(
+            "/health",
+            "GET",
+            h.health,
+            "Readiness: 200 when serving, 503 with reasons before the arena is ready or while a "
+            "critical or high periodic thread is stalled.",
+            {"200": "Serving.", "503": "Not serving; `reasons` says why."},
+        ),
+        _Endpoint(
+            "/status",
+            "GET",
+            h.status,
+            "Server snapshot: config, L1, L2 tiers, clients, sessions, lookups, recent errors.",
+            {"200": "The snapshot, plus `threads_healthy`."},
+        ),
+        _Endpoint(
+            "/sessions",
+            "GET",
+            h.list_sessions,
+            "One page of sessions, newest first.",
+            {"200": "{total, offset, limit, sessions}.", "400": "Bad offset or limit."},
+            parameters=[
+                {"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_SESSIONS_LIMIT},
+                },
+            ],
+        ),
+        _Endpoint(
+            "/sessions/{request_id}",
+            "GET",
+            h.get_session,
+            "One session.",
+            {"200": "The session.", "404": "No such session."},
+            parameters=session_id,
+        ),
+        _Endpoint(
+            "/sessions/{request_id}",
+            "DELETE",
+            h.end_session,
+            "End a session and release its pins.",
+            {"200": "Ended.", "404": "No such session."},
+            parameters=session_id,
+        ),
+        _Endpoint(
+            "/threads",
+            "GET",
+            h.threads,
+            "Every periodic background thread, and their health.",
+            {"200": "{threads, health}."},
+        ),
+        _Endpoint(
+            "/metrics",
+            "GET",
+            h.metrics,
+            "Prometheus metrics.",
+            {"200": "Prometheus text exposition format."},
+            content_type=CONTENT_TYPE_LATEST,
+        ),
+        _Endpoint(
+            "/clear",
+            "POST",
+            h.clear,
+            "Drop cached chunks from L1 and L2, optionally only one model's and/or cache salt's.",
+            {"200": "{cleared: number of chunks dropped}.", "400": "Bad body."},
+            request_body={
+                "required": False,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "model": {"type": ["string", "null"]},
+                                "cache_salt": {"type": ["string", "null"]},
+                            },
+                            "additionalProperties": False,
+                        }
+                    }
+                },
+            },
+        ),
+        _Endpoint(
+            "/",
+            "GET",
+            h.index,
+            "The status page (pass `?token=` when the API needs one).",
+            {"200": "HTML."},
+            content_type="text/html",
+        ),
+    ]
+
+
+def _openapi(endpoints: list[_Endpoint], secured: bool) -> dict[str, Any]:
+    """An OpenAPI 3.1 description of `endpoints`."""
+    paths: dict[str, dict[str, Any]] = {}
+    for ep in endpoints:
+        responses: dict[str, Any] = {}
+        for code, text in ep.responses.items():
+            media = ep.content_type if code.startswith("2") else "application/json"
+            responses[code] = {"description": text, "content": {media: {}}}
+        if secured:
+            responses["401"] = {"description": "Missing or wrong bearer token."}
+        operation: dict[str, Any] = {"summary": ep.summary, "responses": responses}
+        if ep.parameters:
+            operation["parameters"] = ep.parameters
+        if ep.request_body is not None:
+            operation["requestBody"] = ep.request_body
+        paths.setdefault(ep.path, {})[ep.method.lower()] = operation
+    schema: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "kvtier admin API", "version": _version()},
+        "paths": paths,
+    }
+    if secured:
+        schema["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
+        schema["security"] = [{"bearer": []}]
+    return schema
+
+
+def _version() -> str:
+    from kvtier import __version__
+
+    return __version__
+
+
+# -- auth ----------------------------------------------------------------------------------------
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP request needs the bearer token (the page may use ?token=)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            {"error": "unauthorized: send 'Authorization: Bearer <token>' (see --admin-token)"},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="kvtier"'},
+        )
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, credential = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    return hmac.compare_digest(credential.strip(), self._token)
+        path: str = scope["path"]
+        if scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/static/")):
+            query = urllib.parse.parse_qs(scope["query_string"].decode("latin-1"))
+            for candidate in query.get("token", []):
+                if hmac.compare_digest(candidate.encode(), self._token):
+                    return True
+        return False
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+
+def create_admin_app(
+    backend: AdminBackend,
+    *,
+    token: str | None = None,
+    registry: PeriodicThreadRegistry | None = None,
+) -> Starlette:
+    """The admin ASGI app over `backend`; `registry` (default: the process-wide one) gives
+    thread health, and `token`, when set, is required on every request."""
+    if token is not None and not token:
+        raise ValueError("the admin token must not be empty (--admin-token / KVTIER_ADMIN_TOKEN)")
+    handlers = _Handlers(
+        backend, registry if registry is not None else PeriodicThreadRegistry.get_instance(), token
+    )
+    endpoints = _endpoints(handlers)
+    schema = _openapi(endpoints, secured=token is not None)
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schema)
+
+    routes: list[BaseRoute] = [
+        Route(ep.path, ep.handler, methods=[ep.method], name=f"{ep.method} {ep.path}")
+        for ep in endpoints
+    ]
+    routes.append(Route("/openapi.json", openapi, methods=["GET"], include_in_schema=False))
+    routes.append(Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        logger.info("admin API up (%s)", "token required" if token else "no token")
+        yield
+        logger.info("admin API down")
+
+    async def bad_request(request: Request, exc: Exception) -> Response:
+        return _json_error(400, str(exc))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={BadRequestError: bad_request, HTTPException: http_error},
+    )
+    if token is not None:
+        app.add_middleware(_BearerAuth, token=token)
+    return app
+
+
+# -- serving -------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+class AdminServer:
+    """A running admin API: uvicorn on a daemon thread. Use `start_admin_server` to make one."""
+
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, host: str) -> None:
+        self._server = server
+        self._socket = sock
+        self.host = host
+        self.port: int = sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._run, name="kvtier-admin-http", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        """Where a client on this machine reaches the API (wildcard binds map to loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._socket]))
+        except BaseException as exc:  # SystemExit too: uvicorn exits on a failed startup
+            self._error = exc
+            logger.exception("admin HTTP server stopped with an error")
+
+    def _start(self, timeout: float) -> None:
+        self._thread.start()
+        waited = 0.0
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the admin HTTP server failed to start: {self._error!r}")
+            if waited >= timeout:
+                self.stop()
+                raise RuntimeError(f"the admin HTTP server did not start within {timeout}s")
+            self._thread.join(0.01)
+            waited += 0.01
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving and wait up to `timeout` s for open requests; idempotent."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._socket.close()
+
+    def __enter__(self) -> AdminServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def start_admin_server(
+    backend: AdminBackend,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    token: str | None = None,
+    *,
+    registry: PeriodicThreadRegistry | None = None,
+    startup_timeout: float = 10.0,
+) -> AdminServer:
+    """Serve the admin API on host:port (0 = a free port) from a background thread.
+
+    Off loopback a token is mandatory: the API can clear the cache and end sessions.
+    """
+    if not is_loopback(host) and token is None:
+        raise ValueError(
+            f"the admin API would listen on {host!r}, reachable from other machines, without a "
+            f"token: set --admin-token or {TOKEN_ENV}, or bind --admin-host 127.0.0.1"
+        )
+    if not 0 <= port <= 65535:
+        raise ValueError(f"admin port must be in [0, 65535] (--admin-port), got {port}")
+    app = create_admin_app(backend, token=token, registry=registry)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot listen on {host}:{port} for the admin API (--admin-port): {exc}"
+        ) from exc
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2
+    )
+    server = AdminServer(uvicorn.Server(config), sock, host)
+    server._start(startup_timeout)
+    return server

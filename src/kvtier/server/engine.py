@@ -1,0 +1,814 @@
+"""Request handlers: everything the server does, without sockets.
+
+`Engine.handle(identity, header, payloads)` takes one request's frames and returns the reply's
+frames; the transport only moves frames. Every failure becomes a typed error reply. State is
+mutated under one re-entrant lock, held per request: the transport thread is its main user, the
+lease reaper and session expiry the others, and none of them does network I/O under it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvtier
+from kvtier import protocol as p
+from kvtier.config import ServerConfig
+from kvtier.errors import (
+    BadArrayError,
+    HashContractError,
+    InternalError,
+    InvalidArgumentError,
+    KVTierError,
+    LayoutMismatchError,
+    MisalignedRangeError,
+    NoSpaceError,
+    NotConnectedError,
+    NotRegisteredError,
+    ProtocolVersionError,
+    UnknownReservationError,
+    UnknownSessionError,
+)
+from kvtier.hashing import TokenHasher
+from kvtier.keys import ChunkKey
+from kvtier.metrics import Metrics
+from kvtier.periodic import (
+    PeriodicThread,
+    PeriodicThreadRegistry,
+    ThreadLevel,
+    ThreadRunSummary,
+    create_periodic_thread,
+)
+from kvtier.session import Session, SessionManager
+from kvtier.storage.arena import Arena, default_arena_name
+from kvtier.storage.l1 import L1Store
+from kvtier.storage.manager import TierManager
+
+__all__ = ["DTYPE_SIZES", "Engine"]
+
+logger = logging.getLogger(__name__)
+
+#: bytes per element of the dtypes a KV layout may use (torch names without "torch.")
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+}
+
+_PREFETCH_OWNER = "kvtier:l2-prefetch"
+_instances = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """One chunk of one rank's shard: what a worker registered for (model, world_size)."""
+
+    chunk_shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.chunk_shape))}]"
+
+
+@dataclass(slots=True)
+class _Client:
+    client_id: str
+    connected_at: float
+    last_seen: float
+    registrations: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """Staging shards handed to one client's store, committed together."""
+
+    owner: str
+    worker_id: int
+    keys: list[ChunkKey]  # every chunk of the range, in chain order
+    reserved: list[ChunkKey]  # the ones that got a staging slot
+    nbytes: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Lease:
+    """Chunks a retrieve handed out; held (never evicted) until the client copied them."""
+
+    owner: str
+    request_id: str
+    worker_id: int
+    keys: list[ChunkKey]
+    nbytes: int
+    deadline: float
+
+
+class Engine:
+    """The server's state and request handlers (transport-agnostic)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        clock: Any = time.monotonic,
+        registry: PeriodicThreadRegistry | None = None,
+        tiers: TierManager | None = None,
+        start_threads: bool = True,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.started_at = time.time()
+        self.hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
+        self.chunk_size = config.chunk_size
+        self.contract = self.hasher.contract()
+        self.host_id = p.local_host_id()
+        self.arena = Arena.create(
+            config.arena_name or default_arena_name(config.address[0]),
+            config.l1_size,
+            prefault=config.prefault,
+        )
+        self.l1 = L1Store(self.arena.size, clock=clock)
+        self.tiers = tiers
+        self.metrics = Metrics()
+        self._lock = threading.RLock()
+        self._registry = registry or PeriodicThreadRegistry.get_instance()
+        self.sessions = SessionManager(
+            self.hasher,
+            ttl=config.session_ttl,
+            cleanup_interval=config.session_cleanup_interval if start_threads else None,
+            clock=clock,
+            registry=self._registry,
+        )
+        self.sessions.destroy_listeners.append(self._on_session_destroyed)
+        self._layouts: dict[tuple[str, int], _Layout] = {}
+        self._connections: dict[bytes, str] = {}  # ZMQ routing identity -> client id
+        self._clients: dict[str, _Client] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._ids = itertools.count(1)
+        self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
+        self._lookup_requested = 0
+        self._lookup_hit = 0
+        self._ready = True
+        self._closed = False
+        self._reaper: PeriodicThread | None = None
+        if start_threads:
+            self._reaper = create_periodic_thread(
+                f"lease-reaper-{next(_instances)}",
+                config.reap_interval,
+                self.reap,
+                ThreadLevel.CRITICAL,
+                registry=self._registry,
+                start=True,
+            )
+        self.metrics.bind_state(self.status)
+
+    # -- the one entry point --------------------------------------------------------------------
+
+    def handle(
+        self, identity: bytes, header: bytes | memoryview, payloads: Sequence[Any] = ()
+    ) -> list[Any]:
+        """One request's frames in, the reply's frames out (header first); never raises."""
+        t0 = time.perf_counter()
+        operation = "unknown"
+        try:
+            request = p.decode_request(header)
+            operation = type(request).__name__
+            with self._lock:
+                frames = self._dispatch(identity, request, payloads)
+        except KVTierError as exc:
+            frames = [p.error_reply(exc)]
+            self._record_error(operation, exc)
+        except Exception as exc:  # a bug: still answer, so no client waits for a timeout
+            logger.exception("handler for %s failed", operation)
+            err = InternalError(f"{operation} failed inside the server: {exc!r}")
+            frames = [p.error_reply(err)]
+            self._record_error(operation, err)
+        self.metrics.observe_request(operation, time.perf_counter() - t0)
+        return frames
+
+    def _record_error(self, operation: str, exc: KVTierError) -> None:
+        self.metrics.count_error(operation, exc.code.name)
+        self._recent_errors.append(
+            {
+                "time": time.time(),
+                "operation": operation,
+                "code": exc.code.name,
+                "message": exc.message,
+            }
+        )
+
+    def _dispatch(self, identity: bytes, req: p.Request, payloads: Sequence[Any]) -> list[Any]:
+        if isinstance(req, p.Hello):
+            return [p.encode(self._hello(identity, req))]
+        client_id = self._connections.get(identity)
+        if client_id is None:
+            raise NotConnectedError(f"send Hello before {type(req).__name__}: no handshake yet")
+        client = self._clients[client_id]
+        client.last_seen = self.clock()
+        match req:
+            case p.Heartbeat():
+                reply: p.Reply = p.Ok()
+            case p.Register():
+                reply = self._register(client, req)
+            case p.Lookup():
+                reply = self._lookup(req)
+            case p.Reserve():
+                reply = self._reserve(client_id, req)
+            case p.Commit():
+                reply = self._commit(client_id, req.reservation_id)
+            case p.Abort():
+                reply = self._abort(client_id, req.reservation_id)
+            case p.StoreInline():
+                reply = self._store_inline(client_id, req, payloads)
+            case p.Retrieve():
+                return self._retrieve(client_id, req)
+            case p.RetrieveDone():
+                reply = self._retrieve_done(client_id, req.lease_id)
+            case p.Release():
+                self._require_session(req.request_id)
+                self.l1.unpin(req.request_id)
+                reply = p.Ok()
+            case p.EndSession():
+                self._require_session(req.request_id)
+                self.sessions.remove(req.request_id)
+                reply = p.Ok()
+        return [p.encode(reply)]
+
+    # -- handshake and registration -------------------------------------------------------------
+
+    def _hello(self, identity: bytes, req: p.Hello) -> p.HelloReply:
+        if req.protocol_version != p.PROTOCOL_VERSION:
+            raise ProtocolVersionError(
+                f"client speaks protocol version {req.protocol_version}, this server speaks "
+                f"{p.PROTOCOL_VERSION}: install matching kvtier versions "
+                f"(server {kvtier.__version__})"
+            )
+        server_info = self.hasher.contract_info()
+        if req.contract is not None and req.contract != self.contract:
+            diffs = [
+                f"{k}: client {req.contract_info.get(k)!r}, server {v!r}"
+                for k, v in server_info.items()
+                if req.contract_info.get(k) != v
+            ]
+            detail = "; ".join(diffs) or "same settings, different hash implementation"
+            raise HashContractError(
+                f"hash contract mismatch (client {req.contract}, server {self.contract}): "
+                f"{detail}. Chunk names would differ; use the server's settings "
+                "(--chunk-size, --hash-algorithm, --hash-seed)"
+            )
+        now = self.clock()
+        with self._lock:
+            self._connections[identity] = req.client_id
+            client = self._clients.get(req.client_id)
+            if client is None:
+                self._clients[req.client_id] = _Client(req.client_id, now, now)
+            else:
+                client.last_seen = now
+        return p.HelloReply(
+            server_version=kvtier.__version__,
+            protocol_version=p.PROTOCOL_VERSION,
+            contract=self.contract,
+            contract_info=dict(server_info),
+            chunk_size=self.chunk_size,
+            arena_name=self.arena.name,
+            arena_size=self.arena.size,
+            host_id=self.host_id,
+        )
+
+    def _register(self, client: _Client, req: p.Register) -> p.Ok:
+        if req.world_size < 1 or not 0 <= req.worker_id < req.world_size:
+            raise InvalidArgumentError(
+                f"worker_id {req.worker_id} is outside range(world_size={req.world_size})"
+            )
+        layout = self._make_layout(req.chunk_shape, req.dtype)
+        key = (req.model, req.world_size)
+        known = self._layouts.get(key)
+        if known is not None and known != layout:
+            raise LayoutMismatchError(
+                f"model {req.model!r} with world_size {req.world_size} is registered with "
+                f"chunk layout {known.text}; rank {req.worker_id} sent {layout.text}"
+            )
+        self._layouts[key] = layout
+        registration = {
+            "model": req.model,
+            "world_size": req.world_size,
+            "worker_id": req.worker_id,
+            "chunk_shape": list(layout.chunk_shape),
+            "dtype": layout.dtype,
+        }
+        if registration not in client.registrations:
+            client.registrations.append(registration)
+        return p.Ok()
+
+    @staticmethod
+    def _make_layout(chunk_shape: Sequence[int], dtype: str) -> _Layout:
+        itemsize = DTYPE_SIZES.get(dtype)
+        if itemsize is None:
+            raise BadArrayError(
+                f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_SIZES)}"
+            )
+        if not chunk_shape or any(d <= 0 for d in chunk_shape):
+            raise BadArrayError(f"chunk shape {list(chunk_shape)} must be non-empty and positive")
+        return _Layout(tuple(chunk_shape), dtype, math.prod(chunk_shape) * itemsize)
+
+    def _layout_for(
+        self,
+        model: str,
+        world_size: int,
+        worker_id: int,
+        chunk_shape: Sequence[int],
+        dtype: str,
+    ) -> _Layout:
+        layout = self._layouts.get((model, world_size))
+        if layout is None:
+            raise NotRegisteredError(
+                f"no worker registered a layout for model {model!r} with world_size "
+                f"{world_size}: call Client.register(model=..., world_size=..., ...) first"
+            )
+        if not 0 <= worker_id < world_size:
+            raise InvalidArgumentError(
+                f"worker_id {worker_id} is outside range(world_size={world_size})"
+            )
+        if tuple(chunk_shape) != layout.chunk_shape or dtype != layout.dtype:
+            raise BadArrayError(
+                f"array chunks are {dtype}{list(chunk_shape)} but model {model!r} "
+                f"(world_size {world_size}) is registered as {layout.text}"
+            )
+        return layout
+
+    # -- sessions and names -----------------------------------------------------------------------
+
+    def _session(self, request_id: str, tokens: bytes) -> Session:
+        if len(tokens) % 4:
+            raise InvalidArgumentError(
+                f"tokens must be packed uint32: {len(tokens)} bytes is not a multiple of 4"
+            )
+        session = self.sessions.get_or_create(request_id)
+        session.set_tokens(tokens)
+        return session
+
+    def _range_keys(
+        self,
+        req: p.Reserve | p.StoreInline | p.Retrieve,
+    ) -> list[ChunkKey]:
+        cs = self.chunk_size
+        if req.start % cs or req.end % cs or req.start < 0 or req.start > req.end:
+            raise MisalignedRangeError(
+                f"token range [{req.start}, {req.end}) must have both ends on multiples of the "
+                f"chunk size {cs} with start <= end"
+            )
+        if req.num_chunks != (req.end - req.start) // cs:
+            raise BadArrayError(
+                f"the array holds {req.num_chunks} chunks but the range [{req.start}, "
+                f"{req.end}) covers {(req.end - req.start) // cs} chunks of {cs} tokens"
+            )
+        session = self._session(req.request_id, req.tokens)
+        hashes = session.get_hashes(req.start, req.end)
+        return self._keys(req.model, req.cache_salt, req.world_size, hashes)
+
+    @staticmethod
+    def _keys(model: str, salt: str, world_size: int, hashes: list[bytes]) -> list[ChunkKey]:
+        return [ChunkKey(model, salt, world_size, h) for h in hashes]
+
+    def _require_session(self, request_id: str) -> Session:
+        session = self.sessions.get(request_id)
+        if session is None:
+            raise UnknownSessionError(
+                f"no session {request_id!r}: it never existed, already ended, or expired "
+                f"(--session-ttl {self.config.session_ttl:g}s)"
+            )
+        return session
+
+    def _on_session_destroyed(self, session: Session) -> None:
+        with self._lock:
+            self.l1.unpin(session.request_id)
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def _lookup(self, req: p.Lookup) -> p.LookupReply:
+        if req.world_size < 1:
+            raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
+        session = self._session(req.request_id, req.tokens)
+        keys = self._keys(req.model, req.cache_salt, req.world_size, session.get_hashes(0))
+        hit = self.l1.count_prefix(keys)
+        if hit:
+            self.l1.pin(
+                req.request_id,
+                keys[:hit],
+                ranks=range(req.world_size),
+                lease_s=self.config.pin_lease,
+            )
+        if hit < len(keys) and self.tiers is not None:
+            hit = self._prefetch(req, keys, hit)
+        if hit:
+            self.l1.touch(keys[:hit])
+        else:
+            self.l1.unpin(req.request_id)
+        hit_tokens = hit * self.chunk_size
+        self._lookup_requested += session.num_tokens
+        self._lookup_hit += hit_tokens
+        self.metrics.observe_lookup(req.model, req.cache_salt, session.num_tokens, hit_tokens)
+        return p.LookupReply(hit_tokens)
+
+    def _prefetch(self, req: p.Lookup, keys: list[ChunkKey], hit: int) -> int:
+        """Load chunks [hit, ...) that every rank has in an L2 tier into L1, and pin them.
+
+        Only chunks that are actually loadable count: a shard that fails its digest on the way
+        in ends the hit there.
+        """
+        assert self.tiers is not None
+        layout = self._layouts.get((req.model, req.world_size))
+        if layout is None:
+            return hit  # no worker told us the layout: nothing in L2 can be checked or loaded
+        ws = req.world_size
+        rest = keys[hit:]
+        present = self.tiers.contains_many([k.shard(w) for k in rest for w in range(ws)])
+        loadable = 0
+        while loadable < len(rest) and all(present[loadable * ws : (loadable + 1) * ws]):
+            loadable += 1
+        held: list[ChunkKey] = []
+        try:
+            for key in rest[:loadable]:
+                if not self._load_group(key, layout):
+                    break
+                self.l1.acquire(key)  # keep it while later loads make room
+                held.append(key)
+            if held:
+                hit += len(held)
+                self.l1.pin(
+                    req.request_id, keys[:hit], ranks=range(ws), lease_s=self.config.pin_lease
+                )
+        finally:
+            for key in held:
+                self.l1.release(key)
+        return hit
+
+    def _load_group(self, key: ChunkKey, layout: _Layout) -> bool:
+        assert self.tiers is not None
+        for worker_id in range(key.world_size):
+            if self.l1.get_shard(key, worker_id) is not None:
+                continue
+            try:
+                offset = self.l1.reserve(
+                    key,
+                    worker_id,
+                    layout.nbytes,
+                    owner=_PREFETCH_OWNER,
+                    lease_s=self.config.staging_lease,
+                    layout=layout.text,
+                )
+            except NoSpaceError:
+                return False
+            if offset is None:
+                return False  # another client is writing this shard right now
+            view = self.arena.view(offset, layout.nbytes)
+            if self.tiers.get_into(key.shard(worker_id), view, layout.text) is None:
+                self.l1.abort(key, worker_id, owner=_PREFETCH_OWNER)
+                return False
+            self.l1.commit(key, worker_id, owner=_PREFETCH_OWNER)
+        return True
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def _reserve(self, client_id: str, req: p.Reserve | p.StoreInline) -> p.ReserveReply:
+        layout = self._layout_for(
+            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+        )
+        keys = self._range_keys(req)
+        offsets: list[int] = []
+        reserved: list[ChunkKey] = []
+        try:
+            for key in keys:
+                offset = self.l1.reserve(
+                    key,
+                    req.worker_id,
+                    layout.nbytes,
+                    owner=client_id,
+                    lease_s=self.config.staging_lease,
+                    layout=layout.text,
+                )
+                offsets.append(-1 if offset is None else offset)
+                if offset is not None:
+                    reserved.append(key)
+        except NoSpaceError:
+            for key in reserved:
+                self.l1.abort(key, req.worker_id, owner=client_id)
+            raise
+        reservation_id = 0
+        if reserved:
+            reservation_id = next(self._ids)
+            self._reservations[reservation_id] = _Reservation(
+                client_id,
+                req.worker_id,
+                keys,
+                reserved,
+                layout.nbytes,
+                self.clock() + self.config.staging_lease,
+            )
+        return p.ReserveReply(reservation_id, offsets, layout.nbytes)
+
+    def _commit(self, client_id: str, reservation_id: int) -> p.StoreReply:
+        res = self._take_reservation(client_id, reservation_id)
+        lost = 0
+        for key in res.reserved:
+            try:
+                self.l1.commit(key, res.worker_id, owner=client_id)
+            except UnknownReservationError:
+                lost += 1
+                continue
+            self._write_through(key, res.worker_id)
+        self.l1.touch(res.keys)
+        self.metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
+        if lost:
+            raise UnknownReservationError(
+                f"{lost} of {len(res.reserved)} staging slots expired before the commit "
+                f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not stored"
+            )
+        return p.StoreReply(len(res.keys))
+
+    def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
+        res = self._take_reservation(client_id, reservation_id)
+        for key in res.reserved:
+            self.l1.abort(key, res.worker_id, owner=client_id)
+        return p.Ok()
+
+    def _take_reservation(self, client_id: str, reservation_id: int) -> _Reservation:
+        res = self._reservations.get(reservation_id)
+        if res is None or res.owner != client_id:
+            raise UnknownReservationError(
+                f"no reservation {reservation_id} held by this client: it was committed, "
+                f"aborted, or expired (--staging-lease {self.config.staging_lease:g}s)"
+            )
+        del self._reservations[reservation_id]
+        return res
+
+    def _store_inline(
+        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any]
+    ) -> p.StoreReply:
+        layout = self._layout_for(
+            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+        )
+        if len(payloads) != req.num_chunks:
+            raise BadArrayError(
+                f"StoreInline announced {req.num_chunks} chunks but carried {len(payloads)} frames"
+            )
+        for i, frame in enumerate(payloads):
+            if len(frame) != layout.nbytes:
+                raise BadArrayError(
+                    f"chunk {i} carries {len(frame)} bytes; layout {layout.text} needs "
+                    f"{layout.nbytes}"
+                )
+        reply = self._reserve(client_id, req)
+        for offset, frame in zip(reply.offsets, payloads, strict=True):
+            if offset >= 0:  # a remote client's bytes have to land in the arena somehow
+                self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
+        if reply.reservation_id:
+            return self._commit(client_id, reply.reservation_id)
+        return p.StoreReply(req.num_chunks)
+
+    def _write_through(self, key: ChunkKey, worker_id: int) -> None:
+        """Queue a newly committed shard for the L2 tiers; its slot stays held until written."""
+        if self.tiers is None:
+            return
+        shard = self.l1.get_shard(key, worker_id)
+        assert shard is not None
+        offset, size, layout = shard
+        self.l1.acquire(key)
+
+        def done() -> None:
+            with self._lock:
+                self.l1.release(key)
+
+        self.tiers.submit(key.shard(worker_id), self.arena.view(offset, size), layout, done)
+
+    # -- retrieve -------------------------------------------------------------------------------
+
+    def _retrieve(self, client_id: str, req: p.Retrieve) -> list[Any]:
+        layout = self._layout_for(
+            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+        )
+        keys = self._range_keys(req)
+        offsets: list[int] = []
+        for key in keys:
+            shard = self.l1.get_shard(key, req.worker_id)
+            if shard is None or not self.l1.is_complete(key):
+                break
+            offsets.append(shard[0])
+        found = keys[: len(offsets)]
+        if found:
+            self.l1.touch(found)
+            if self.l1.pinned_keys(req.request_id):  # the lookup's pins live while in use
+                self.l1.renew(req.request_id, self.config.pin_lease)
+        if req.inline:
+            # bytes() copies under the lock, so the slots may be reused once it is released.
+            frames = [bytes(self.arena.view(off, layout.nbytes)) for off in offsets]
+            self.l1.mark_retrieved(req.request_id, req.worker_id)
+            self.metrics.add_retrieved_bytes(len(frames) * layout.nbytes)
+            reply = p.RetrieveReply(len(offsets), [], 0, layout.nbytes)
+            return [p.encode(reply), *frames]
+        lease_id = 0
+        if found:
+            for key in found:
+                self.l1.acquire(key)
+            lease_id = next(self._ids)
+            self._leases[lease_id] = _Lease(
+                client_id,
+                req.request_id,
+                req.worker_id,
+                found,
+                layout.nbytes,
+                self.clock() + self.config.staging_lease,
+            )
+        return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
+
+    def _retrieve_done(self, client_id: str, lease_id: int) -> p.Ok:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != client_id:
+            raise UnknownReservationError(
+                f"no retrieve lease {lease_id} held by this client: already done or expired"
+            )
+        del self._leases[lease_id]
+        self._end_lease(lease)
+        self.l1.mark_retrieved(lease.request_id, lease.worker_id)
+        self.metrics.add_retrieved_bytes(len(lease.keys) * lease.nbytes)
+        return p.Ok()
+
+    def _end_lease(self, lease: _Lease) -> None:
+        for key in lease.keys:
+            self.l1.release(key)
+
+    # -- background -----------------------------------------------------------------------------
+
+    def reap(self) -> ThreadRunSummary:
+        """Reclaim what dead or slow clients hold: staging slots, retrieve leases, pins."""
+        with self._lock:
+            now = self.clock()
+            dead = [
+                c.client_id
+                for c in self._clients.values()
+                if now - c.last_seen > self.config.client_timeout
+            ]
+            for client_id in dead:
+                self._forget_client(client_id)
+            for rid in [r for r, res in self._reservations.items() if res.deadline < now]:
+                res = self._reservations.pop(rid)
+                for key in res.reserved:
+                    self.l1.abort(key, res.worker_id, owner=res.owner)
+            expired_leases = [lid for lid, lease in self._leases.items() if lease.deadline < now]
+            for lid in expired_leases:
+                self._end_lease(self._leases.pop(lid))
+            staging = self.l1.reclaim_staging()
+            pins = self.l1.reclaim_pins()
+        return ThreadRunSummary(
+            success=True,
+            message=f"{len(dead)} dead clients, {staging} staging, {pins} pins reclaimed",
+            extra_info={
+                "dead_clients": len(dead),
+                "staging": staging,
+                "pins": pins,
+                "leases": len(expired_leases),
+            },
+        )
+
+    def _forget_client(self, client_id: str) -> None:
+        logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
+        self._clients.pop(client_id, None)
+        for identity in [i for i, c in self._connections.items() if c == client_id]:
+            del self._connections[identity]
+        for rid in [r for r, res in self._reservations.items() if res.owner == client_id]:
+            del self._reservations[rid]
+        self.l1.reclaim_staging(owner=client_id)
+        for lid in [lid for lid, lease in self._leases.items() if lease.owner == client_id]:
+            self._end_lease(self._leases.pop(lid))
+
+    # -- admin backend --------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        return self._ready and not self._closed
+
+    def status(self) -> dict[str, Any]:
+        """The JSON-safe picture of the server the admin API and metrics read."""
+        now = self.clock()
+        with self._lock:
+            l1 = self.l1.stats()
+            clients = [
+                {
+                    "client_id": c.client_id,
+                    "connected_s": now - c.connected_at,
+                    "last_seen_s": now - c.last_seen,
+                    "registrations": list(c.registrations),
+                }
+                for c in self._clients.values()
+            ]
+            recent = list(self._recent_errors)
+        l2: dict[str, Any] = {
+            "queue_depth": 0,
+            "queue_capacity": 0,
+            "policy": self.config.l2_queue_policy,
+            "submitted": 0,
+            "written": 0,
+            "dropped": 0,
+            "write_errors": 0,
+            "tiers": [],
+        }
+        if self.tiers is not None:
+            stats = self.tiers.stats()
+            for name in ("queue_depth", "queue_capacity", "submitted", "written", "dropped"):
+                l2[name] = stats.get(name, 0)
+            l2["write_errors"] = stats.get("write_errors", 0)
+            for tier in self.tiers.tiers:
+                ts = tier.stats()
+                l2["tiers"].append(
+                    {
+                        "name": tier.name,
+                        **{
+                            k: ts.get(k, 0)
+                            for k in (
+                                "used_bytes",
+                                "capacity_bytes",
+                                "objects",
+                                "hits",
+                                "misses",
+                                "corrupt",
+                                "errors",
+                            )
+                        },
+                    }
+                )
+        return {
+            "version": kvtier.__version__,
+            "uptime_s": time.time() - self.started_at,
+            "ready": self.is_ready(),
+            "config": self.config.to_dict(),
+            "l1": {k: l1[k] for k in l1},
+            "l2": l2,
+            "clients": clients,
+            "sessions": {
+                "active": self.sessions.active_count(),
+                "created": self.sessions.created_count,
+                "expired": self.sessions.orphaned_count,
+                "orphaned": self.sessions.orphaned_count,
+            },
+            "lookup": {"requested_tokens": self._lookup_requested, "hit_tokens": self._lookup_hit},
+            "recent_errors": recent,
+        }
+
+    def _session_dict(self, session: Session) -> dict[str, Any]:
+        data = session.to_dict()
+        data["pinned_chunks"] = len(self.l1.pinned_keys(session.request_id))
+        return data
+
+    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        sessions = sorted(self.sessions.sessions(), key=lambda s: s.created_at, reverse=True)
+        with self._lock:
+            page = [self._session_dict(s) for s in sessions[offset : offset + limit]]
+        return len(sessions), page
+
+    def get_session(self, request_id: str) -> dict[str, Any] | None:
+        session = self.sessions.peek(request_id)
+        if session is None:
+            return None
+        with self._lock:
+            return self._session_dict(session)
+
+    def end_session(self, request_id: str) -> bool:
+        return self.sessions.remove(request_id) is not None
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        with self._lock:
+            cleared = self.l1.clear(model=model, cache_salt=cache_salt)
+        if self.tiers is not None:
+            cleared += self.tiers.clear(model=model, cache_salt=cache_salt)
+        return cleared
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop background work, flush the L2 queue, and remove the arena; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._registry.unregister(self._reaper.name)
+        self.sessions.close()
+        if self.tiers is not None:
+            self.tiers.close()
+        self.arena.close()

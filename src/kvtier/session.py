@@ -1,0 +1,440 @@
+"""Per-request state: `Session` (tokens and their chunk hashes) and `SessionManager` (expiry).
+
+The names and public semantics descend from LMCache's multiprocess server. Where it was weak,
+this module differs on purpose:
+
+- `set_tokens` with a sequence that diverges inside already-hashed chunks drops the hashes from
+  the first differing chunk on (the lineage kept them, so a changed prompt reused stale names);
+- range errors are `ValueError`s that name the numbers (the lineage used `assert`);
+- expiry counts from the last use, not from creation, so a long request keeps its session;
+- `cleanup_expired` costs time in proportion to the sessions that expire and holds the manager's
+  lock only for short batches (the lineage scanned every session under its lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import operator
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import MisalignedRangeError
+from kvtier.hashing import TokenHasher, TokenIds, token_bytes
+from kvtier.periodic import (
+    PeriodicThread,
+    PeriodicThreadRegistry,
+    ThreadLevel,
+    ThreadRunSummary,
+    create_periodic_thread,
+)
+
+__all__ = ["DestroyListener", "Session", "SessionManager"]
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+DestroyListener = Callable[["Session"], None]
+
+_TOKEN_BYTES = 4  # tokens are held as packed little-endian uint32
+
+
+def _common_prefix_tokens(a: bytes, b: bytes, limit: int) -> int:
+    """Length, in tokens, of the common prefix of two packed token buffers within `limit` bytes."""
+    count = min(limit, len(a), len(b)) // _TOKEN_BYTES
+    x = np.frombuffer(a, dtype="<u4", count=count)
+    y = np.frombuffer(b, dtype="<u4", count=count)
+    differs = x != y
+    return int(np.argmax(differs)) if differs.any() else count
+
+
+class Session:
+    """One request's tokens and the hashes of its full chunks, computed incrementally.
+
+    Safe to share between threads (one per tensor-parallel worker): every method holds the
+    session's own lock, so no chunk is hashed twice and nobody sees a half-updated list.
+    """
+
+    __slots__ = (
+        "_expiry_seq",
+        "_lock",
+        "_tokens",
+        "chunk_hashes",
+        "clock",
+        "created_at",
+        "extras",
+        "hasher",
+        "last_access",
+        "lookup_ipc_key",
+        "request_id",
+    )
+
+    def __init__(
+        self, request_id: str, hasher: TokenHasher, *, clock: Clock = time.monotonic
+    ) -> None:
+        self.request_id = request_id
+        self.hasher = hasher
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._tokens = b""
+        #: hashes of chunks [0, len(chunk_hashes)); always a prefix of the current tokens' chunks
+        self.chunk_hashes: list[bytes] = []
+        self.lookup_ipc_key: str | None = None
+        self.extras: dict[str, Any] = {}
+        self.created_at = clock()
+        self.last_access = self.created_at
+        # SessionManager bookkeeping: the sequence number of its valid expiry-heap entry, -1
+        # while it is still in the manager's creation-order queue.
+        self._expiry_seq = -1
+
+    # -- the lineage's read-only views -------------------------------------------------------
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The current tokens as Python ints (a copy; prefer `token_bytes` on hot paths)."""
+        return np.frombuffer(self._tokens, dtype="<u4").tolist()  # type: ignore[no-any-return]
+
+    @property
+    def token_bytes(self) -> bytes:
+        """The current tokens, packed little-endian uint32."""
+        return self._tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens) // _TOKEN_BYTES
+
+    @property
+    def num_chunks_processed(self) -> int:
+        """How many leading chunks have their hash computed."""
+        return len(self.chunk_hashes)
+
+    @property
+    def last_prefix_hash(self) -> bytes | None:
+        """Hash of the last hashed chunk: the parent of the next one (None before any)."""
+        return self.chunk_hashes[-1] if self.chunk_hashes else None
+
+    def touch(self) -> None:
+        """Record a use now: expiry counts from the last use."""
+        self.last_access = self.clock()
+
+    # -- mutation ----------------------------------------------------------------------------
+
+    def set_tokens(self, full_token_ids: TokenIds) -> None:
+        """Replace the tokens (never appends); idempotent.
+
+        Hashes of chunks at or after the first token that differs from the old sequence are
+        dropped and recomputed on demand by `get_hashes`.
+        """
+        new = token_bytes(full_token_ids)
+        if not isinstance(new, bytes):
+            new = bytes(new)  # immutable copy: the caller may reuse its buffer
+        with self._lock:
+            self.last_access = self.clock()
+            old = self._tokens
+            if new is old:
+                return
+            # Only the hashed prefix matters, and decode growth leaves it unchanged: one memcmp
+            # (no copy) settles that; the token-by-token search runs only on a real divergence.
+            hashed = len(self.chunk_hashes) * self.hasher.chunk_size * _TOKEN_BYTES
+            if hashed and not new.startswith(memoryview(old)[:hashed]):
+                valid_chunks = _common_prefix_tokens(old, new, hashed) // self.hasher.chunk_size
+                del self.chunk_hashes[valid_chunks:]
+            self._tokens = new
+
+    def append_tokens(self, token_ids: TokenIds) -> None:
+        """Extend the tokens (decode growth) without re-reading the ones already held."""
+        extra = bytes(token_bytes(token_ids))
+        with self._lock:
+            self.last_access = self.clock()
+            self._tokens += extra
+
+    def get_hashes(self, start: int = 0, end: int | None = None) -> list[bytes]:
+        """Hashes of the chunks covering tokens [start, end), hashing only chunks not yet hashed.
+
+        `end=None` means the last full-chunk boundary of the current tokens. Both ends must be
+        multiples of the chunk size, `start <= end`, and `end` within the tokens.
+        """
+        cs = self.hasher.chunk_size
+        start = operator.index(start)
+        if end is not None:
+            end = operator.index(end)
+        with self._lock:
+            self.last_access = self.clock()
+            num_tokens = len(self._tokens) // _TOKEN_BYTES
+            if end is None:
+                end = num_tokens - num_tokens % cs
+            if start < 0 or start > end:
+                raise MisalignedRangeError(
+                    f"get_hashes: start={start} must satisfy 0 <= start <= end={end}"
+                )
+            if start % cs or end % cs:
+                raise MisalignedRangeError(
+                    f"get_hashes: start={start} and end={end} must be multiples of the chunk size"
+                    f" {cs}"
+                )
+            if end > num_tokens:
+                raise MisalignedRangeError(
+                    f"get_hashes: end={end} is past the session's {num_tokens} tokens"
+                )
+            done = len(self.chunk_hashes)
+            first, last = start // cs, end // cs
+            if last > done:
+                window = memoryview(self._tokens)[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES]
+                self.chunk_hashes += self.hasher.compute_chunk_hashes(
+                    window, prefix_hash=self.last_prefix_hash
+                )
+            return self.chunk_hashes[first:last]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe summary (for the admin API)."""
+        return {
+            "request_id": self.request_id,
+            "num_tokens": self.num_tokens,
+            "num_chunks_hashed": self.num_chunks_processed,
+            "created_at": self.created_at,
+            "last_access": self.last_access,
+            "lookup_ipc_key": self.lookup_ipc_key,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Session({self.request_id!r}, tokens={self.num_tokens}, "
+            f"hashed_chunks={self.num_chunks_processed})"
+        )
+
+
+class SessionManager:
+    """Sessions by request id, expired once unused for longer than `ttl` seconds.
+
+    Expiry is exact and costs time in proportion to the sessions it looks at: new sessions wait
+    in a creation-order queue, so `cleanup_expired` stops at the first one younger than the ttl
+    and most requests (removed well before the ttl) leave it in O(1). A session found still in
+    use when its first ttl passes (a use through the manager or its own methods moves
+    `last_access`) moves to a heap keyed by that last use, and is looked at again only when
+    that use is a ttl old.
+    """
+
+    _BATCH = 256  # sessions looked at per hold of the lock during cleanup (tens of us)
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        hasher: TokenHasher,
+        ttl: float = 600,
+        cleanup_interval: float | None = 60.0,
+        *,
+        clock: Clock = time.monotonic,
+        registry: PeriodicThreadRegistry | None = None,
+    ) -> None:
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+            raise ValueError(f"session ttl must be a number of seconds > 0, got {ttl!r}")
+        if cleanup_interval is not None and (
+            isinstance(cleanup_interval, bool)
+            or not isinstance(cleanup_interval, int | float)
+            or not (cleanup_interval >= 0 and math.isfinite(cleanup_interval))
+        ):
+            raise ValueError(
+                "session cleanup_interval must be a finite number of seconds > 0 (None or 0:"
+                f" no background cleanup), got {cleanup_interval!r}"
+            )
+        self.hasher = hasher
+        self.ttl = float(ttl)
+        self.clock = clock
+        self.destroy_listeners: list[DestroyListener] = []
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        # Sessions younger than one ttl (or not yet looked at), in creation order.
+        self._fresh: OrderedDict[str, Session] = OrderedDict()
+        # (last_access when pushed, seq, request_id) of the others; an entry whose seq is not
+        # its session's `_expiry_seq` is stale (the session was removed) and is skipped.
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._created = 0
+        self._removed = 0
+        self._orphaned = 0
+        self._closed = False
+        self._registry = registry
+        self._cleanup_thread: PeriodicThread | None = None
+        if cleanup_interval:
+            self._cleanup_thread = create_periodic_thread(
+                f"session-cleanup-{next(self._ids)}",
+                cleanup_interval,
+                self._cleanup_cycle,
+                ThreadLevel.HIGH,
+                registry=registry,
+                start=True,
+            )
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def get_or_create(self, request_id: str) -> Session:
+        """The session of `request_id`, created on first use; counts as a use."""
+        with self._lock:
+            session = self._sessions.get(request_id)
+            if session is None:
+                session = Session(request_id, self.hasher, clock=self.clock)
+                self._sessions[request_id] = self._fresh[request_id] = session
+                self._created += 1
+            else:
+                session.last_access = self.clock()
+        return session
+
+    def get(self, request_id: str) -> Session | None:
+        """The session of `request_id` or None; never creates one. Counts as a use."""
+        with self._lock:
+            session = self._sessions.get(request_id)
+            if session is not None:
+                session.last_access = self.clock()
+        return session
+
+    def peek(self, request_id: str) -> Session | None:
+        """The session of `request_id` or None, without counting as a use (for observers)."""
+        return self._sessions.get(request_id)
+
+    def remove(self, request_id: str) -> Session | None:
+        """Take a session out (the request ended); destroy listeners run for it."""
+        with self._lock:
+            session = self._sessions.pop(request_id, None)
+            if session is not None:
+                self._fresh.pop(request_id, None)  # in the heap, its entry just goes stale
+                self._removed += 1
+        if session is not None:
+            self._notify(session)
+        return session
+
+    def active_count(self) -> int:
+        """How many sessions the manager holds."""
+        return len(self._sessions)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._sessions
+
+    def sessions(self) -> list[Session]:
+        """A snapshot of the sessions, most recently used last."""
+        with self._lock:
+            snapshot = list(self._sessions.values())
+        snapshot.sort(key=lambda s: s.last_access)
+        return snapshot
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(self.sessions())
+
+    # -- expiry --------------------------------------------------------------------------------
+
+    @property
+    def created_count(self) -> int:
+        """Sessions created by `get_or_create`."""
+        return self._created
+
+    @property
+    def removed_count(self) -> int:
+        """Sessions taken out by `remove` (the request ended normally)."""
+        return self._removed
+
+    @property
+    def orphaned_count(self) -> int:
+        """Sessions that expired without `remove`: requests their engine abandoned."""
+        return self._orphaned
+
+    def cleanup_expired(self) -> int:
+        """Remove sessions unused for longer than the ttl; returns how many expired.
+
+        Works in batches of `_BATCH` sessions per hold of the lock; destroy listeners run
+        between batches, outside it.
+        """
+        expired_total = 0
+        while True:
+            expired: list[Session] = []
+            with self._lock:
+                budget = self._expire_batch(expired)
+                self._orphaned += len(expired)
+            for session in expired:
+                self._notify(session)
+            expired_total += len(expired)
+            if budget:  # stopped before the batch was used up: nothing due is left
+                return expired_total
+
+    def _expire_batch(self, expired: list[Session]) -> int:
+        """Look at up to `_BATCH` due sessions, expiring idle ones; returns the unused budget.
+
+        Caller holds `_lock`.
+        """
+        now, ttl = self.clock(), self.ttl
+        budget = self._BATCH
+        fresh, heap, sessions = self._fresh, self._heap, self._sessions
+        while budget and fresh:
+            request_id, session = next(iter(fresh.items()))
+            if not now - session.created_at > ttl:
+                break  # every later one was created later still
+            budget -= 1
+            del fresh[request_id]
+            if now - session.last_access > ttl:
+                del sessions[request_id]
+                expired.append(session)
+            else:
+                session._expiry_seq = seq = next(self._seq)
+                heapq.heappush(heap, (session.last_access, seq, request_id))
+        while budget and heap and now - heap[0][0] > ttl:
+            budget -= 1
+            _, seq, request_id = heapq.heappop(heap)
+            held = sessions.get(request_id)
+            if held is None or held._expiry_seq != seq:
+                continue  # removed since it was pushed
+            if now - held.last_access > ttl:
+                del sessions[request_id]
+                expired.append(held)
+            else:
+                held._expiry_seq = seq = next(self._seq)
+                heapq.heappush(heap, (held.last_access, seq, request_id))
+        return budget
+
+    def _cleanup_cycle(self) -> ThreadRunSummary:
+        expired = self.cleanup_expired()
+        return ThreadRunSummary(
+            success=True,
+            message=f"expired {expired} sessions",
+            extra_info={"expired": expired, "active": len(self._sessions)},
+        )
+
+    def _notify(self, session: Session) -> None:
+        """Run every destroy listener for `session`, outside the manager's lock."""
+        for listener in list(self.destroy_listeners):
+            try:
+                listener(session)
+            except Exception:
+                logger.exception(
+                    "session destroy listener %r failed for %r", listener, session.request_id
+                )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop and unregister the cleanup thread; idempotent. Sessions stay readable."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread, self._cleanup_thread = self._cleanup_thread, None
+        if thread is not None:
+            thread.stop()
+            registry = self._registry
+            if registry is None:
+                registry = PeriodicThreadRegistry.get_instance()
+            if registry.get(thread.name) is thread:
+                registry.unregister(thread.name)
+
+    def __enter__(self) -> SessionManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,477 @@
+"""The L1 index: which chunk shards live where in the shared-memory arena, and what to evict.
+
+`L1Store` is bookkeeping only: it hands out arena offsets from an `Allocator` and tracks shard
+states, pins and recency; clients copy the bytes themselves. It is single-owner and not
+thread-safe: the server engine calls it only while holding its engine lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from kvtier.errors import NoSpaceError, UnknownReservationError
+from kvtier.keys import ChunkKey
+from kvtier.storage.arena import Allocator
+
+__all__ = ["L1Store", "ShardState"]
+
+
+class ShardState(enum.Enum):
+    """STAGING: reserved and being written, invisible to readers. READY: readable."""
+
+    STAGING = "staging"
+    READY = "ready"
+
+
+class _Shard:
+    __slots__ = ("deadline", "layout", "nbytes", "offset", "owner", "size", "state")
+
+    def __init__(
+        self, offset: int, size: int, nbytes: int, layout: str, owner: str, deadline: float
+    ) -> None:
+        self.offset = offset
+        self.size = size  # bytes asked for: what a reader copies
+        self.nbytes = nbytes  # bytes allocated (page-rounded): what counts against capacity
+        self.layout = layout
+        self.owner = owner
+        self.deadline = deadline
+        self.state = ShardState.STAGING
+
+
+class _Group:
+    __slots__ = ("holds", "key", "missing", "nbytes", "refs", "shards", "staging")
+
+    def __init__(self, key: ChunkKey) -> None:
+        self.key = key
+        self.shards: list[_Shard | None] = [None] * key.world_size
+        self.missing = key.world_size  # shards not READY; 0 means the group is a hit
+        self.staging = 0
+        self.holds = 0  # holder pins plus anonymous refs; > 0 means never evicted
+        self.refs = 0  # anonymous refs alone, to check release() against acquire()
+        self.nbytes = 0
+
+
+class _Pin:
+    __slots__ = ("deadline", "groups", "ranks")
+
+    def __init__(self, groups: list[_Group], ranks: set[int], deadline: float) -> None:
+        self.groups = groups
+        self.ranks = ranks
+        self.deadline = deadline
+
+
+class L1Store:
+    """Allocation, shard states, pins and LRU eviction for the L1 arena's `capacity` bytes.
+
+    Groups that hold no staging shard and no pin sit in an LRU order and are evicted whole,
+    least recent first, when a reservation needs room. Not thread-safe: one owner at a time.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[ChunkKey, int], None] | None = None,
+    ) -> None:
+        """`on_evict(key, freed_bytes)` is called for each group evicted to make room."""
+        if capacity <= 0:
+            raise ValueError(f"L1 capacity must be positive, got {capacity} (see --l1-size)")
+        self._alloc = Allocator(capacity)
+        self._clock = clock
+        self._on_evict = on_evict
+        self._groups: dict[ChunkKey, _Group] = {}
+        # Evictable groups only (no staging shard, no hold), least recently used first.
+        self._lru: OrderedDict[ChunkKey, _Group] = OrderedDict()
+        self._lru_bytes = 0
+        self._staging: dict[tuple[ChunkKey, int], _Shard] = {}
+        self._pins: dict[str, _Pin] = {}
+        self._ready_groups = 0
+        self._held_groups = 0
+        self._evictions = 0
+        self._evicted_bytes = 0
+
+    # ---------------------------------------------------------------- sizes and stats
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def num_ready_groups(self) -> int:
+        return self._ready_groups
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics and the status page."""
+        return {
+            "capacity_bytes": self._alloc.capacity,
+            "used_bytes": self._alloc.used_bytes,
+            "groups": len(self._groups),
+            "ready_groups": self._ready_groups,
+            "staging_shards": len(self._staging),
+            "pinned_groups": self._held_groups,
+            "evictions": self._evictions,
+            "evicted_bytes": self._evicted_bytes,
+        }
+
+    # ---------------------------------------------------------------- write path
+
+    def reserve(
+        self,
+        key: ChunkKey,
+        worker_id: int,
+        size: int,
+        *,
+        owner: str,
+        lease_s: float,
+        layout: str = "",
+    ) -> int | None:
+        """Reserve a STAGING shard of `size` bytes and return its offset.
+
+        Returns None when the shard already exists (staging or ready): there is nothing to
+        write. Evicts LRU groups to make room; NoSpaceError when even that cannot.
+        """
+        if size <= 0:
+            raise ValueError(f"shard size must be positive, got {size}")
+        if not 0 <= worker_id < key.world_size:
+            raise ValueError(f"worker_id {worker_id} is outside range({key.world_size})")
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        group = self._groups.get(key)
+        if group is not None and group.shards[worker_id] is not None:
+            return None
+        nbytes = self._alloc.rounded(size)
+        offset = self._alloc.alloc(nbytes)
+        if offset is None:
+            # The group we add to must not be evicted to make room for its own shard.
+            was_evictable = group is not None and self._lru_discard(group)
+            try:
+                offset = self._make_room(size, nbytes)
+            except BaseException:  # NoSpaceError, or whatever on_evict raised
+                if was_evictable:
+                    assert group is not None
+                    self._lru_add(group)
+                raise
+        elif group is not None:
+            self._lru_discard(group)
+        if group is None:
+            group = self._groups[key] = _Group(key)
+        shard = _Shard(offset, size, nbytes, layout, owner, self._clock() + lease_s)
+        group.shards[worker_id] = shard
+        group.staging += 1
+        group.nbytes += nbytes
+        self._staging[key, worker_id] = shard
+        return offset
+
+    def commit(self, key: ChunkKey, worker_id: int, *, owner: str) -> bool:
+        """Make a staging shard READY; True when that completed the whole group.
+
+        A shard whose lease expired but was not reclaimed yet still commits.
+        """
+        shard = self._staging.get((key, worker_id))
+        if shard is None or shard.owner != owner:
+            raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
+        del self._staging[key, worker_id]
+        shard.state = ShardState.READY
+        group = self._groups[key]
+        group.staging -= 1
+        group.missing -= 1
+        complete = group.missing == 0
+        if complete:
+            self._ready_groups += 1
+        if group.staging == 0 and group.holds == 0:
+            self._lru_add(group)
+        return complete
+
+    def abort(self, key: ChunkKey, worker_id: int, *, owner: str) -> None:
+        """Drop a staging shard (the writer gave up) and free its range."""
+        shard = self._staging.get((key, worker_id))
+        if shard is None or shard.owner != owner:
+            raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
+        self._drop_staging(key, worker_id, shard)
+
+    def reclaim_staging(self, owner: str | None = None) -> int:
+        """Drop staging shards: all of `owner`'s, or with owner None every expired one.
+
+        Returns how many were dropped.
+        """
+        if owner is None:
+            now = self._clock()
+            doomed = [(k, s) for k, s in self._staging.items() if s.deadline <= now]
+        else:
+            doomed = [(k, s) for k, s in self._staging.items() if s.owner == owner]
+        for (key, worker_id), shard in doomed:
+            self._drop_staging(key, worker_id, shard)
+        return len(doomed)
+
+    # ---------------------------------------------------------------- read path
+
+    def is_complete(self, key: ChunkKey) -> bool:
+        """True when every rank's shard of the group is READY."""
+        group = self._groups.get(key)
+        return group is not None and group.missing == 0
+
+    def count_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading keys of a hash chain are complete groups."""
+        get = self._groups.get
+        n = 0
+        for key in keys:
+            group = get(key)
+            if group is None or group.missing:
+                break
+            n += 1
+        return n
+
+    def get_shard(self, key: ChunkKey, worker_id: int) -> tuple[int, int, str] | None:
+        """(offset, size, layout) of a READY shard, else None."""
+        group = self._groups.get(key)
+        if group is None or not 0 <= worker_id < key.world_size:
+            return None
+        shard = group.shards[worker_id]
+        if shard is None or shard.state is not ShardState.READY:
+            return None
+        return shard.offset, shard.size, shard.layout
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Mark a hash chain [c0, c1, ...] used: c0 ends most recent, the tail is evicted first.
+
+        Once chunk i is gone the chunks after it can never be hit, so the tail should go first.
+        Keys not in L1, and pinned or staging groups, are skipped (they are not in the LRU order).
+        """
+        lru = self._lru
+        move = lru.move_to_end
+        for key in reversed(keys):
+            if key in lru:
+                move(key)
+
+    # ---------------------------------------------------------------- pins
+
+    def pin(
+        self, holder: str, keys: Sequence[ChunkKey], *, ranks: Iterable[int], lease_s: float
+    ) -> None:
+        """Pin the groups of `keys` that are in L1 for `holder`, replacing its previous pin.
+
+        `ranks` are the workers that still have to retrieve; the pin is released when all of
+        them called `mark_retrieved`, by `unpin`, or when the lease expires (`reclaim_pins`).
+        """
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        pending = set(ranks)
+        groups = []
+        for key in keys:
+            group = self._groups.get(key)
+            if group is not None:
+                self._hold(group)
+                groups.append(group)
+        # Release the old pin after taking the new one, so groups in both stay held throughout.
+        old = self._pins.pop(holder, None)
+        self._pins[holder] = _Pin(groups, pending, self._clock() + lease_s)
+        if old is not None:
+            self._release_pin(old)
+
+    def mark_retrieved(self, holder: str, worker_id: int) -> bool:
+        """Rank `worker_id` finished retrieving; True when that released the holder's pin."""
+        pin = self._pins.get(holder)
+        if pin is None:
+            return False
+        pin.ranks.discard(worker_id)
+        if pin.ranks:
+            return False
+        del self._pins[holder]
+        self._release_pin(pin)
+        return True
+
+    def unpin(self, holder: str) -> bool:
+        """Release the holder's pin; False when it holds none."""
+        pin = self._pins.pop(holder, None)
+        if pin is None:
+            return False
+        self._release_pin(pin)
+        return True
+
+    def renew(self, holder: str, lease_s: float) -> None:
+        """Extend the holder's pin to `lease_s` from now; UnknownReservationError if it has none."""
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        pin = self._pins.get(holder)
+        if pin is None:
+            raise UnknownReservationError(f"holder {holder!r} has no pin (expired or released)")
+        pin.deadline = self._clock() + lease_s
+
+    def reclaim_pins(self) -> int:
+        """Release every pin whose lease expired; returns how many."""
+        now = self._clock()
+        expired = [h for h, pin in self._pins.items() if pin.deadline <= now]
+        for holder in expired:
+            self._release_pin(self._pins.pop(holder))
+        return len(expired)
+
+    def pinned_keys(self, holder: str) -> list[ChunkKey]:
+        """The keys the holder's pin actually holds (those that were in L1 when pinned)."""
+        pin = self._pins.get(holder)
+        return [] if pin is None else [group.key for group in pin.groups]
+
+    def acquire(self, key: ChunkKey) -> None:
+        """Take an anonymous hold on a group (e.g. an L2 write-through in flight)."""
+        group = self._groups.get(key)
+        if group is None:
+            raise KeyError(f"cannot acquire {key}: not in L1")
+        group.refs += 1
+        self._hold(group)
+
+    def release(self, key: ChunkKey) -> None:
+        """Drop one anonymous hold taken by `acquire`."""
+        group = self._groups.get(key)
+        if group is None or group.refs == 0:
+            raise ValueError(f"release of {key} without a matching acquire")
+        group.refs -= 1
+        self._unhold(group)
+
+    # ---------------------------------------------------------------- maintenance
+
+    def drop(self, key: ChunkKey) -> bool:
+        """Remove a group unless it is pinned or has a staging shard; True if removed."""
+        group = self._groups.get(key)
+        if group is None or not self._lru_discard(group):
+            return False
+        self._remove(group)
+        return True
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        """Drop every evictable group of `model` and `cache_salt` (None: any); returns how many."""
+        doomed = [
+            group
+            for key, group in self._lru.items()
+            if (model is None or key.model == model)
+            and (cache_salt is None or key.cache_salt == cache_salt)
+        ]
+        for group in doomed:
+            self._lru_discard(group)
+            self._remove(group)
+        return len(doomed)
+
+    def iter_groups(self) -> Iterator[tuple[ChunkKey, int, bool]]:
+        """(key, READY shards, pinned) for every group, over a snapshot of the index."""
+        for group in list(self._groups.values()):
+            yield group.key, group.key.world_size - group.missing, group.holds > 0
+
+    # ---------------------------------------------------------------- internals
+
+    def _lru_add(self, group: _Group, *, most_recent: bool = True) -> None:
+        self._lru[group.key] = group
+        if not most_recent:
+            self._lru.move_to_end(group.key, last=False)
+        self._lru_bytes += group.nbytes
+
+    def _lru_discard(self, group: _Group) -> bool:
+        """Take the group out of the LRU order; False when it was not evictable."""
+        if self._lru.pop(group.key, None) is None:
+            return False
+        self._lru_bytes -= group.nbytes
+        return True
+
+    def _hold(self, group: _Group) -> None:
+        if group.holds == 0:
+            self._held_groups += 1
+            self._lru_discard(group)
+        group.holds += 1
+
+    def _unhold(self, group: _Group) -> None:
+        group.holds -= 1
+        if group.holds:
+            return
+        self._held_groups -= 1
+        if group.staging:
+            return
+        if group.missing == group.key.world_size:
+            self._remove(group)  # every shard was aborted while it was held
+        else:
+            self._lru_add(group)
+
+    def _release_pin(self, pin: _Pin) -> None:
+        # Reversed, so the chain head is released last and ends most recent (see `touch`).
+        for group in reversed(pin.groups):
+            self._unhold(group)
+
+    def _drop_staging(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
+        del self._staging[key, worker_id]
+        group = self._groups[key]
+        group.shards[worker_id] = None
+        group.staging -= 1
+        group.nbytes -= shard.nbytes
+        self._alloc.free(shard.offset, shard.nbytes)
+        if group.staging or group.holds:
+            return
+        if group.missing == key.world_size:
+            del self._groups[key]
+        else:
+            # Ready shards without this rank's cannot be hit until it is stored again.
+            self._lru_add(group, most_recent=False)
+
+    def _remove(self, group: _Group) -> int:
+        """Forget a group that is out of the LRU order and free its shards.
+
+        Returns the size of the largest free range the freeing produced.
+        """
+        assert group.staging == 0 and group.holds == 0, "removing a busy group"
+        del self._groups[group.key]
+        if group.missing == 0:
+            self._ready_groups -= 1
+        largest = 0
+        for shard in group.shards:
+            if shard is not None:
+                largest = max(largest, self._alloc.free(shard.offset, shard.nbytes))
+        return largest
+
+    def _make_room(self, size: int, nbytes: int) -> int:
+        """Evict LRU groups until a contiguous `nbytes` range is free, and allocate it."""
+        if nbytes <= self._alloc.free_bytes + self._lru_bytes:
+            while self._lru:
+                _, group = self._lru.popitem(last=False)
+                self._lru_bytes -= group.nbytes
+                largest = self._remove(group)
+                self._evictions += 1
+                self._evicted_bytes += group.nbytes
+                if self._on_evict is not None:
+                    self._on_evict(group.key, group.nbytes)
+                if largest >= nbytes:
+                    offset = self._alloc.alloc(nbytes)
+                    assert offset is not None
+                    return offset
+        raise NoSpaceError(self._no_space_message(size, nbytes))
+
+    def _no_space_message(self, size: int, nbytes: int) -> str:
+        staging = sum(shard.nbytes for shard in self._staging.values())
+        pinned = sum(
+            shard.nbytes
+            for group in self._groups.values()
+            if group.holds
+            for shard in group.shards
+            if shard is not None and shard.state is ShardState.READY
+        )
+        return (
+            f"L1 cannot hold a {size}-byte shard ({nbytes} bytes in pages): capacity"
+            f" {self._alloc.capacity} bytes, {pinned} pinned, {staging} staging,"
+            f" {self._alloc.free_bytes} free (largest contiguous {self._alloc.largest_free})"
+            " and nothing else to evict; raise --l1-size or lower the concurrency"
+        )
+
+    @staticmethod
+    def _unknown(key: ChunkKey, worker_id: int, owner: str, shard: _Shard | None) -> str:
+        if shard is None:
+            return f"no staging reservation for rank {worker_id} of {key} (expired or never made)"
+        return (
+            f"the reservation for rank {worker_id} of {key} belongs to {shard.owner!r},"
+            f" not {owner!r}"
+        )

@@ -1,0 +1,256 @@
+"""TierManager: asynchronous, batched write-through from the L1 to every L2 tier, and the read
+path across tiers (first tier first).
+
+The writer is one plain daemon thread, not a `PeriodicThread`: it is a consumer that blocks on
+the queue and wakes per item, so a timer would only add latency or polling. It is a daemon so a
+forgotten `close()` cannot hang interpreter exit; `close()` is what flushes. Tiers are written one
+after another per batch; a tier that raises is logged and counted and does not stop the others
+or the writer. A slow tier does delay the others' writes; the Redis tier's short timeouts and
+cool-down bound that.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+from kvtier.keys import ObjectKey
+from kvtier.storage.tiers.base import L2Tier
+
+logger = logging.getLogger(__name__)
+
+Policy = Literal["drop", "block"]
+
+
+class _Job(NamedTuple):
+    key: ObjectKey
+    data: memoryview
+    layout: str
+    on_done: Callable[[], None] | None
+
+
+_STOP = None  # queue sentinel that ends the writer
+
+
+def _call(on_done: Callable[[], None] | None) -> None:
+    if on_done is None:
+        return
+    try:
+        on_done()
+    except Exception:
+        logger.exception("tier manager: on_done callback failed")
+
+
+class TierManager:
+    """Writes every submitted object to all `tiers` in the background; reads in tier order."""
+
+    def __init__(
+        self,
+        tiers: Sequence[L2Tier],
+        *,
+        queue_size: int = 1024,
+        batch_size: int = 16,
+        policy: Policy = "drop",
+        block_timeout: float = 1.0,
+    ) -> None:
+        if queue_size < 1 or batch_size < 1:
+            raise ValueError(
+                f"queue_size and batch_size must be >= 1, got {queue_size} and {batch_size}"
+            )
+        if policy not in ("drop", "block"):
+            raise ValueError(f"policy must be 'drop' or 'block', got {policy!r}")
+        if block_timeout < 0:
+            raise ValueError(f"block_timeout must be >= 0 seconds, got {block_timeout}")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique (stats are keyed by them), got {names}")
+        self._tiers = tuple(tiers)
+        self.queue_size = queue_size
+        self.batch_size = batch_size
+        self.policy: Policy = policy
+        self.block_timeout = block_timeout
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
+        self._cond = threading.Condition()
+        self._pending = 0  # submitted and neither written nor dropped yet
+        self._n = dict.fromkeys(
+            ("submitted", "written", "dropped", "write_errors", "read_errors", "batches"), 0
+        )
+        self._tier_writes = dict.fromkeys(names, 0)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def tiers(self) -> tuple[L2Tier, ...]:
+        """The tiers, in read order."""
+        return self._tiers
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background writer; raises RuntimeError when started before or closed."""
+        if self._thread is not None or self._closed:
+            raise RuntimeError("TierManager.start() called twice or after close()")
+        self._thread = threading.Thread(target=self._run, name="kvtier-l2-writer", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Write everything queued, stop the writer and close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+        self._drop_leftovers()
+        for tier in self._tiers:
+            try:
+                tier.close()
+            except Exception:
+                logger.exception("tier manager: closing tier %s failed", tier.name)
+
+    def _drop_leftovers(self) -> None:
+        """Drop jobs queued after the writer stopped (or when it never started)."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._finish([job], dropped=True)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        key: ObjectKey,
+        data: memoryview,
+        layout: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue `data` for every tier; False when dropped (queue full or manager closed).
+
+        The caller keeps `data` valid until `on_done()`, which runs exactly once: after all tiers
+        wrote or failed, or right away when the object is dropped.
+        """
+        job = _Job(key, data, layout, on_done)
+        with self._cond:
+            self._n["submitted"] += 1
+            self._pending += 1
+        try:
+            if self._closed:
+                raise queue.Full
+            if self.policy == "drop":
+                self._queue.put_nowait(job)
+            else:
+                self._queue.put(job, timeout=self.block_timeout)
+        except queue.Full:
+            self._finish([job], dropped=True)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            batch = [job]
+            stop = False
+            while len(batch) < self.batch_size:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            self._write(batch)
+            if stop:
+                return
+
+    def _write(self, batch: list[_Job]) -> None:
+        items = [(j.key, j.data, j.layout) for j in batch]
+        for tier in self._tiers:
+            try:
+                written = tier.put_many(items)
+            except Exception:
+                logger.exception("tier manager: tier %s failed a batch write", tier.name)
+                written = 0
+            with self._cond:
+                self._tier_writes[tier.name] += written
+                self._n["write_errors"] += len(items) - written
+        self._finish(batch, dropped=False)
+
+    def _finish(self, jobs: list[_Job], *, dropped: bool) -> None:
+        for job in jobs:
+            _call(job.on_done)
+        with self._cond:
+            self._n["dropped" if dropped else "written"] += len(jobs)
+            self._n["batches"] += 0 if dropped else 1
+            self._pending -= len(jobs)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted object is written or dropped; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether each key is in any tier; a later tier is asked only about keys still missing."""
+        found = [False] * len(keys)
+        missing = list(range(len(keys)))
+        for tier in self._tiers:
+            if not missing:
+                break
+            try:
+                flags = tier.contains_many([keys[i] for i in missing])
+            except Exception:
+                logger.exception("tier manager: tier %s failed contains_many", tier.name)
+                self._count_read_error()
+                continue
+            for i, flag in zip(missing, flags, strict=True):
+                found[i] = flag
+            missing = [i for i in missing if not found[i]]
+        return found
+
+    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> str | None:
+        """Read `key` into `out` from the first tier that has it; that tier's name, or None."""
+        for tier in self._tiers:
+            try:
+                if tier.get_into(key, out, layout):
+                    return tier.name
+            except Exception:
+                logger.exception("tier manager: tier %s failed get_into", tier.name)
+                self._count_read_error()
+        return None
+
+    def _count_read_error(self) -> None:
+        with self._cond:
+            self._n["read_errors"] += 1
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Queue and writer counters, per-tier write counts, and each tier's own stats."""
+        with self._cond:
+            out: dict[str, Any] = dict(self._n)
+            out["pending"] = self._pending
+            out["tier_writes"] = dict(self._tier_writes)
+        out.update(
+            queue_depth=self._queue.qsize(),
+            queue_capacity=self.queue_size,
+            policy=self.policy,
+            batch_size=self.batch_size,
+        )
+        for tier in self._tiers:
+            out[tier.name] = tier.stats()
+        return out
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        """Clear matching objects in every tier; the total removed (writes still queued stay)."""
+        return sum(t.clear(model=model, cache_salt=cache_salt) for t in self._tiers)

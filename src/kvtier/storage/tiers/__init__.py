@@ -1,0 +1,5 @@
+"""L2 tiers behind the shared-memory L1: local disk and Redis/Valkey, one interface."""
+
+from kvtier.storage.tiers.base import TIER_SCHEMES, L2Tier, TierStats, open_tier, parse_size
+
+__all__ = ["TIER_SCHEMES", "L2Tier", "TierStats", "open_tier", "parse_size"]

@@ -1,0 +1,96 @@
+"""The object format both L2 tiers store: a self-describing header, then the payload.
+
+Header (little-endian): magic b"KVTO", u16 version, u16 key length, u16 layout length,
+u16 flags (0), u64 payload length, 16-byte xxh3-128 digest of the payload, then the key text
+(`ObjectKey.to_str()`, ASCII) and the layout string (UTF-8). The key is stored so that a value
+found under the wrong name (a renamed file, a mis-set Redis key) is caught, not served.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+import xxhash
+from typing_extensions import Buffer
+
+MAGIC = b"KVTO"
+VERSION = 1
+_FIXED = struct.Struct("<4sHHHHQ16s")
+FIXED_SIZE = _FIXED.size  # 36 bytes
+MAX_TEXT = 0xFFFF  # key and layout lengths are u16
+
+
+class Header(NamedTuple):
+    """A decoded header; `size` is its length in bytes, i.e. where the payload starts."""
+
+    key_text: str
+    layout: str
+    payload_len: int
+    digest: bytes
+    size: int
+
+
+class Verdict(enum.Enum):
+    """What a read may do with a stored object, judged from its header."""
+
+    OK = "ok"  # header matches the request; the payload digest is still to be checked
+    LAYOUT_MISMATCH = "layout"  # a sound object with another layout: a miss, kept
+    SIZE_MISMATCH = "size"  # a sound object whose payload is not the caller's buffer size: kept
+    CORRUPT = "corrupt"  # unreadable, or stored under another key's name: delete it
+
+
+def digest(payload: Buffer) -> bytes:
+    """The payload's xxh3-128 digest (16 bytes)."""
+    return xxhash.xxh3_128_digest(payload)
+
+
+def header_size(key_text: str, layout: str) -> int:
+    """The header length for this key and layout (the payload starts right after it)."""
+    return FIXED_SIZE + len(key_text) + len(layout.encode())
+
+
+def encode_header(key_text: str, layout: str, payload: Buffer) -> bytes:
+    """The header for `payload` stored under `key_text` with `layout`."""
+    key_b = key_text.encode("ascii")
+    layout_b = layout.encode()
+    if len(key_b) > MAX_TEXT or len(layout_b) > MAX_TEXT:
+        raise ValueError(f"key or layout longer than {MAX_TEXT} bytes: layout={layout[:80]!r}")
+    n = memoryview(payload).nbytes
+    fixed = _FIXED.pack(MAGIC, VERSION, len(key_b), len(layout_b), 0, n, digest(payload))
+    return fixed + key_b + layout_b
+
+
+def decode_header(buf: Buffer) -> Header | None:
+    """The header at the start of `buf`, or None when `buf` does not start with a valid one."""
+    view = memoryview(buf).cast("B")
+    if len(view) < FIXED_SIZE:
+        return None
+    magic, version, key_len, layout_len, flags, payload_len, dig = _FIXED.unpack_from(view)
+    if magic != MAGIC or version != VERSION or flags != 0:
+        return None
+    end = FIXED_SIZE + key_len + layout_len
+    if len(view) < end:
+        return None
+    try:
+        key_text = bytes(view[FIXED_SIZE : FIXED_SIZE + key_len]).decode("ascii")
+        layout = bytes(view[FIXED_SIZE + key_len : end]).decode()
+    except UnicodeDecodeError:
+        return None
+    return Header(key_text, layout, payload_len, dig, end)
+
+
+def judge(header: Header | None, key_text: str, layout: str, out_len: int, total: int) -> Verdict:
+    """Whether a stored object of `total` bytes with `header` may serve a read of `out_len` bytes.
+
+    A header whose payload length disagrees with the object's real size is corrupt (truncated or
+    padded); a sound object that only differs in layout or size is a plain miss and is kept.
+    """
+    if header is None or header.key_text != key_text or header.size + header.payload_len != total:
+        return Verdict.CORRUPT
+    if header.layout != layout:
+        return Verdict.LAYOUT_MISMATCH
+    if header.payload_len != out_len:
+        return Verdict.SIZE_MISMATCH
+    return Verdict.OK

@@ -1,0 +1,210 @@
+"""TierManager over real tiers: a DiskTier and the real Redis at 127.0.0.1:6379."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import redis
+from typing_extensions import Buffer
+
+from kvtier.keys import ObjectKey
+from kvtier.storage.manager import TierManager
+from kvtier.storage.tiers.disk import DiskTier
+from kvtier.storage.tiers.redis import RedisTier
+
+LAYOUT = "float16[8,64]"
+SIZE = 1024
+
+
+def key(i: int) -> ObjectKey:
+    return ObjectKey("m", "s", 1, 0, hashlib.sha256(str(i).encode()).digest())
+
+
+def payload(i: int) -> memoryview:
+    return memoryview(hashlib.sha256(str(i).encode()).digest() * (SIZE // 32))
+
+
+class GatedDisk(DiskTier):
+    """A real DiskTier whose batch writes wait until the test opens the gate."""
+
+    def __init__(self, path: Path, name: str = "gated") -> None:
+        super().__init__(path, 0, name=name)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().put_many(items)
+
+
+class BrokenDisk(DiskTier):
+    """A real DiskTier whose batch writes always raise."""
+
+    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+        raise OSError("disk on fire")
+
+
+class AskedDisk(DiskTier):
+    """A real DiskTier that records which keys contains_many was asked about."""
+
+    asked: list[ObjectKey]
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        self.asked = list(keys)
+        return super().contains_many(keys)
+
+
+@pytest.fixture
+def redis_tier() -> Iterator[RedisTier]:
+    probe = redis.Redis(socket_connect_timeout=1)
+    try:
+        probe.ping()
+    except redis.ConnectionError as exc:
+        pytest.fail(
+            f"no Redis at 127.0.0.1:6379 ({exc}); start it with: "
+            'redis-server --daemonize yes --port 6379 --save "" --appendonly no',
+            pytrace=False,
+        )
+    prefix = f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tier = RedisTier(prefix=prefix)
+    yield tier
+    names = list(probe.scan_iter(match=f"{prefix}:*"))
+    if names:
+        probe.delete(*names)
+    tier.close()
+    probe.close()
+
+
+def test_write_through_to_disk_and_redis(tmp_path: Path, redis_tier: RedisTier) -> None:
+    disk = DiskTier(tmp_path, 0)
+    mgr = TierManager([disk, redis_tier], batch_size=4)
+    done: list[int] = []
+    mgr.start()
+    for i in range(10):
+        assert mgr.submit(key(i), payload(i), LAYOUT, on_done=lambda i=i: done.append(i))
+    assert mgr.flush(10)
+    assert sorted(done) == list(range(10))
+    for tier in (disk, redis_tier):
+        assert tier.contains_many([key(i) for i in range(10)]) == [True] * 10
+        buf = memoryview(bytearray(SIZE))
+        assert tier.get_into(key(7), buf, LAYOUT) and buf == payload(7)
+    s = mgr.stats()
+    assert (s["submitted"], s["written"], s["dropped"], s["write_errors"]) == (10, 10, 0, 0)
+    assert s["tier_writes"] == {"disk": 10, "redis": 10}
+    assert s["batches"] >= 3 and s["disk"]["objects"] == 10 and s["queue_depth"] == 0
+    assert mgr.clear(model="m") == 20
+    mgr.close()
+
+
+def test_drop_policy_counts_and_calls_on_done_once(tmp_path: Path) -> None:
+    gated = GatedDisk(tmp_path)
+    mgr = TierManager([gated], queue_size=2, batch_size=1, policy="drop")
+    calls: dict[int, int] = {}
+
+    def done(i: int) -> None:
+        calls[i] = calls.get(i, 0) + 1
+
+    mgr.start()
+    assert mgr.submit(key(0), payload(0), LAYOUT, lambda: done(0))
+    assert gated.entered.wait(10)  # the writer holds item 0; the queue is empty
+    assert mgr.submit(key(1), payload(1), LAYOUT, lambda: done(1))
+    assert mgr.submit(key(2), payload(2), LAYOUT, lambda: done(2))
+    assert not mgr.submit(key(3), payload(3), LAYOUT, lambda: done(3))
+    assert calls == {3: 1}  # a dropped object is released at once
+    s = mgr.stats()
+    assert (s["dropped"], s["queue_depth"], s["queue_capacity"], s["policy"]) == (1, 2, 2, "drop")
+    assert not mgr.flush(0.05)
+    gated.gate.set()
+    assert mgr.flush(10)
+    assert calls == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert gated.contains_many([key(i) for i in range(4)]) == [True, True, True, False]
+    mgr.close()
+    assert calls == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_block_policy_waits_then_drops(tmp_path: Path) -> None:
+    gated = GatedDisk(tmp_path)
+    mgr = TierManager([gated], queue_size=1, batch_size=1, policy="block", block_timeout=0.05)
+    mgr.start()
+    assert mgr.submit(key(0), payload(0), LAYOUT)
+    assert gated.entered.wait(10)
+    assert mgr.submit(key(1), payload(1), LAYOUT)
+    assert not mgr.submit(key(2), payload(2), LAYOUT)
+    assert mgr.stats()["dropped"] == 1
+    gated.gate.set()
+    mgr.close()
+    assert mgr.stats()["written"] == 2
+
+
+def test_failing_tier_does_not_block_others_or_the_writer(tmp_path: Path) -> None:
+    broken = BrokenDisk(tmp_path / "broken", 0, name="broken")
+    good = DiskTier(tmp_path / "good", 0, name="good")
+    mgr = TierManager([broken, good], batch_size=2)
+    done: list[int] = []
+    mgr.start()
+    for i in range(5):
+        mgr.submit(key(i), payload(i), LAYOUT, lambda i=i: done.append(i))
+    assert mgr.flush(10)
+    assert sorted(done) == list(range(5))
+    assert good.contains_many([key(i) for i in range(5)]) == [True] * 5
+    s = mgr.stats()
+    assert s["write_errors"] == 5 and s["written"] == 5 and s["tier_writes"]["good"] == 5
+    mgr.close()
+
+
+def test_read_path_goes_in_tier_order(tmp_path: Path) -> None:
+    first = AskedDisk(tmp_path / "1", 0, name="first")
+    second = AskedDisk(tmp_path / "2", 0, name="second")
+    first.put(key(1), payload(1), LAYOUT)
+    second.put(key(1), payload(100), LAYOUT)
+    second.put(key(2), payload(2), LAYOUT)
+    mgr = TierManager([first, second])
+    buf = memoryview(bytearray(SIZE))
+    assert mgr.get_into(key(1), buf, LAYOUT) == "first" and buf == payload(1)
+    assert mgr.get_into(key(2), buf, LAYOUT) == "second" and buf == payload(2)
+    assert mgr.get_into(key(3), buf, LAYOUT) is None
+    assert mgr.get_into(key(1), buf, "other-layout") is None
+    assert mgr.contains_many([key(1), key(2), key(3)]) == [True, True, False]
+    assert first.asked == [key(1), key(2), key(3)]
+    assert second.asked == [key(2), key(3)]
+    mgr.close()
+
+
+def test_close_flushes_queued_work_and_rejects_later_submits(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 0)
+    mgr = TierManager([disk])
+    done: list[int] = []
+    for i in range(3):  # queued before the writer starts
+        assert mgr.submit(key(i), payload(i), LAYOUT, lambda i=i: done.append(i))
+    mgr.start()
+    mgr.close()
+    assert sorted(done) == [0, 1, 2] and disk.stats()["objects"] == 3
+    assert not mgr.submit(key(9), payload(9), LAYOUT, lambda: done.append(9))
+    assert done[-1] == 9 and mgr.stats()["dropped"] == 1
+    with pytest.raises(RuntimeError):
+        mgr.start()
+
+
+def test_close_without_start_releases_queued_objects(tmp_path: Path) -> None:
+    mgr = TierManager([DiskTier(tmp_path, 0)])
+    done: list[int] = []
+    mgr.submit(key(0), payload(0), LAYOUT, lambda: done.append(0))
+    mgr.close()
+    assert done == [0] and mgr.stats()["dropped"] == 1 and mgr.flush(0)
+
+
+def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 0)
+    with pytest.raises(ValueError, match="queue_size"):
+        TierManager([disk], queue_size=0)
+    with pytest.raises(ValueError, match="policy"):
+        TierManager([disk], policy="wait")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unique"):
+        TierManager([disk, DiskTier(tmp_path / "b", 0)])

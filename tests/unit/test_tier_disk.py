@@ -1,0 +1,298 @@
+"""DiskTier, the shared object format, open_tier and parse_size, on real files under tmp_path."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtier.keys import ObjectKey
+from kvtier.storage.tiers import disk as disk_mod
+from kvtier.storage.tiers import open_tier, parse_size
+from kvtier.storage.tiers.disk import DiskTier
+
+LAYOUT = "float16[2,4,8]"
+SIZE = 4096 * 3 + 100  # not page-sized on purpose
+
+
+def key(i: int, model: str = "llama", salt: str = "") -> ObjectKey:
+    return ObjectKey(model, salt, 2, i % 2, hashlib.sha256(str(i).encode()).digest())
+
+
+def payload(i: int, size: int = SIZE) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() * (size // 32) + bytes(size % 32)
+
+
+def aligned(size: int = SIZE) -> memoryview:
+    """A page-aligned writable buffer, like the L1's shared-memory views."""
+    return memoryview(mmap.mmap(-1, size))
+
+
+def file_of(tier: DiskTier, k: ObjectKey) -> Path:
+    return Path(tier._path(k)[1])
+
+
+def test_round_trip_is_byte_exact_into_page_aligned_buffer(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    out = aligned()
+    assert tier.get_into(key(1), out, LAYOUT)
+    assert out.tobytes() == payload(1)
+    assert tier.contains(key(1)) and not tier.contains(key(2))
+    assert tier.contains_many([key(2), key(1)]) == [False, True]
+    s = tier.stats()
+    assert (
+        s["hits"] == 1
+        and s["objects"] == 1
+        and s["used_bytes"] == file_of(tier, key(1)).stat().st_size
+    )
+    assert not tier.get_into(key(2), aligned(), LAYOUT)
+    assert tier.stats()["misses"] == 1
+
+
+def test_folder_is_created_private_and_sharded(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "b"
+    tier = DiskTier(root, 0)
+    assert root.stat().st_mode & 0o777 == 0o700
+    tier.put(key(3), payload(3), LAYOUT)
+    path = file_of(tier, key(3))
+    assert path.parent.name == key(3).chunk_hash.hex()[:2]
+    assert path.name == key(3).to_str()
+
+
+def test_wrong_layout_or_size_is_a_miss_and_keeps_the_object(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    assert not tier.get_into(key(1), aligned(), "float16[2,4,9]")
+    assert not tier.get_into(key(1), aligned(SIZE - 1), LAYOUT)
+    s = tier.stats()
+    assert (s["layout_mismatches"], s["size_mismatches"], s["corrupt"]) == (1, 1, 0)
+    out = aligned()
+    assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(1)
+
+
+def test_flipped_payload_byte_is_a_miss_deleted_and_counted(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    path = file_of(tier, key(1))
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF
+    path.write_bytes(raw)
+    out = aligned()
+    assert not tier.get_into(key(1), out, LAYOUT)
+    assert not path.exists() and not tier.contains(key(1))
+    assert tier.stats()["corrupt"] == 1 and tier.stats()["used_bytes"] == 0
+
+
+def test_truncated_file_is_a_miss_deleted_and_counted(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    path = file_of(tier, key(1))
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1)
+    assert not tier.get_into(key(1), aligned(), LAYOUT)
+    assert not path.exists() and tier.stats()["corrupt"] == 1
+
+
+def test_valid_file_under_another_keys_name_is_a_miss_deleted_and_counted(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    tier.put(key(2), payload(2), LAYOUT)
+    shutil.copyfile(file_of(tier, key(2)), file_of(tier, key(1)))
+    assert not tier.get_into(key(1), aligned(), LAYOUT)
+    assert not file_of(tier, key(1)).exists() and tier.stats()["corrupt"] == 1
+    out = aligned()
+    assert tier.get_into(key(2), out, LAYOUT) and out.tobytes() == payload(2)
+
+
+def test_garbage_header_is_corrupt(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    file_of(tier, key(1)).write_bytes(b"x" * 50)
+    assert not tier.get_into(key(1), aligned(), LAYOUT)
+    assert tier.stats()["corrupt"] == 1 and not file_of(tier, key(1)).exists()
+
+
+def test_restart_rebuilds_index_and_serves_everything(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    long_model = "org/" + "m" * 150  # hashed file name: the key comes back from the header
+    keys = [key(i) for i in range(10)] + [key(99, model=long_model, salt="tenant")]
+    for i, k in enumerate(keys):
+        tier.put(k, payload(i), LAYOUT)
+    used = tier.stats()["used_bytes"]
+    tier.close()
+    again = DiskTier(tmp_path, 0)
+    assert again.stats()["objects"] == len(keys) and again.stats()["used_bytes"] == used
+    for i, k in enumerate(keys):
+        out = aligned()
+        assert again.get_into(k, out, LAYOUT) and out.tobytes() == payload(i)
+
+
+def test_lru_eviction_keeps_capacity_and_evicts_least_recently_used(tmp_path: Path) -> None:
+    probe = DiskTier(tmp_path / "probe", 0)
+    probe.put(key(0), payload(0), LAYOUT)
+    one = int(probe.stats()["used_bytes"])
+    tier = DiskTier(tmp_path / "t", 3 * one)
+    for i in (1, 2, 3):
+        tier.put(key(i), payload(i), LAYOUT)
+    assert tier.get_into(key(1), aligned(), LAYOUT)  # 2 is now least recently used
+    tier.put(key(4), payload(4), LAYOUT)
+    assert tier.contains_many([key(1), key(2), key(3), key(4)]) == [True, False, True, True]
+    assert not file_of(tier, key(2)).exists()
+    for i in range(5, 12):
+        tier.put(key(i), payload(i), LAYOUT)
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "t").rglob("*") if p.is_file())
+        assert on_disk <= 3 * one and int(tier.stats()["used_bytes"]) <= 3 * one
+    assert tier.stats()["evictions"] == 8
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        tier.put(key(50), payload(50, 4 * one), LAYOUT)
+
+
+def test_restart_orders_lru_by_mtime_and_shrinks_to_capacity(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    for i in range(4):
+        tier.put(key(i), payload(i), LAYOUT)
+    one = int(tier.stats()["used_bytes"]) // 4
+    for age, i in enumerate((2, 0, 3, 1)):  # 2 oldest, then 0
+        os.utime(file_of(tier, key(i)), (1_000_000 + age, 1_000_000 + age))
+    again = DiskTier(tmp_path, 2 * one)
+    assert again.contains_many([key(i) for i in range(4)]) == [False, True, False, True]
+    assert again.stats()["evictions"] == 2
+
+
+def test_leftover_temp_file_is_ignored_and_removed_at_startup(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    shard = file_of(tier, key(1)).parent
+    stale = shard / f"{disk_mod.TEMP_PREFIX}deadbeef"
+    stale.write_bytes(b"half a chunk")
+    again = DiskTier(tmp_path, 0)
+    assert not stale.exists()
+    s = again.stats()
+    assert s["stale_temps_removed"] == 1 and s["objects"] == 1
+
+
+def test_failed_write_leaves_nothing_under_the_real_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = DiskTier(tmp_path, 0)
+    real_writev = os.writev
+
+    def half_then_enospc(fd: int, bufs: list[memoryview]) -> int:
+        real_writev(fd, [bufs[0]])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_mod.os, "writev", half_then_enospc)
+    with pytest.raises(OSError):
+        tier.put(key(1), payload(1), LAYOUT)
+    assert tier.put_many([(key(2), payload(2), LAYOUT)]) == 0
+    monkeypatch.undo()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    s = tier.stats()
+    assert s["objects"] == 0 and s["used_bytes"] == 0 and s["errors"] == 2
+    assert not tier.get_into(key(1), aligned(), LAYOUT)
+
+
+def test_clear_by_model_and_salt(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    keys = [
+        key(i, model=m, salt=s)
+        for i, (m, s) in enumerate([("a", "x"), ("a", "y"), ("b", "x"), ("b", "y"), ("a", "x")])
+    ]
+    for i, k in enumerate(keys):
+        tier.put(k, payload(i), LAYOUT)
+    assert tier.clear(model="a", cache_salt="x") == 2
+    assert tier.contains_many(keys) == [False, True, True, True, False]
+    assert tier.clear(cache_salt="y") == 2
+    assert tier.clear(model="b") == 1
+    assert tier.stats()["objects"] == 0 and tier.stats()["used_bytes"] == 0
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_delete_and_overwrite(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    tier.put(key(1), payload(2), LAYOUT)
+    out = aligned()
+    assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(2)
+    assert tier.stats()["objects"] == 1
+    assert tier.delete(key(1)) and not tier.delete(key(1))
+    assert tier.stats()["used_bytes"] == 0 and not file_of(tier, key(1)).exists()
+
+
+def test_batch_verbs(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    assert tier.put_many([(key(i), payload(i), LAYOUT) for i in range(5)]) == 5
+    outs = [aligned() for _ in range(6)]
+    got = tier.get_many_into([(key(i), outs[i], LAYOUT) for i in range(6)])
+    assert got == [True] * 5 + [False]
+    assert all(outs[i].tobytes() == payload(i) for i in range(5))
+
+
+def test_concurrent_writers_and_readers(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 0)
+    bad: list[int] = []
+
+    def work(base: int) -> None:
+        for i in range(base, base + 20):
+            tier.put(key(i), payload(i, 4096), LAYOUT)
+            out = aligned(4096)
+            if not tier.get_into(key(i), out, LAYOUT) or out.tobytes() != payload(i, 4096):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in (0, 100, 200, 300)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == [] and tier.stats()["objects"] == 80
+
+
+def test_open_tier_disk_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = open_tier(f"disk://{tmp_path}/abs?size=2GiB")
+    assert isinstance(t, DiskTier) and t.capacity_bytes == 2 << 30
+    assert t.root == tmp_path / "abs"
+    monkeypatch.chdir(tmp_path)
+    rel = open_tier("disk://rel/path?size=512MiB&fsync=1")
+    assert isinstance(rel, DiskTier) and rel.root == tmp_path / "rel" / "path" and rel.fsync
+    rel.put(key(1), payload(1), LAYOUT)
+    assert rel.get_into(key(1), aligned(), LAYOUT)
+    assert isinstance(open_tier(f"disk://{tmp_path}/d"), DiskTier)
+    with pytest.raises(ValueError, match=r"disk://.*redis://"):
+        open_tier("s3://bucket")
+    with pytest.raises(ValueError, match="sise"):
+        open_tier(f"disk://{tmp_path}/x?sise=1G")
+    with pytest.raises(ValueError, match="not a byte size"):
+        open_tier(f"disk://{tmp_path}/x?size=lots")
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskTier(tmp_path, -1)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("50GiB", 50 << 30),
+        ("2GiB", 2 << 30),
+        ("512MiB", 512 << 20),
+        ("1G", 1 << 30),
+        ("1GB", 10**9),
+        ("4096", 4096),
+        ("4096B", 4096),
+        ("1.5KiB", 1536),
+        (" 8 mib ", 8 << 20),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12XB", "-5", "1.3", "5i", "1 2"])
+def test_parse_size_rejects_garbage(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
