@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest bench demo clean
+.PHONY: install browser run test lint typecheck pytest bench demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# The status-page test drives a real headless browser: Debian's chromium (no browser download).
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
 run: install
 	$(BIN)/kvtier serve
 
@@ -27,7 +31,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
+pytest: install browser
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest

@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 
+from kvtier.cli_admin import clear_command, status_command
 from kvtier.config import ServerConfig, format_size
 
 app = typer.Typer(
@@ -64,29 +65,8 @@ _serve.__signature__ = _serve_signature()  # type: ignore[attr-defined]
 app.command("serve")(_serve)
 
 
-@app.command()
-def status(
-    admin: str = typer.Option("http://127.0.0.1:8080", help="Admin API URL of the server"),
-    token: str | None = typer.Option(None, envvar="KVTIER_ADMIN_TOKEN", help="Admin bearer token"),
-    json_output: bool = typer.Option(False, "--json", help="Print the raw JSON"),
-) -> None:
-    """Show a running server's status as tables."""
-    from kvtier.cli_admin import status_command
-
-    status_command(admin=admin, token=token, json_output=json_output)
-
-
-@app.command()
-def clear(
-    admin: str = typer.Option("http://127.0.0.1:8080", help="Admin API URL of the server"),
-    token: str | None = typer.Option(None, envvar="KVTIER_ADMIN_TOKEN", help="Admin bearer token"),
-    model: str | None = typer.Option(None, help="Only chunks of this model"),
-    cache_salt: str | None = typer.Option(None, help="Only chunks of this cache salt"),
-) -> None:
-    """Drop stored chunks (all, or those of one model / cache salt)."""
-    from kvtier.cli_admin import clear_command
-
-    clear_command(admin=admin, token=token, model=model, cache_salt=cache_salt)
+app.command("status")(status_command)
+app.command("clear")(clear_command)
 
 
 @app.command()
@@ -97,7 +77,7 @@ def demo(
     output_dir: Path = typer.Option(Path("kvtier-demo"), help="Where the plot is written"),
     quick: bool = typer.Option(False, help="A small, fast run (smoke test)"),
 ) -> None:
-    """Prove TTFT savings with a real transformers model (needs kvtier[transformers])."""
+    """Prove TTFT savings with a real transformers model (needs the transformers extra)."""
     try:
         from kvtier.integrations.demo import run_demo
     except ImportError as exc:

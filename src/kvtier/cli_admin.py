@@ -149,14 +149,15 @@ def render_status(status: dict[str, Any]) -> list[Table]:
     l2 = status["l2"]
     l2_table = Table(
         title=(
-            f"L2 tiers (write queue {l2['queue_depth']}/{l2['queue_capacity']}, "
-            f"policy {l2['policy']}, written {l2['written']}, dropped {l2['dropped']}, "
-            f"errors {l2['write_errors']})"
+            f"L2 tiers: queue {l2['queue_depth']}/{l2['queue_capacity']} ({l2['policy']}), "
+            f"written {l2['written']}, dropped {l2['dropped']}, errors {l2['write_errors']}"
         ),
         title_justify="left",
     )
     for column in ("tier", "fill", "objects", "hits", "misses", "corrupt", "errors"):
         l2_table.add_column(column, justify="left" if column in ("tier", "fill") else "right")
+    if not l2["tiers"]:
+        l2_table.add_row("(none configured)", *([""] * 6))
     for tier in l2["tiers"]:
         l2_table.add_row(
             str(tier["name"]),

@@ -46,7 +46,7 @@ DestroyListener = Callable[["Session"], None]
 _TOKEN_BYTES = 4  # tokens are held as packed little-endian uint32
 
 
-def _common_prefix_tokens(a: bytes, b: bytes, limit: int) -> int:
+def _common_prefix_tokens(a: bytes | bytearray, b: bytes, limit: int) -> int:
     """Length, in tokens, of the common prefix of two packed token buffers within `limit` bytes."""
     count = min(limit, len(a), len(b)) // _TOKEN_BYTES
     x = np.frombuffer(a, dtype="<u4", count=count)
@@ -83,7 +83,10 @@ class Session:
         self.hasher = hasher
         self.clock = clock
         self._lock = threading.Lock()
-        self._tokens = b""
+        # bytes as given to set_tokens (no copy), or a bytearray once append_tokens grows it in
+        # place. A bytearray cannot resize while a view of it exists, so views of it are taken
+        # and dropped only under _lock.
+        self._tokens: bytes | bytearray = b""
         #: hashes of chunks [0, len(chunk_hashes)); always a prefix of the current tokens' chunks
         self.chunk_hashes: list[bytes] = []
         self.lookup_ipc_key: str | None = None
@@ -99,15 +102,20 @@ class Session:
     @property
     def token_ids(self) -> list[int]:
         """The current tokens as Python ints (a copy; prefer `token_bytes` on hot paths)."""
-        return np.frombuffer(self._tokens, dtype="<u4").tolist()  # type: ignore[no-any-return]
+        with self._lock:
+            return np.frombuffer(self._tokens, dtype="<u4").tolist()  # type: ignore[no-any-return]
 
     @property
     def token_bytes(self) -> bytes:
-        """The current tokens, packed little-endian uint32."""
-        return self._tokens
+        """The current tokens, packed little-endian uint32 (immutable; no copy unless appended)."""
+        with self._lock:
+            if not isinstance(self._tokens, bytes):
+                self._tokens = bytes(self._tokens)
+            return self._tokens
 
     @property
     def num_tokens(self) -> int:
+        """How many tokens the session holds."""
         return len(self._tokens) // _TOKEN_BYTES
 
     @property
@@ -149,10 +157,12 @@ class Session:
             self._tokens = new
 
     def append_tokens(self, token_ids: TokenIds) -> None:
-        """Extend the tokens (decode growth) without re-reading the ones already held."""
-        extra = bytes(token_bytes(token_ids))
+        """Extend the tokens (decode growth) in amortized time proportional to the new ones."""
+        extra = token_bytes(token_ids)
         with self._lock:
             self.last_access = self.clock()
+            if isinstance(self._tokens, bytes):
+                self._tokens = bytearray(self._tokens)  # one copy, then growth is in place
             self._tokens += extra
 
     def get_hashes(self, start: int = 0, end: int | None = None) -> list[bytes]:
@@ -186,10 +196,12 @@ class Session:
             done = len(self.chunk_hashes)
             first, last = start // cs, end // cs
             if last > done:
-                window = memoryview(self._tokens)[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES]
-                self.chunk_hashes += self.hasher.compute_chunk_hashes(
-                    window, prefix_hash=self.last_prefix_hash
-                )
+                with memoryview(self._tokens) as view:
+                    window = view[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES]
+                    self.chunk_hashes += self.hasher.compute_chunk_hashes(
+                        window, prefix_hash=self.last_prefix_hash
+                    )
+                    window.release()  # before the lock goes: an append may resize the buffer
             return self.chunk_hashes[first:last]
 
     def to_dict(self) -> dict[str, Any]:
@@ -358,8 +370,9 @@ class SessionManager:
             with self._lock:
                 budget = self._expire_batch(expired)
                 self._orphaned += len(expired)
-            for session in expired:
-                self._notify(session)
+            if expired and self.destroy_listeners:
+                for session in expired:
+                    self._notify(session)
             expired_total += len(expired)
             if budget:  # stopped before the batch was used up: nothing due is left
                 return expired_total
@@ -373,11 +386,12 @@ class SessionManager:
         budget = self._BATCH
         fresh, heap, sessions = self._fresh, self._heap, self._sessions
         while budget and fresh:
-            request_id, session = next(iter(fresh.items()))
+            request_id, session = fresh.popitem(last=False)
             if not now - session.created_at > ttl:
+                fresh[request_id] = session
+                fresh.move_to_end(request_id, last=False)
                 break  # every later one was created later still
             budget -= 1
-            del fresh[request_id]
             if now - session.last_access > ttl:
                 del sessions[request_id]
                 expired.append(session)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,72 +21,11 @@ from kvtier.config import ServerConfig
 from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic_thread
 from kvtier.server.admin import start_admin_server
 from kvtier.server.engine import Engine
+from tests.conftest import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parents[2]
-ADMIN_LINE = re.compile(r"admin: (http://\S+)")
 TOKEN = "test-token-Zx9"
-
-
-class ServerProcess:
-    """A `kvtier serve` subprocess; its output is drained on a thread and kept for messages."""
-
-    def __init__(self, *extra: str, wait_for_admin: bool = True) -> None:
-        self.address = f"ipc:///tmp/kvtier-admin-{os.getpid()}-{time.monotonic_ns()}.sock"
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        env.pop("KVTIER_ADMIN_TOKEN", None)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvtier.cli",
-                "serve",
-                "--address",
-                self.address,
-                "--l1-size",
-                "64MiB",
-                "--admin-port",
-                "0",
-                *extra,
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._admin = threading.Event()
-        self.url = ""
-        threading.Thread(target=self._drain, daemon=True).start()
-        if wait_for_admin and not self._admin.wait(60):
-            self.stop()
-            raise AssertionError("server printed no 'admin: URL' line:\n" + self.output())
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            match = ADMIN_LINE.search(line)
-            if match and not self._admin.is_set():
-                self.url = match.group(1)
-                self._admin.set()
-
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 30
-        while httpx.get(self.url + "/health", headers=auth()).status_code != 200:
-            assert time.monotonic() < deadline, "server never became healthy:\n" + self.output()
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+SERVER_ARGS = ("--l1-size", "64MiB")
 
 
 def auth(token: str | None = None) -> dict[str, str]:
@@ -97,16 +34,16 @@ def auth(token: str | None = None) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess()
+    """One server for the module (its tests use disjoint models and request ids)."""
+    srv = start_server(*SERVER_ARGS)
     try:
-        srv.wait_ready()
         yield srv
     finally:
         srv.stop()
 
 
 def get(srv: ServerProcess, path: str, **kw: Any) -> httpx.Response:
-    return httpx.get(srv.url + path, timeout=10, **kw)
+    return httpx.get(srv.admin_url + path, timeout=10, **kw)
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -121,7 +58,7 @@ def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 
 
 def test_admin_url_is_loopback(server: ServerProcess) -> None:
-    assert server.url.startswith("http://127.0.0.1:")
+    assert server.admin_url.startswith("http://127.0.0.1:")
 
 
 def test_health_ok(server: ServerProcess) -> None:
@@ -183,13 +120,13 @@ def test_sessions_paging_and_bad_input(server: ServerProcess) -> None:
 
 def test_unknown_session_is_404(server: ServerProcess) -> None:
     assert get(server, "/sessions/no-such-request").status_code == 404
-    response = httpx.delete(server.url + "/sessions/no-such-request")
+    response = httpx.delete(server.admin_url + "/sessions/no-such-request")
     assert response.status_code == 404
     assert "no-such-request" in response.json()["error"]
 
 
 def test_clear_validates_its_body(server: ServerProcess) -> None:
-    url = server.url + "/clear"
+    url = server.admin_url + "/clear"
     bad = [b"{not json", b"[1, 2]", b'{"model": 3}', b'{"modle": "x"}']
     for body in bad:
         response = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
@@ -232,19 +169,16 @@ def test_status_page_and_assets(server: ServerProcess) -> None:
 
 
 def test_off_loopback_without_token_refuses_to_start() -> None:
-    srv = ServerProcess("--admin-host", "0.0.0.0", wait_for_admin=False)
-    try:
-        rc = srv.proc.wait(60)
-    finally:
-        srv.stop()
-    assert rc != 0
-    assert "--admin-token" in srv.output() and "KVTIER_ADMIN_TOKEN" in srv.output()
+    with pytest.raises(RuntimeError) as refused:
+        start_server(*SERVER_ARGS, "--admin-host", "0.0.0.0")
+    assert "--admin-token" in str(refused.value) and "KVTIER_ADMIN_TOKEN" in str(refused.value)
 
 
 def test_off_loopback_requires_the_token() -> None:
-    srv = ServerProcess("--admin-host", "0.0.0.0", "--admin-token", TOKEN)
+    srv = start_server(*SERVER_ARGS, "--admin-host", "0.0.0.0", "--admin-token", TOKEN)
     try:
-        port = srv.url.rsplit(":", 1)[1]
+        assert srv.admin_url is not None
+        port = srv.admin_url.rsplit(":", 1)[1]
         base = f"http://127.0.0.1:{port}"  # bound to every interface; only ever use loopback
         routes = [
             ("GET", "/health"),
@@ -263,10 +197,7 @@ def test_off_loopback_requires_the_token() -> None:
             for headers in ({}, auth("wrong-token"), {"Authorization": TOKEN}):
                 response = httpx.request(method, base + path, headers=headers, json={})
                 assert response.status_code == 401, (method, path, headers)
-        deadline = time.monotonic() + 30
-        while httpx.get(base + "/health", headers=auth(TOKEN)).status_code != 200:
-            assert time.monotonic() < deadline, srv.output()
-            time.sleep(0.05)
+        assert httpx.get(base + "/health", headers=auth(TOKEN)).status_code == 200
         assert httpx.get(base + "/status", headers=auth(TOKEN)).json()["ready"] is True
         assert httpx.post(base + "/clear", headers=auth(TOKEN), json={}).status_code == 200
         # The browser page authenticates by ?token=, for itself and its assets only.
@@ -309,16 +240,16 @@ def cli(
 
 
 def test_cli_status_tables_and_json(server: ServerProcess) -> None:
-    tables = cli("status", "--admin", server.url).stdout
+    tables = cli("status", "--admin", server.admin_url).stdout
     for heading in ("kvtier server", "L1", "L2 tiers", "Clients", "Recent errors"):
         assert heading in tables
     assert "64.0 MiB" in tables
-    status = json.loads(cli("status", "--admin", server.url, "--json").stdout)
+    status = json.loads(cli("status", "--admin", server.admin_url, "--json").stdout)
     assert status["l1"]["capacity_bytes"] == 64 << 20 and status["threads_healthy"] is True
 
 
 def test_cli_clear(server: ServerProcess) -> None:
-    result = cli("clear", "--admin", server.url, "--model", "never-stored")
+    result = cli("clear", "--admin", server.admin_url, "--model", "never-stored")
     assert result.stdout.strip() == "cleared 0 chunks"
 
 
@@ -388,13 +319,15 @@ def test_metrics_and_sessions_follow_a_client_workload(server: ServerProcess) ->
         assert session["pinned_chunks"] == 2
 
         # Pinned chunks survive a clear; ending the sessions releases the pins.
-        assert httpx.post(server.url + "/clear", json={"model": model}).json() == {"cleared": 0}
+        assert httpx.post(server.admin_url + "/clear", json={"model": model}).json() == {
+            "cleared": 0
+        }
         for request_id in ("writer", "reader-a", "reader-b", "reader-c"):
-            assert httpx.delete(server.url + f"/sessions/{request_id}").status_code == 200
+            assert httpx.delete(server.admin_url + f"/sessions/{request_id}").status_code == 200
             assert get(server, f"/sessions/{request_id}").status_code == 404
         assert client.lookup("reader-d", tokens, model=model) == 2 * chunk
         client.end_session("reader-d")
-        assert cli("clear", "--admin", server.url, "--model", model).stdout.strip() == (
+        assert cli("clear", "--admin", server.admin_url, "--model", model).stdout.strip() == (
             "cleared 2 chunks"
         )
         assert client.lookup("reader-e", tokens, model=model) == 0

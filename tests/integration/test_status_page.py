@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import Client
+from tests.conftest import start_server
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -37,53 +32,12 @@ pytestmark = pytest.mark.browser
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, str]]:
     """(admin URL, ZMQ address) of a `kvtier serve` that requires TOKEN."""
-    address = f"ipc:///tmp/kvtier-page-{os.getpid()}-{time.monotonic_ns()}.sock"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli",
-            "serve",
-            "--address",
-            address,
-            "--l1-size",
-            "64MiB",
-            "--admin-port",
-            "0",
-            "--admin-token",
-            TOKEN,
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    found = threading.Event()
-    lines: list[str] = []
-    url: list[str] = []
-
-    def drain() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            match = re.search(r"admin: (http://\S+)", line)
-            if match and not found.is_set():
-                url.append(match.group(1))
-                found.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    srv = start_server("--l1-size", "64MiB", "--admin-token", TOKEN)
     try:
-        assert found.wait(60), "server printed no 'admin: URL' line:\n" + "".join(lines)
-        yield url[0], address
+        assert srv.admin_url is not None
+        yield srv.admin_url, srv.address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +57,12 @@ def browser() -> Iterator[Any]:
             chromium.close()
 
 
-def store_and_lookup(address: str) -> tuple[int, int]:
-    """Store two chunks, then look up a longer prompt; (hit tokens, requested tokens)."""
-    with Client(address) as client:
-        chunk = client.chunk_size
-        tokens = list(range(4 * chunk))
-        client.register(model="page-model", chunk_shape=(2, 4, 64), dtype="float16")
-        kv = np.ones((2, 2, 4, 64), dtype=np.float16)
-        assert client.store("page-writer", tokens[: 2 * chunk], kv, model="page-model") == 2 * chunk
-        hit = client.lookup("page-reader", tokens, model="page-model")
-        assert hit == 2 * chunk
-        return hit, len(tokens)
+def wait_for_text(page: Any, element_id: str, expected: str) -> None:
+    page.wait_for_function(
+        "([id, v]) => document.getElementById(id).textContent === v",
+        arg=[element_id, expected],
+        timeout=15_000,
+    )
 
 
 def text_of(page: Any, element_id: str) -> str:
@@ -151,27 +100,44 @@ def test_status_page_shows_live_numbers(server: tuple[str, str], browser: Any) -
     assert text_of(page, "l1-capacity") == "64.0 MiB"
     assert text_of(page, "hit-rate") == "\u2013"  # the placeholder dash: no lookups yet
 
-    hit_tokens, requested_tokens = store_and_lookup(address)
+    with Client(address) as client:
+        chunk = client.chunk_size
+        tokens = list(range(4 * chunk))
+        client.register(model="page-model", chunk_shape=(2, 4, 64), dtype="float16")
+        kv = np.ones((2, 2, 4, 64), dtype=np.float16)
+        assert client.store("page-writer", tokens[: 2 * chunk], kv, model="page-model") == 2 * chunk
+        assert client.lookup("page-reader-1", tokens, model="page-model") == 2 * chunk
+        wait_for_text(page, "lookup-hit-tokens", f"{2 * chunk:,}")
+        assert as_int(text_of(page, "lookup-requested-tokens")) == 4 * chunk
+        assert text_of(page, "hit-rate") == "50.0 %"
+        assert text_of(page, "l1-used") != "0 B"
+        assert text_of(page, "sessions-active") == "2"
+        assert text_of(page, "clients-connected") == "1"
+        assert text_of(page, "threads") != "none"
 
-    page.wait_for_function(
-        "v => document.getElementById('lookup-hit-tokens').textContent === v",
-        arg=f"{hit_tokens:,}",
-        timeout=15_000,
-    )
-    assert as_int(text_of(page, "lookup-requested-tokens")) == requested_tokens
-    assert text_of(page, "hit-rate") == f"{100 * hit_tokens / requested_tokens:.1f} %"
-    assert text_of(page, "l1-used") != "0 B"
-    assert as_int(text_of(page, "sessions-created")) >= 1
-    assert text_of(page, "threads") != "none"
-    # The chart drew something: some canvas pixel is not transparent.
-    assert page.evaluate(
+        # A second round moves every number again: 2 full hits out of 2 more chunks.
+        assert client.lookup("page-reader-2", tokens[: 2 * chunk], model="page-model") == 2 * chunk
+        wait_for_text(page, "lookup-hit-tokens", f"{4 * chunk:,}")
+        assert as_int(text_of(page, "lookup-requested-tokens")) == 6 * chunk
+        assert text_of(page, "hit-rate") == "66.7 %"
+        assert text_of(page, "sessions-active") == "3"
+        wait_for_text(page, "hit-rate-recent", "100.0 %")
+
+    # The chart plotted the series: some pixels carry its colour (#2f6fde), not only the grid.
+    blue_pixels = page.evaluate(
         """() => {
             const c = document.getElementById('hit-rate-chart');
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-            for (let i = 3; i < d.length; i += 4) if (d[i] !== 0) return true;
-            return false;
+            let n = 0;
+            for (let i = 0; i < d.length; i += 4) {
+                const near = Math.abs(d[i] - 47) < 24 && Math.abs(d[i + 1] - 111) < 24
+                    && Math.abs(d[i + 2] - 222) < 24 && d[i + 3] > 200;
+                if (near) n += 1;
+            }
+            return n;
         }"""
     )
+    assert blue_pixels > 0
     assert page.locator("#fetch-error").is_hidden()
     assert all(r.startswith(url) or r.startswith("data:") for r in requested), requested
     SCREENSHOT.parent.mkdir(exist_ok=True)

@@ -231,7 +231,9 @@ def _document(
 def _table(steps: Sequence[DemoStep]) -> Table:
     table = Table(title="Time to first token, with and without kvtier")
     for name in ("scenario", "step", "prompt", "hit", "hit rate", "no kvtier", "kvtier", "speedup"):
-        table.add_column(name, justify="left" if name in ("scenario", "step") else "right")
+        table.add_column(
+            name, justify="left" if name in ("scenario", "step") else "right", no_wrap=True
+        )
     for s in steps:
         table.add_row(
             s.scenario,

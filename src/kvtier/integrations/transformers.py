@@ -380,13 +380,9 @@ class KVTierCache:
                 logits = self.runner.forward(new, position, cache)
         everything = np.concatenate([tokens, np.array(generated, dtype=TOKEN_DTYPE)])
         if self.store_generated:
-            request_id = uuid.uuid4().hex
             t0 = time.perf_counter()
-            try:
-                start = len(tokens) // self.chunk_size * self.chunk_size
-                self._store(request_id, everything[: cache.get_seq_length()], cache, start)
-            finally:
-                self.client.end_session(request_id)
+            start = len(tokens) // self.chunk_size * self.chunk_size
+            self.store(everything[: cache.get_seq_length()], cache, start=start)
             prefill_timings["store_generated"] = time.perf_counter() - t0
         self.last_timings = prefill_timings
         return torch.from_numpy(everything.astype(np.int64)).unsqueeze(0)
@@ -396,10 +392,14 @@ class KVTierCache:
         done without kvtier); returns the tokens stored."""
         tokens = as_token_array(input_ids)
         request_id = uuid.uuid4().hex
-        try:
-            return self._store(request_id, tokens, cache, start)
-        finally:
+        stored = self._store(request_id, tokens, cache, start)
+        if self._full_end(tokens, cache) > start:  # only a store call opens a session
             self.client.end_session(request_id)
+        return stored
+
+    def _full_end(self, tokens: npt.NDArray[np.uint32], cache: Any) -> int:
+        """Where the last full chunk of what both the tokens and the cache hold ends."""
+        return min(len(tokens), int(cache.get_seq_length())) // self.chunk_size * self.chunk_size
 
     def _store(
         self, request_id: str, tokens: npt.NDArray[np.uint32], cache: Any, start: int
@@ -407,20 +407,22 @@ class KVTierCache:
         c = self.chunk_size
         if start % c:
             raise ValueError(f"start={start} is not aligned to chunk_size={c}")
-        end = min(len(tokens), cache.get_seq_length()) // c * c
-        if end <= start:
-            return 0
-        kv = cache_to_chunks(cache, start, end, c, heads=self.heads)
-        return self.client.store(
-            request_id,
-            tokens[:end],
-            kv,
-            model=self.model_name,
-            worker_id=self.worker_id,
-            start=start,
-            end=end,
-            cache_salt=self.cache_salt,
-        )
+        end = self._full_end(tokens, cache)
+        stored = 0
+        if end > start:
+            stored = self.client.store(
+                request_id,
+                tokens[:end],
+                cache_to_chunks(cache, start, end, c, heads=self.heads),
+                model=self.model_name,
+                worker_id=self.worker_id,
+                start=start,
+                end=end,
+                cache_salt=self.cache_salt,
+            )
+        # A barrier: no rank of a group looks up again before every rank's shards are stored.
+        self._agree(0)
+        return stored
 
     def _retrieve(self, request_id: str, tokens: npt.NDArray[np.uint32], end: int) -> torch.Tensor:
         """This rank's chunks [0, end), merged with the other ranks' heads; may come back short."""

@@ -35,6 +35,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import kvtier
 from kvtier.metrics import Metrics
 from kvtier.periodic import PeriodicThreadRegistry
 
@@ -328,19 +329,13 @@ def _openapi(endpoints: list[_Endpoint], secured: bool) -> dict[str, Any]:
         paths.setdefault(ep.path, {})[ep.method.lower()] = operation
     schema: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": "kvtier admin API", "version": _version()},
+        "info": {"title": "kvtier admin API", "version": kvtier.__version__},
         "paths": paths,
     }
     if secured:
         schema["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
         schema["security"] = [{"bearer": []}]
     return schema
-
-
-def _version() -> str:
-    from kvtier import __version__
-
-    return __version__
 
 
 # -- auth ----------------------------------------------------------------------------------------
@@ -523,7 +518,6 @@ def start_admin_server(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
-        sock.set_inheritable(True)
     except OSError as exc:
         sock.close()
         raise OSError(

@@ -163,6 +163,8 @@ class Engine:
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count(1)
         self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
+        self._ending: set[str] = set()  # sessions being ended on purpose, not expired
+        self._orphaned = 0  # expired sessions that still held pins
         self._lookup_requested = 0
         self._lookup_hit = 0
         self._ready = True
@@ -247,7 +249,7 @@ class Engine:
                 reply = p.Ok()
             case p.EndSession():
                 self._require_session(req.request_id)
-                self.sessions.remove(req.request_id)
+                self._remove_session(req.request_id)
                 reply = p.Ok()
         return [p.encode(reply)]
 
@@ -396,9 +398,19 @@ class Engine:
             )
         return session
 
+    def _remove_session(self, request_id: str) -> Session | None:
+        """End a session on purpose (not an expiry)."""
+        self._ending.add(request_id)
+        try:
+            return self.sessions.remove(request_id)
+        finally:
+            self._ending.discard(request_id)
+
     def _on_session_destroyed(self, session: Session) -> None:
         with self._lock:
-            self.l1.unpin(session.request_id)
+            held_pins = self.l1.unpin(session.request_id)
+            if held_pins and session.request_id not in self._ending:
+                self._orphaned += 1  # the engine abandoned it mid-flight, holding cache
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -763,8 +775,10 @@ class Engine:
             "sessions": {
                 "active": self.sessions.active_count(),
                 "created": self.sessions.created_count,
+                # expired: left without end_session (SessionManager calls these orphans);
+                # orphaned: those of them that still held pinned chunks when they expired
                 "expired": self.sessions.orphaned_count,
-                "orphaned": self.sessions.orphaned_count,
+                "orphaned": self._orphaned,
             },
             "lookup": {"requested_tokens": self._lookup_requested, "hit_tokens": self._lookup_hit},
             "recent_errors": recent,
@@ -789,7 +803,8 @@ class Engine:
             return self._session_dict(session)
 
     def end_session(self, request_id: str) -> bool:
-        return self.sessions.remove(request_id) is not None
+        with self._lock:
+            return self._remove_session(request_id) is not None
 
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
         with self._lock:

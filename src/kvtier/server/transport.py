@@ -7,7 +7,9 @@ exactly one error reply, so no client is ever left waiting for a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -83,4 +85,9 @@ class Transport:
             logger.exception("could not send a reply")
 
     def close(self) -> None:
+        """Close the socket and remove the ipc:// socket files this server created."""
         self.socket.close(linger=0)
+        for address in self.addresses:
+            if address.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(address.removeprefix("ipc://"))

@@ -4,6 +4,7 @@
 
 const REFRESH_MS = 2000;
 const HISTORY_POINTS = 150; // 5 minutes at one point per refresh
+const MIN_CHART_POINTS = 30;
 
 const token = new URLSearchParams(window.location.search).get("token");
 const samples = []; // {t, overall, recent} with rates in [0, 1] or null
@@ -139,10 +140,12 @@ function drawChart() {
     ctx.stroke();
     ctx.fillText(level * 100 + "%", 4, y + 4);
   }
-  ctx.fillText("last " + formatDuration((HISTORY_POINTS * REFRESH_MS) / 1000), left, height - 4);
+  // The window grows with the history up to HISTORY_POINTS, so a fresh page is readable too.
+  const span = Math.min(HISTORY_POINTS, Math.max(samples.length, MIN_CHART_POINTS));
+  ctx.fillText("last " + formatDuration((span * REFRESH_MS) / 1000), left, height - 4);
 
-  const step = plotW / (HISTORY_POINTS - 1);
-  const offset = HISTORY_POINTS - samples.length;
+  const step = plotW / (span - 1);
+  const offset = span - samples.length;
   const series = [
     ["recent", "#2f6fde", 2],
     ["overall", "#9aa3b5", 1],

@@ -1,0 +1,121 @@
+"""Shared fixtures: real `kvtier serve` processes and the real Redis."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+REDIS_URL = os.environ.get("KVTIER_TEST_REDIS", "redis://127.0.0.1:6379/0")
+REDIS_HINT = (
+    "these tests need the Redis at 127.0.0.1:6379; start it with: redis-server --daemonize yes "
+    '--bind 127.0.0.1 --port 6379 --save "" --appendonly no'
+)
+
+
+@dataclass
+class ServerProcess:
+    """A `kvtier serve` child process and what it printed at start."""
+
+    proc: subprocess.Popen[str]
+    address: str
+    admin_url: str | None
+    args: list[str]
+    log: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 15.0) -> int:
+        """Stop the server (Ctrl-C by default) and return its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    @property
+    def output(self) -> str:
+        return "".join(self.log)
+
+
+def start_server(*args: str, address: str | None = None, timeout: float = 30.0) -> ServerProcess:
+    """Start `kvtier serve` in its own process and wait until it says it is ready."""
+    address = address or f"ipc:///tmp/kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+    argv = [
+        sys.executable, "-m", "kvtier.cli", "serve", "--address", address,
+        "--admin-port", "0", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    server = ServerProcess(proc, address, None, argv)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        server.log.append(line)
+        m = re.match(r"admin: (\S+)", line)
+        if m:
+            server.admin_url = m.group(1)
+        if line.startswith("kvtier: ready"):
+            _drain(server)
+            return server
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"kvtier serve did not start: {' '.join(argv)}\n{server.output}")
+
+
+def _drain(server: ServerProcess) -> None:
+    """Keep reading the server's output in the background so its pipe never fills."""
+    import threading
+
+    def pump() -> None:
+        assert server.proc.stdout is not None
+        for line in server.proc.stdout:
+            server.log.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+@pytest.fixture
+def server_factory() -> Iterator[Callable[..., ServerProcess]]:
+    """Start servers with `server_factory(*cli_args)`; all are stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def factory(*args: str, address: str | None = None) -> ServerProcess:
+        server = start_server(*args, address=address)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
+    """One server with a small L1 and short leases, fit for most tests."""
+    return server_factory("--l1-size", "64MiB", "--chunk-size", "16", "--client-timeout", "3")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The real Redis; fails (never skips) with how to start it when it is not running."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"{REDIS_HINT} ({exc})")
+    return REDIS_URL

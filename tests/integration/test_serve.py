@@ -1,0 +1,510 @@
+"""The server end to end: real server process, real client processes, real shared memory."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvtier import protocol as p
+from kvtier.client import Client
+from kvtier.errors import (
+    BadArrayError,
+    ErrorCode,
+    HashContractError,
+    InvalidArgumentError,
+    KVTierError,
+    LayoutMismatchError,
+    MisalignedRangeError,
+    NoSpaceError,
+    NotConnectedError,
+    NotRegisteredError,
+    UnknownSessionError,
+)
+from kvtier.hashing import TokenHasher
+
+from ..conftest import ServerProcess
+
+CS = 16  # the `server` fixture's chunk size
+SHAPE = (2, 2, CS, 4, 8)  # layers, K/V, tokens, heads, head_dim: 2 KiB per chunk in float16
+
+
+def kv_for(seed: int, num_chunks: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
+    """Deterministic KV bytes, so separate processes can check each other's data."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((num_chunks, *shape)).astype(np.float16)
+
+
+def status(server: ServerProcess) -> dict[str, Any]:
+    assert server.admin_url is not None
+    return httpx.get(server.admin_url + "/status", timeout=5).json()  # type: ignore[no-any-return]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# -- processes: a scheduler and TP workers --------------------------------------------------------
+
+
+def _worker(address: str, rank: int, tokens: list[int], store: bool, queue: Any) -> None:
+    """A TP worker: registers its shard layout, stores or retrieves-and-checks its shard."""
+    try:
+        with Client(address, timeout=10) as c:
+            c.register(model="m", world_size=2, worker_id=rank, chunk_shape=SHAPE, dtype="float16")
+            n = len(tokens) // CS
+            expected = kv_for(100 + rank, n)
+            if store:
+                queue.put(
+                    ("stored", rank, c.store("req", tokens, expected, model="m", worker_id=rank))
+                )
+            else:
+                out = np.zeros_like(expected)
+                got = c.retrieve("req2", tokens, out, model="m", worker_id=rank)
+                queue.put(("retrieved", rank, got, bool(np.array_equal(out, expected))))
+    except Exception as exc:  # report to the parent instead of dying silently
+        queue.put(("error", rank, repr(exc)))
+
+
+def _run_workers(address: str, tokens: list[int], store: bool, ranks: list[int]) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(address, r, tokens, store, queue)) for r in ranks]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    return sorted(results, key=lambda r: r[1])
+
+
+def test_tp2_round_trip_across_processes(server: ServerProcess) -> None:
+    tokens = list(range(5 * CS + 3))  # 5 full chunks and a partial one (never stored)
+    with Client(server.address) as scheduler:
+        assert scheduler.lookup("req", tokens, model="m", world_size=2) == 0
+        # rank 0 alone: its shards are ready but the chunk group is not complete -> no hit
+        assert _run_workers(server.address, tokens, True, [0]) == [("stored", 0, 5 * CS)]
+        assert scheduler.lookup("req", tokens, model="m", world_size=2) == 0
+        assert _run_workers(server.address, tokens, True, [1]) == [("stored", 1, 5 * CS)]
+        assert scheduler.lookup("req2", tokens, model="m", world_size=2) == 5 * CS
+        # a world_size=1 view of the same model is a different name space
+        assert scheduler.lookup("req3", tokens, model="m", world_size=1) == 0
+        results = _run_workers(server.address, tokens, False, [0, 1])
+        assert results == [("retrieved", 0, 5 * CS, True), ("retrieved", 1, 5 * CS, True)]
+        # each rank retrieved: the lookup's pins are gone
+        assert wait_for(lambda: status(server)["l1"]["pinned_groups"] == 0)
+
+
+def test_inline_and_shared_memory_paths_agree(server: ServerProcess) -> None:
+    tokens = np.arange(1000, 1000 + 4 * CS, dtype=np.int64)
+    kv = kv_for(1, 4)
+    with Client(server.address) as shm, Client(server.address, transfer="inline") as inline:
+        assert shm.transfer == "shm" and inline.transfer == "inline"
+        for c in (shm, inline):
+            c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert inline.store("a", tokens, kv, model="m") == 4 * CS
+        out = np.zeros_like(kv)
+        assert shm.retrieve("b", tokens.astype("<u4").tobytes(), out, model="m") == 4 * CS
+        assert np.array_equal(out, kv)
+        kv2 = kv_for(2, 4)
+        tokens2 = list(range(50_000, 50_000 + 4 * CS))
+        assert shm.store("c", tokens2, kv2, model="m") == 4 * CS
+        out2 = np.zeros_like(kv2)
+        assert inline.retrieve("d", tokens2, out2, model="m") == 4 * CS
+        assert np.array_equal(out2, kv2)
+
+
+def test_store_is_idempotent_and_retrieve_stops_at_first_missing_chunk(
+    server: ServerProcess,
+) -> None:
+    tokens = list(range(6 * CS))
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        kv = kv_for(3, 6)
+        assert c.store("r", tokens, kv[:3], model="m") == 3 * CS
+        assert c.store("r", tokens, kv[:3], model="m") == 3 * CS  # already there: no-op
+        out = np.zeros_like(kv)
+        assert c.retrieve("r", tokens, out, model="m") == 3 * CS
+        assert np.array_equal(out[:3], kv[:3]) and not out[3:].any()
+        assert c.store("r", tokens, kv[3:], model="m", start=3 * CS) == 3 * CS
+        assert c.lookup("r", tokens, model="m") == 6 * CS
+
+
+def test_torch_tensors_round_trip(server: ServerProcess) -> None:
+    torch = pytest.importorskip("torch", reason="torch is part of the test install")
+    tokens = list(range(3 * CS))
+    with Client(server.address) as c:
+        c.register(model="t", chunk_shape=SHAPE, dtype="bfloat16")
+        kv = torch.randn(3, *SHAPE, dtype=torch.bfloat16)
+        assert c.store("r", tokens, kv, model="t") == 3 * CS
+        out = torch.zeros_like(kv)
+        assert c.retrieve("r2", tokens, out, model="t") == 3 * CS
+        assert torch.equal(out, kv)
+
+
+def test_tenant_isolation_by_cache_salt(server: ServerProcess) -> None:
+    tokens = list(range(4 * CS))
+    kv = kv_for(4, 4)
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("a", tokens, kv, model="m", cache_salt="tenant-a")
+        assert c.lookup("x", tokens, model="m", cache_salt="tenant-a") == 4 * CS
+        assert c.lookup("y", tokens, model="m", cache_salt="tenant-b") == 0
+        assert c.lookup("z", tokens, model="m") == 0
+        out = np.zeros_like(kv)
+        assert c.retrieve("y", tokens, out, model="m", cache_salt="tenant-b") == 0
+        assert not out.any()
+
+
+# -- eviction and pins ----------------------------------------------------------------------------
+
+BIG = (64, 256)  # 64 KiB per chunk in float32
+
+
+def test_eviction_is_lru_and_capacity_is_hard(server_factory: Callable[..., ServerProcess]) -> None:
+    server = server_factory("--l1-size", "1MiB", "--chunk-size", str(CS))
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=BIG, dtype="float32")
+        seqs = [list(range(i * 1000, i * 1000 + CS)) for i in range(40)]
+        for i, tokens in enumerate(seqs[:12]):
+            c.store(f"s{i}", tokens, np.full((1, *BIG), i, np.float32), model="m")
+            c.end_session(f"s{i}")
+        # touch sequence 0 so it becomes the most recently used
+        assert c.lookup("t", seqs[0], model="m") == CS
+        c.end_session("t")
+        for i, tokens in enumerate(seqs[12:24], start=12):
+            c.store(f"s{i}", tokens, np.full((1, *BIG), i, np.float32), model="m")
+            c.end_session(f"s{i}")
+        l1 = status(server)["l1"]
+        assert l1["used_bytes"] <= l1["capacity_bytes"] == 1024 * 1024
+        assert l1["evictions"] > 0
+        hits = [c.lookup(f"h{i}", seqs[i], model="m") for i in range(24)]
+        assert hits[0] == CS  # touched: survived
+        assert hits[1] == 0  # least recently used: evicted first
+        assert hits[23] == CS  # newest
+        out = np.zeros((1, *BIG), np.float32)
+        assert c.retrieve("h23", seqs[23], out, model="m") == CS
+        assert (out == 23).all()
+
+
+def test_eviction_prefers_the_tail_of_a_chain(server_factory: Callable[..., ServerProcess]) -> None:
+    server = server_factory("--l1-size", "1MiB", "--chunk-size", str(CS))
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=BIG, dtype="float32")
+        chain = list(range(10 * CS))
+        c.store("chain", chain, np.zeros((10, *BIG), np.float32), model="m")
+        c.end_session("chain")
+        # 6 more chunks force 2+ evictions from a 16-chunk L1 holding 10 + 6 + extra
+        for i in range(8):
+            c.store(f"o{i}", list(range(10**6 + i * CS, 10**6 + (i + 1) * CS)),
+                    np.zeros((1, *BIG), np.float32), model="m")  # fmt: skip
+            c.end_session(f"o{i}")
+        hit = c.lookup("chain2", chain, model="m")
+        # the head of the chain survives; what was evicted came off its tail
+        assert 0 < hit < 10 * CS
+
+
+def test_pins_survive_eviction_pressure(server_factory: Callable[..., ServerProcess]) -> None:
+    server = server_factory("--l1-size", "1MiB", "--chunk-size", str(CS))
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=BIG, dtype="float32")
+        pinned_tokens = list(range(4 * CS))
+        kv = np.random.default_rng(5).standard_normal((4, *BIG)).astype(np.float32)
+        c.store("writer", pinned_tokens, kv, model="m")
+        c.end_session("writer")
+        assert c.lookup("reader", pinned_tokens, model="m") == 4 * CS  # pins 4 chunks
+        refused = 0
+        for i in range(40):  # far more than fits: everything unpinned gets evicted
+            try:
+                c.store(f"p{i}", list(range(10**6 + i * CS, 10**6 + (i + 1) * CS)),
+                        np.zeros((1, *BIG), np.float32), model="m")  # fmt: skip
+            except NoSpaceError:
+                refused += 1
+            c.end_session(f"p{i}")
+        assert refused == 0  # 12 free slots keep cycling
+        # a store larger than all unpinned room is refused with a typed error, not a crash
+        with pytest.raises(NoSpaceError, match="l1-size"):
+            c.store("huge", list(range(7 * 10**6, 7 * 10**6 + 14 * CS)),
+                    np.zeros((14, *BIG), np.float32), model="m")  # fmt: skip
+        out = np.zeros_like(kv)
+        assert c.retrieve("reader", pinned_tokens, out, model="m") == 4 * CS
+        assert np.array_equal(out, kv)
+        # every rank (here: one) retrieved, so the pins are gone: the store now fits
+        assert status(server)["l1"]["pinned_groups"] == 0
+        assert c.store("huge", list(range(7 * 10**6, 7 * 10**6 + 14 * CS)),
+                       np.zeros((14, *BIG), np.float32), model="m") == 14 * CS  # fmt: skip
+
+
+def test_pins_are_released_by_release_end_session_and_expiry(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    server = server_factory(
+        "--chunk-size", str(CS), "--l1-size", "16MiB", "--session-ttl", "1",
+        "--session-cleanup-interval", "0.2",
+    )  # fmt: skip
+    tokens = list(range(3 * CS))
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("w", tokens, kv_for(6, 3), model="m")
+        c.end_session("w")
+        assert c.lookup("a", tokens, model="m") == 3 * CS
+        assert status(server)["l1"]["pinned_groups"] == 3
+        c.release("a")
+        assert status(server)["l1"]["pinned_groups"] == 0
+        assert c.lookup("b", tokens, model="m") == 3 * CS
+        c.end_session("b")
+        assert status(server)["l1"]["pinned_groups"] == 0
+        assert c.lookup("abandoned", tokens, model="m") == 3 * CS
+        assert wait_for(lambda: status(server)["l1"]["pinned_groups"] == 0, timeout=10)
+        sessions = status(server)["sessions"]
+        assert sessions["orphaned"] >= 1
+
+
+# -- crashes --------------------------------------------------------------------------------------
+
+
+def _die_mid_store(address: str, ready: Any) -> None:
+    c = Client(address, timeout=10)
+    c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+    tokens = np.arange(7000, 7000 + 4 * CS, dtype="<u4").tobytes()
+    reply, _ = c._call(
+        p.Reserve("dying", tokens, "m", 1, 0, 0, 4 * CS, list(SHAPE), "float16", 4, "")
+    )
+    assert isinstance(reply, p.ReserveReply)
+    arena = c._arena_bytes
+    assert arena is not None
+    arena[reply.offsets[0] : reply.offsets[0] + reply.chunk_nbytes // 2] = 7  # half a chunk
+    ready.set()
+    time.sleep(600)  # killed before it commits
+
+
+def test_worker_killed_mid_store_leaves_nothing_visible(server: ServerProcess) -> None:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_die_mid_store, args=(server.address, ready))
+    proc.start()
+    assert ready.wait(30)
+    assert status(server)["l1"]["staging_shards"] == 4
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    tokens = list(range(7000, 7000 + 4 * CS))
+    with Client(server.address) as c:
+        assert c.lookup("x", tokens, model="m") == 0  # no partial chunk is visible
+        # the server reclaims the dead client's staging slots once its heartbeats stop (3 s)
+        assert wait_for(lambda: status(server)["l1"]["staging_shards"] == 0, timeout=20)
+        assert status(server)["l1"]["used_bytes"] == 0
+        kv = kv_for(7, 4)
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert c.store("y", tokens, kv, model="m") == 4 * CS
+        out = np.zeros_like(kv)
+        assert c.retrieve("z", tokens, out, model="m") == 4 * CS
+        assert np.array_equal(out, kv)
+
+
+def test_ctrl_c_stops_cleanly_and_a_stale_segment_does_not_block_a_restart(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    first = server_factory("--l1-size", "8MiB")
+    line = next(ln for ln in first.log if "/dev/shm/" in ln)
+    segment = line.split("/dev/shm/")[1].split(";")[0]
+    assert os.stat(f"/dev/shm/{segment}").st_mode & 0o777 == 0o600
+    assert first.stop(signal.SIGINT) == 0
+    assert not os.path.exists(f"/dev/shm/{segment}")
+    crashed = server_factory("--l1-size", "8MiB", address=first.address)
+    crashed.stop(signal.SIGKILL)
+    assert os.path.exists(f"/dev/shm/{segment}")  # left behind by the crash
+    again = server_factory("--l1-size", "8MiB", address=first.address)
+    with Client(again.address) as c:
+        assert c.lookup("r", list(range(256)), model="m") == 0
+    assert again.stop() == 0
+
+
+def test_tcp_address_serves_inline_clients(server_factory: Callable[..., ServerProcess]) -> None:
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as s:
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+        s.unbind(s.getsockopt_string(zmq.LAST_ENDPOINT))
+    server = server_factory("--chunk-size", str(CS), address=f"tcp://127.0.0.1:{port}")
+    tokens = list(range(2 * CS))
+    kv = kv_for(8, 2)
+    with Client(server.address, transfer="inline") as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert c.store("r", tokens, kv, model="m") == 2 * CS
+        out = np.zeros_like(kv)
+        assert c.retrieve("r", tokens, out, model="m") == 2 * CS
+        assert np.array_equal(out, kv)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class RawPeer:
+    """A bare DEALER socket that speaks (or garbles) the protocol by hand."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, *frames: bytes) -> list[bytes] | None:
+        self.sock.send_multipart(list(frames))
+        if not self.sock.poll(5000):
+            return None
+        return self.sock.recv_multipart()
+
+    def error(self, *frames: bytes) -> int:
+        reply = self.send(*frames)
+        assert reply is not None, "the server did not reply"
+        decoded = p.decode_reply(reply[-1])
+        assert isinstance(decoded, p.ErrorReply), decoded
+        return decoded.code
+
+    def hello(self) -> None:
+        msg = p.Hello(p.PROTOCOL_VERSION, "raw-peer")
+        reply = self.send(b"seq00001", p.encode(msg))
+        assert reply is not None and isinstance(p.decode_reply(reply[1]), p.HelloReply)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def test_every_error_code_reaches_a_real_client(server: ServerProcess) -> None:
+    raw = RawPeer(server.address)
+    seen: set[int] = set()
+    try:
+        seen.add(raw.error(b"s", b"\xc1garbage"))
+        seen.add(raw.error(b"s", msgspec.msgpack.encode(["Teleport", 1, 2])))
+        seen.add(raw.error(b"s", p.encode(p.Lookup("r", b"", "m"))))  # before Hello
+        seen.add(raw.error(b"s", p.encode(p.Hello(99, "raw"))))
+        raw.hello()
+        seen.add(raw.error(b"s", p.encode(p.Commit(424242))))
+    finally:
+        raw.close()
+    assert seen == {
+        ErrorCode.MALFORMED_FRAME,
+        ErrorCode.UNKNOWN_REQUEST,
+        ErrorCode.NOT_CONNECTED,
+        ErrorCode.PROTOCOL_VERSION,
+        ErrorCode.UNKNOWN_RESERVATION,
+    }
+    with pytest.raises(HashContractError, match="chunk_size"):
+        Client(server.address, hasher=TokenHasher(chunk_size=32))
+    Client(server.address, hasher=TokenHasher(chunk_size=CS)).close()  # same settings: fine
+    tokens = list(range(4 * CS))
+    kv = kv_for(9, 2)
+    with Client(server.address) as c:
+        with pytest.raises(NotRegisteredError, match="register"):
+            c.store("r", tokens, kv, model="nobody")
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("keep", tokens[: 2 * CS], kv, model="m")
+        with pytest.raises(LayoutMismatchError):
+            c.register(model="m", chunk_shape=(2, 2, CS, 4, 16), dtype="float16")
+        with pytest.raises(InvalidArgumentError):
+            c.register(model="m2", world_size=2, worker_id=2, chunk_shape=SHAPE, dtype="float16")
+        with pytest.raises(MisalignedRangeError, match="16"):
+            c.store("r", tokens, kv, model="m", start=5)
+        with pytest.raises(MisalignedRangeError, match="past"):
+            c.store("r", tokens, kv_for(9, 6), model="m")  # 6 chunks but 4 chunks of tokens
+        with pytest.raises(BadArrayError, match="float16"):
+            c.store("r", tokens, kv.astype(np.float32), model="m")
+        with pytest.raises(BadArrayError):
+            c.store("r", tokens, kv_for(9, 2, (2, 2, CS, 4, 4)), model="m")
+        with pytest.raises(BadArrayError, match="chunks"):
+            c.store("r", tokens, kv, model="m", end=3 * CS)
+        with pytest.raises(UnknownSessionError):
+            c.end_session("never-was")
+        with pytest.raises(NoSpaceError):
+            big = np.zeros((1, 9000, 4096), np.float16)  # 72 MiB > the 64 MiB L1
+            c.register(model="big", chunk_shape=big.shape[1:], dtype="float16")
+            c.store("big", tokens[:CS], big, model="big")
+        # nothing stored was lost or corrupted by all of that
+        out = np.zeros_like(kv)
+        assert c.retrieve("check", tokens, out, model="m") == 2 * CS
+        assert np.array_equal(out, kv)
+    with pytest.raises(NotConnectedError, match="running"):
+        Client("ipc:///tmp/kvtier-nobody-listens.sock", timeout=0.5)
+
+
+def test_fuzzed_frames_get_one_reply_each_and_leave_data_intact(server: ServerProcess) -> None:
+    tokens = list(range(3 * CS))
+    kv = kv_for(10, 3)
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("keep", tokens, kv, model="m")
+    rng = random.Random(1234)
+    valid = [
+        p.encode(p.Lookup("f", bytes(range(64)), "m")),
+        p.encode(p.Reserve("f", b"\x00" * 64, "m", 1, 0, 0, CS, list(SHAPE), "float16", 1)),
+        p.encode(p.Retrieve("f", b"\x01" * 64, "m", 1, 0, 0, CS, list(SHAPE), "float16", 1)),
+        p.encode(p.Commit(1)),
+        p.encode(p.Register("m", 1, 0, list(SHAPE), "float16")),
+        p.encode(p.Hello(p.PROTOCOL_VERSION, "fuzz")),
+    ]
+
+    def frame() -> list[bytes]:
+        kind = rng.randrange(6)
+        if kind == 0:  # random bytes
+            return [b"seq", rng.randbytes(rng.randrange(0, 200))]
+        if kind == 1:  # a truncated valid message
+            msg = rng.choice(valid)
+            return [b"seq", msg[: rng.randrange(0, len(msg))]]
+        if kind == 2:  # a valid message with a flipped byte
+            msg = bytearray(rng.choice(valid))
+            msg[rng.randrange(len(msg))] ^= 1 << rng.randrange(8)
+            return [b"seq", bytes(msg)]
+        if kind == 3:  # random msgpack structures, some with real tags
+            tag = rng.choice(["Lookup", "Reserve", "Retrieve", "Hello", "Nope", 7])
+            body = [tag, *[rng.choice([1, -1, "x", b"y", None, [1], {"a": 1}]) for _ in range(5)]]
+            return [b"seq", msgspec.msgpack.encode(body)]
+        if kind == 4:  # wrong frame counts
+            return [rng.randbytes(3)] if rng.random() < 0.5 else [b"s", valid[0], b"p", b"q"]
+        return [b"seq", rng.choice(valid)]  # valid, in any order
+
+    peers = [RawPeer(server.address) for _ in range(4)]
+    try:
+        for peer in peers[:2]:
+            peer.hello()
+        sent = 0
+        for i in range(3000):
+            peer = peers[i % 4]
+            peer.sock.send_multipart(frame())
+            sent += 1
+        replies = 0
+        for peer in peers:
+            while peer.sock.poll(2000):
+                peer.sock.recv_multipart()
+                replies += 1
+        assert replies == sent  # exactly one reply per request
+    finally:
+        for peer in peers:
+            peer.close()
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        out = np.zeros_like(kv)
+        assert c.retrieve("after", tokens, out, model="m") == 3 * CS
+        assert np.array_equal(out, kv)
+
+
+def test_a_client_error_does_not_disturb_other_clients(server: ServerProcess) -> None:
+    tokens = list(range(2 * CS))
+    with Client(server.address) as good, Client(server.address) as bad:
+        good.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        for _ in range(20):
+            with pytest.raises(KVTierError):
+                bad.store("x", tokens, np.zeros(3), model="m")
+        assert good.store("g", tokens, kv_for(11, 2), model="m") == 2 * CS
