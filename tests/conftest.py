@@ -48,7 +48,13 @@ class ServerProcess:
 
 
 def start_server(*args: str, address: str | None = None, timeout: float = 30.0) -> ServerProcess:
-    """Start `kvtier serve` in its own process and wait until it says it is ready."""
+    """Start `kvtier serve` in its own process and wait until it says it is ready.
+
+    Without an explicit `--l2`, the server gets none: the embedded default (a disk folder that
+    outlives the test) would let one test's chunks leak into another.
+    """
+    if "--l2" not in args:
+        args = (*args, "--l2", "none")
     address = address or f"ipc:///tmp/kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
     argv = [
         sys.executable, "-m", "kvtier.cli", "serve", "--address", address,

@@ -11,21 +11,28 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ServerConfig", "format_size", "parse_size"]
+__all__ = ["DEFAULT_L2", "ServerConfig", "format_size", "parse_size"]
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from "2GiB", "512MiB", "1G", "4096"; binary (1024) units for both GiB and G."""
+    """Bytes in a size such as "50GiB", "512MiB", "1G", "1.5KiB", "4096" or "4096B".
+
+    Follows coreutils: "K"/"KiB" are powers of 1024, "KB" (a B without the i) powers of 1000.
+    """
     if isinstance(text, int):
         return text
     m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"not a byte size: {text!r} (examples: 4096, 512MiB, 2GiB)")
-    number, unit, _ = m.groups()
-    return int(float(number) * 1024 ** _POWERS[unit.lower()])
+    if m is None or (not m.group(2) and m.group(3)):
+        raise ValueError(f"not a byte size: {text!r} (expected e.g. '50GiB', '512MiB', '4096')")
+    number, unit, binary, b_suffix = m.groups()
+    power = "kmgtp".index(unit.lower()) + 1 if unit else 0
+    base = 1000 if b_suffix and not binary else 1024
+    value = float(number) * base**power
+    if value != int(value):
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
 
 
 def format_size(num_bytes: int) -> str:
@@ -36,6 +43,10 @@ def format_size(num_bytes: int) -> str:
             return f"{value:g}{unit}" if unit != "B" else f"{int(value)}B"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+#: the embedded default L2: a local folder per server (per arena), needing nothing installed
+DEFAULT_L2 = "disk://~/.cache/kvtier/{arena}?size=10GiB"
 
 
 def _opt(default: Any, help: str, *, kind: str = "", **kw: Any) -> Any:
@@ -55,9 +66,10 @@ class ServerConfig:
     )
     l1_size: int = _opt(1024**3, "Byte capacity of the shared-memory L1 (e.g. 2GiB)", kind="size")
     l2: list[str] = _opt(
-        [],
+        [DEFAULT_L2],
         "L2 tier URL(s), consulted in order: disk:///path?size=50GiB, redis://host:6379/0"
-        "?prefix=kvtier&ttl=3600 (repeat for several)",
+        "?prefix=kvtier&ttl=3600 (repeat for several; 'none' for no L2). {arena} stands for "
+        "the arena name, so servers on different addresses never share a folder",
     )
     chunk_size: int = _opt(256, "Tokens per chunk")
     hash_algorithm: str = _opt("blake3", "Chunk hash: blake3, xxh3_128, sha256, sha256_cbor")
@@ -101,6 +113,10 @@ class ServerConfig:
             raise ValueError(
                 f"--l2-queue-policy must be 'drop' or 'block', got {self.l2_queue_policy!r}"
             )
+
+    def l2_urls(self, arena_name: str) -> list[str]:
+        """The L2 tier URLs to open, in order, with {arena} filled in ("none" means no L2)."""
+        return [u.replace("{arena}", arena_name) for u in self.l2 if u and u.lower() != "none"]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe view, with the admin token masked."""

@@ -4,7 +4,6 @@ recompute, across processes, across a 2-rank head split, and in half precision."
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.integrations.demo import connect, random_model
+from kvtier.integrations.demo import connect, random_model, serve
 from kvtier.integrations.transformers import (
     KVGeometry,
     KVTierCache,
@@ -40,32 +39,10 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 ARCHS = ["llama", "qwen2"]
 
 
-def _start_server(address: str, *extra: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "kvtier.cli", "serve", "--address", address]
-    argv += ["--chunk-size", str(CHUNK), "--l1-size", "64MiB", *extra]
-    env = {**os.environ, "PYTHONPATH": SRC}
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _stop_server(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail("kvtier serve did not stop on SIGINT")
-
-
 @pytest.fixture(scope="module")
 def address() -> Iterator[str]:
-    addr = f"ipc:///tmp/kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:6]}.sock"
-    proc = _start_server(addr)
-    try:
-        connect(addr, wait=30).close()
+    with serve(CHUNK, "64MiB") as addr:
         yield addr
-    finally:
-        _stop_server(proc)
 
 
 @pytest.fixture
@@ -208,7 +185,7 @@ _WORKER = textwrap.dedent(
     """
     import sys, json
     import numpy as np, torch
-    from kvtier.integrations.demo import connect, random_model
+    from kvtier.integrations.demo import connect, random_model, serve
     from kvtier.integrations.transformers import KVTierCache, full_prefill
 
     role, address, name, arch = sys.argv[1:5]
@@ -321,3 +298,18 @@ def test_half_precision_round_trip_is_exact(dtype: torch.dtype, client: Any) -> 
     _, reused = kv.prefill(prompt)
     assert kv.last_hit_tokens == 3 * CHUNK
     assert reused.layers[0].keys.dtype == dtype
+
+
+def test_reuse_after_a_disk_tier_round_trip_and_a_restart(tmp_path: Path) -> None:
+    model = random_model("qwen2")
+    name = _name()
+    disk = ["--l2", f"disk://{tmp_path}/l2?size=64MiB", "--admin-port", "-1"]
+    prompt = _prompt(60, 4 * CHUNK + 5)
+    with serve(CHUNK, "64MiB", *disk) as addr, connect(addr) as c:
+        KVTierCache(model, c, name).prefill(prompt)
+    # a new server: its L1 is empty, so every hit below comes back from the disk tier
+    with serve(CHUNK, "64MiB", *disk) as addr, connect(addr) as c:
+        kv = KVTierCache(model, c, name)
+        logits, _ = kv.prefill(prompt)
+        assert kv.last_hit_tokens == 4 * CHUNK
+        torch.testing.assert_close(logits, full_prefill(model, prompt)[0], atol=TOL, rtol=0)

@@ -113,31 +113,44 @@ class DemoStep:
 
 
 @contextlib.contextmanager
-def serve(chunk_size: int, l1_size: str = "2GiB") -> Iterator[str]:
-    """Runs a kvtier server subprocess on a private socket; yields its address, stops it
-    with SIGINT on exit."""
+def serve(chunk_size: int, l1_size: str = "512MiB", *extra: str) -> Iterator[str]:
+    """Runs a private kvtier server subprocess, yields its address once it answers and stops it
+    with SIGINT on exit. `extra` options replace the default `--l2 none --admin-port -1`."""
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         address = f"ipc://{tmp}/kvtier.sock"
         argv = [sys.executable, "-m", "kvtier.cli", "serve", "--address", address]
         argv += ["--l1-size", l1_size, "--chunk-size", str(chunk_size)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        argv += ["--l2", "none", "--admin-port", "-1"] if not extra else list(extra)
+        log = Path(tmp) / "server.log"
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
         try:
+            connect(address, server=proc, log=log).close()
             yield address
         finally:
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
 
 
-def connect(address: str, *, wait: float = 30.0) -> Any:
-    """A `kvtier.Client` for `address`, retrying while a just-started server comes up."""
+def connect(
+    address: str,
+    *,
+    wait: float = 60.0,
+    server: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> Any:
+    """A `kvtier.Client` for `address`, retrying while a just-started `server` comes up."""
     from kvtier.client import Client
 
     deadline = time.monotonic() + wait
     while True:
+        if server is not None and server.poll() is not None:
+            output = log.read_text(errors="replace")[-2000:] if log else ""
+            raise RuntimeError(f"kvtier serve exited with {server.returncode}:\n{output}")
         try:
             return Client(address, timeout=2.0)
         except Exception:

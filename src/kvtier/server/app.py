@@ -12,6 +12,7 @@ from kvtier.config import ServerConfig, format_size
 from kvtier.server.admin import AdminServer, start_admin_server
 from kvtier.server.engine import Engine
 from kvtier.server.transport import Transport
+from kvtier.storage.arena import default_arena_name
 from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.base import open_tier
 
@@ -29,9 +30,11 @@ class KVTierServer:
         self.tiers: TierManager | None = None
         self.admin: AdminServer | None = None
         self.transport: Transport | None = None
-        if config.l2:
+        config.arena_name = config.arena_name or default_arena_name(config.address[0])
+        l2_urls = config.l2_urls(config.arena_name)
+        if l2_urls:
             self.tiers = TierManager(
-                [open_tier(url) for url in config.l2],
+                [open_tier(url) for url in l2_urls],
                 queue_size=config.l2_queue_size,
                 policy="block" if config.l2_queue_policy == "block" else "drop",
             )
@@ -61,10 +64,11 @@ class KVTierServer:
             signal.signal(signum, self._on_signal)
         assert self.transport is not None
         cfg = self.config
+        l2 = ", ".join(cfg.l2_urls(self.engine.arena.name)) or "none"
         print(f"kvtier: listening on {', '.join(self.transport.addresses)}", flush=True)
         print(
             f"kvtier: L1 {format_size(self.engine.arena.size)} in /dev/shm/{self.engine.arena.name}"
-            f"; L2: {', '.join(cfg.l2) or 'none'}; chunk {cfg.chunk_size} tokens, "
+            f"; L2: {l2}; chunk {cfg.chunk_size} tokens, "
             f"{cfg.hash_algorithm}",
             flush=True,
         )

@@ -7,7 +7,6 @@ corrupted or misnamed one and never serves the latter.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -68,26 +67,6 @@ class L2Tier(Protocol):
     def close(self) -> None:
         """Release files, connections and threads; the tier is unusable afterwards."""
         ...
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as "50GiB", "512MiB", "1G", "1.5KiB", "4096" or "4096B".
-
-    Follows coreutils: "K"/"KiB" are powers of 1024, "KB" (a B without the i) powers of 1000.
-    """
-    m = _SIZE_RE.match(text)
-    if m is None or (not m.group(2) and m.group(3)):
-        raise ValueError(f"not a byte size: {text!r} (expected e.g. '50GiB', '512MiB', '4096')")
-    number, unit, binary, b_suffix = m.groups()
-    power = "kmgtp".index(unit.lower()) + 1 if unit else 0
-    base = 1000 if b_suffix and not binary else 1024
-    value = float(number) * base**power
-    if value != int(value):
-        raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(value)
 
 
 def _open_disk(url: str) -> L2Tier:

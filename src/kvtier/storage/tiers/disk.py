@@ -32,9 +32,10 @@ from urllib.parse import parse_qs, urlsplit
 import xxhash
 from typing_extensions import Buffer
 
+from kvtier.config import parse_size
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import format as fmt
-from kvtier.storage.tiers.base import TierStats, parse_size
+from kvtier.storage.tiers.base import TierStats
 
 logger = logging.getLogger(__name__)
 
