@@ -382,12 +382,28 @@ class Engine:
                 f"{req.end}) covers {(req.end - req.start) // cs} chunks of {cs} tokens"
             )
         session = self._session(req.request_id, req.tokens)
-        hashes = session.get_hashes(req.start, req.end)
-        return self._keys(req.model, req.cache_salt, req.world_size, hashes)
+        keys = self._keys(session, req.model, req.cache_salt, req.world_size, req.end)
+        return keys[req.start // cs :]
 
     @staticmethod
-    def _keys(model: str, salt: str, world_size: int, hashes: list[bytes]) -> list[ChunkKey]:
-        return [ChunkKey(model, salt, world_size, h) for h in hashes]
+    def _keys(session: Session, model: str, salt: str, world_size: int, end: int) -> list[ChunkKey]:
+        """Names of the session's chunks [0, end) under (model, salt, world_size).
+
+        Kept per session and extended as it grows: a repeated lookup of a long prompt builds no
+        new keys. Hashes are chained, so when the last cached key still carries the hash at its
+        position, every earlier one does too; otherwise the cache is rebuilt.
+        """
+        hashes = session.get_hashes(0, end)
+        cache: dict[tuple[str, str, int], list[ChunkKey]] = session.extras.setdefault(
+            "chunk_keys", {}
+        )
+        keys = cache.setdefault((model, salt, world_size), [])
+        if len(keys) > len(hashes):
+            del keys[len(hashes) :]
+        if keys and keys[-1].chunk_hash != hashes[len(keys) - 1]:
+            keys.clear()
+        keys.extend(ChunkKey(model, salt, world_size, h) for h in hashes[len(keys) :])
+        return keys[: len(hashes)]
 
     def _require_session(self, request_id: str) -> Session:
         session = self.sessions.get(request_id)
@@ -418,7 +434,14 @@ class Engine:
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
         session = self._session(req.request_id, req.tokens)
-        keys = self._keys(req.model, req.cache_salt, req.world_size, session.get_hashes(0))
+        num_tokens = session.num_tokens
+        keys = self._keys(
+            session,
+            req.model,
+            req.cache_salt,
+            req.world_size,
+            num_tokens - num_tokens % self.chunk_size,
+        )
         hit = self.l1.count_prefix(keys)
         if hit:
             self.l1.pin(
