@@ -1,7 +1,42 @@
-"""kvtier: a KV-cache server for LLM inference engines."""
+"""kvtier: a KV-cache server for LLM inference engines.
 
+The public surface: the client (`Client`), chunk naming (`TokenHasher`), per-request state
+(`Session`, `SessionManager`), background threads (`PeriodicThread` and friends), the server's
+configuration (`ServerConfig`), stored names (`ChunkKey`, `ObjectKey`) and the error tree.
+torch and transformers are never imported here (see `kvtier.integrations`).
+"""
+
+from kvtier.client import Client
+from kvtier.config import ServerConfig
+from kvtier.errors import ErrorCode, KVTierError
+from kvtier.hashing import ChunkHash, TokenHasher
 from kvtier.keys import ChunkKey, ObjectKey
+from kvtier.periodic import (
+    PeriodicThread,
+    PeriodicThreadRegistry,
+    ThreadLevel,
+    ThreadRunSummary,
+    create_periodic_thread,
+)
+from kvtier.session import Session, SessionManager
 
 __version__ = "0.1.0"
 
-__all__ = ["ChunkKey", "ObjectKey", "__version__"]
+__all__ = [
+    "ChunkHash",
+    "ChunkKey",
+    "Client",
+    "ErrorCode",
+    "KVTierError",
+    "ObjectKey",
+    "PeriodicThread",
+    "PeriodicThreadRegistry",
+    "ServerConfig",
+    "Session",
+    "SessionManager",
+    "ThreadLevel",
+    "ThreadRunSummary",
+    "TokenHasher",
+    "__version__",
+    "create_periodic_thread",
+]

@@ -30,11 +30,16 @@ class KVTierServer:
         self.tiers: TierManager | None = None
         self.admin: AdminServer | None = None
         self.transport: Transport | None = None
+        self.admin_error = ""
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         l2_urls = config.l2_urls(config.arena_name)
         if l2_urls:
+            tiers = [open_tier(url) for url in l2_urls]
+            for i, tier in enumerate(tiers):  # two tiers of one kind: disk, disk-2, ...
+                if any(t.name == tier.name for t in tiers[:i]):
+                    tier.name = f"{tier.name}-{i + 1}"
             self.tiers = TierManager(
-                [open_tier(url) for url in l2_urls],
+                tiers,
                 queue_size=config.l2_queue_size,
                 policy="block" if config.l2_queue_policy == "block" else "drop",
             )
@@ -47,16 +52,23 @@ class KVTierServer:
             raise
         try:
             if config.admin_port >= 0:
-                self.admin = start_admin_server(
-                    self.engine,
-                    host=config.admin_host,
-                    port=config.admin_port,
-                    token=config.admin_token,
-                )
+                self.admin = self._start_admin()
             self.transport = Transport(self.engine, config.address)
         except BaseException:
             self.close()
             raise
+
+    def _start_admin(self) -> AdminServer | None:
+        """The admin API; a port already in use costs the API, never the cache service."""
+        cfg = self.config
+        try:
+            return start_admin_server(
+                self.engine, host=cfg.admin_host, port=cfg.admin_port, token=cfg.admin_token
+            )
+        except OSError as exc:
+            self.admin_error = f"disabled: {exc}"
+            logger.error("admin API disabled: %s (choose another --admin-port)", exc)
+            return None
 
     def run(self) -> None:
         """Serve until a signal (or `stop_event`) says stop, then shut down cleanly."""
@@ -74,6 +86,8 @@ class KVTierServer:
         )
         if self.admin is not None:
             print(f"admin: {self.admin.url}", flush=True)
+        elif self.admin_error:
+            print(f"admin: {self.admin_error}", flush=True)
         print("kvtier: ready", flush=True)
         try:
             self.transport.serve_forever(self.stop_event)
