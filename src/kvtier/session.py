@@ -69,7 +69,7 @@ class Session:
         "chunk_hashes",
         "clock",
         "created_at",
-        "extras",
+        "_extras",
         "hasher",
         "last_access",
         "lookup_ipc_key",
@@ -90,12 +90,23 @@ class Session:
         #: hashes of chunks [0, len(chunk_hashes)); always a prefix of the current tokens' chunks
         self.chunk_hashes: list[bytes] = []
         self.lookup_ipc_key: str | None = None
-        self.extras: dict[str, Any] = {}
+        self._extras: dict[str, Any] | None = None
         self.created_at = clock()
         self.last_access = self.created_at
         # SessionManager bookkeeping: the sequence number of its valid expiry-heap entry, -1
         # while it is still in the manager's creation-order queue.
         self._expiry_seq = -1
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """Free-form per-request data (the lineage's field), created on first use.
+
+        Lazy because every dict a session owns is one more object for the garbage collector to
+        scan: with 100k live sessions that cost more than creating them.
+        """
+        if self._extras is None:
+            self._extras = {}
+        return self._extras
 
     # -- the lineage's read-only views -------------------------------------------------------
 
