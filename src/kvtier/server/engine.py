@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -27,11 +26,9 @@ from kvtier.errors import (
     InternalError,
     InvalidArgumentError,
     KVTierError,
-    LayoutMismatchError,
     MisalignedRangeError,
     NoSpaceError,
     NotConnectedError,
-    NotRegisteredError,
     ProtocolVersionError,
     UnknownReservationError,
     UnknownSessionError,
@@ -46,45 +43,18 @@ from kvtier.periodic import (
     ThreadRunSummary,
     create_periodic_thread,
 )
+from kvtier.server.layouts import Layout, LayoutRegistry
 from kvtier.session import Session, SessionManager
 from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 
-__all__ = ["DTYPE_SIZES", "Engine"]
+__all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
 
-#: bytes per element of the dtypes a KV layout may use (torch names without "torch.")
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-}
-
 _PREFETCH_OWNER = "kvtier:l2-prefetch"
 _instances = itertools.count()
-
-
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """One chunk of one rank's shard: what a worker registered for (model, world_size)."""
-
-    chunk_shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-    @property
-    def text(self) -> str:
-        return f"{self.dtype}[{','.join(map(str, self.chunk_shape))}]"
 
 
 @dataclass(slots=True)
@@ -156,7 +126,7 @@ class Engine:
             registry=self._registry,
         )
         self.sessions.destroy_listeners.append(self._on_session_destroyed)
-        self._layouts: dict[tuple[str, int], _Layout] = {}
+        self.layouts = LayoutRegistry()
         self._connections: dict[bytes, str] = {}  # ZMQ routing identity -> client id
         self._clients: dict[str, _Client] = {}
         self._reservations: dict[int, _Reservation] = {}
@@ -295,19 +265,9 @@ class Engine:
         )
 
     def _register(self, client: _Client, req: p.Register) -> p.Ok:
-        if req.world_size < 1 or not 0 <= req.worker_id < req.world_size:
-            raise InvalidArgumentError(
-                f"worker_id {req.worker_id} is outside range(world_size={req.world_size})"
-            )
-        layout = self._make_layout(req.chunk_shape, req.dtype)
-        key = (req.model, req.world_size)
-        known = self._layouts.get(key)
-        if known is not None and known != layout:
-            raise LayoutMismatchError(
-                f"model {req.model!r} with world_size {req.world_size} is registered with "
-                f"chunk layout {known.text}; rank {req.worker_id} sent {layout.text}"
-            )
-        self._layouts[key] = layout
+        layout = self.layouts.register(
+            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+        )
         registration = {
             "model": req.model,
             "world_size": req.world_size,
@@ -318,42 +278,6 @@ class Engine:
         if registration not in client.registrations:
             client.registrations.append(registration)
         return p.Ok()
-
-    @staticmethod
-    def _make_layout(chunk_shape: Sequence[int], dtype: str) -> _Layout:
-        itemsize = DTYPE_SIZES.get(dtype)
-        if itemsize is None:
-            raise BadArrayError(
-                f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_SIZES)}"
-            )
-        if not chunk_shape or any(d <= 0 for d in chunk_shape):
-            raise BadArrayError(f"chunk shape {list(chunk_shape)} must be non-empty and positive")
-        return _Layout(tuple(chunk_shape), dtype, math.prod(chunk_shape) * itemsize)
-
-    def _layout_for(
-        self,
-        model: str,
-        world_size: int,
-        worker_id: int,
-        chunk_shape: Sequence[int],
-        dtype: str,
-    ) -> _Layout:
-        layout = self._layouts.get((model, world_size))
-        if layout is None:
-            raise NotRegisteredError(
-                f"no worker registered a layout for model {model!r} with world_size "
-                f"{world_size}: call Client.register(model=..., world_size=..., ...) first"
-            )
-        if not 0 <= worker_id < world_size:
-            raise InvalidArgumentError(
-                f"worker_id {worker_id} is outside range(world_size={world_size})"
-            )
-        if tuple(chunk_shape) != layout.chunk_shape or dtype != layout.dtype:
-            raise BadArrayError(
-                f"array chunks are {dtype}{list(chunk_shape)} but model {model!r} "
-                f"(world_size {world_size}) is registered as {layout.text}"
-            )
-        return layout
 
     # -- sessions and names -----------------------------------------------------------------------
 
@@ -469,7 +393,7 @@ class Engine:
         in ends the hit there.
         """
         assert self.tiers is not None
-        layout = self._layouts.get((req.model, req.world_size))
+        layout = self.layouts.get(req.model, req.world_size)
         if layout is None:
             return hit  # no worker told us the layout: nothing in L2 can be checked or loaded
         ws = req.world_size
@@ -495,7 +419,7 @@ class Engine:
                 self.l1.release(key)
         return hit
 
-    def _load_group(self, key: ChunkKey, layout: _Layout) -> bool:
+    def _load_group(self, key: ChunkKey, layout: Layout) -> bool:
         assert self.tiers is not None
         for worker_id in range(key.world_size):
             if self.l1.get_shard(key, worker_id) is not None:
@@ -523,7 +447,7 @@ class Engine:
     # -- store ----------------------------------------------------------------------------------
 
     def _reserve(self, client_id: str, req: p.Reserve | p.StoreInline) -> p.ReserveReply:
-        layout = self._layout_for(
+        layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
         keys = self._range_keys(req)
@@ -597,7 +521,7 @@ class Engine:
     def _store_inline(
         self, client_id: str, req: p.StoreInline, payloads: Sequence[Any]
     ) -> p.StoreReply:
-        layout = self._layout_for(
+        layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
         if len(payloads) != req.num_chunks:
@@ -636,7 +560,7 @@ class Engine:
     # -- retrieve -------------------------------------------------------------------------------
 
     def _retrieve(self, client_id: str, req: p.Retrieve) -> list[Any]:
-        layout = self._layout_for(
+        layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
         keys = self._range_keys(req)

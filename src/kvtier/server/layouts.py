@@ -1,0 +1,109 @@
+"""The KV layouts workers register: what one chunk of one rank's shard looks like.
+
+A layout is registered per (model, world_size) and must be the same for every rank, so the
+server can size slots, check every store and retrieve against it, and label L2 objects with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.errors import (
+    BadArrayError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    NotRegisteredError,
+)
+
+__all__ = ["DTYPE_SIZES", "Layout", "LayoutRegistry"]
+
+#: bytes per element of the dtypes a KV layout may use (torch names without "torch.")
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One chunk of one rank's shard."""
+
+    chunk_shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    @classmethod
+    def of(cls, chunk_shape: Sequence[int], dtype: str) -> Layout:
+        itemsize = DTYPE_SIZES.get(dtype)
+        if itemsize is None:
+            raise BadArrayError(
+                f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_SIZES)}"
+            )
+        if not chunk_shape or any(d <= 0 for d in chunk_shape):
+            raise BadArrayError(f"chunk shape {list(chunk_shape)} must be non-empty and positive")
+        return cls(tuple(chunk_shape), dtype, math.prod(chunk_shape) * itemsize)
+
+    @property
+    def text(self) -> str:
+        """The form stored with L2 objects and shown in errors, e.g. "float16[32,2,256,4,128]"."""
+        return f"{self.dtype}[{','.join(map(str, self.chunk_shape))}]"
+
+
+def _check_rank(worker_id: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= worker_id < world_size:
+        raise InvalidArgumentError(
+            f"worker_id {worker_id} is outside range(world_size={world_size})"
+        )
+
+
+class LayoutRegistry:
+    """Layouts by (model, world_size): registered by workers, checked on every data request."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple[str, int], Layout] = {}
+
+    def register(
+        self, model: str, world_size: int, worker_id: int, chunk_shape: Sequence[int], dtype: str
+    ) -> Layout:
+        """Record a rank's layout; every rank of (model, world_size) must register the same."""
+        _check_rank(worker_id, world_size)
+        layout = Layout.of(chunk_shape, dtype)
+        known = self._layouts.setdefault((model, world_size), layout)
+        if known != layout:
+            raise LayoutMismatchError(
+                f"model {model!r} with world_size {world_size} is registered with chunk layout "
+                f"{known.text}; rank {worker_id} sent {layout.text}"
+            )
+        return layout
+
+    def get(self, model: str, world_size: int) -> Layout | None:
+        return self._layouts.get((model, world_size))
+
+    def check(
+        self, model: str, world_size: int, worker_id: int, chunk_shape: Sequence[int], dtype: str
+    ) -> Layout:
+        """The registered layout, if an array of `chunk_shape` and `dtype` matches it."""
+        layout = self._layouts.get((model, world_size))
+        if layout is None:
+            raise NotRegisteredError(
+                f"no worker registered a layout for model {model!r} with world_size "
+                f"{world_size}: call Client.register(model=..., world_size=..., ...) first"
+            )
+        _check_rank(worker_id, world_size)
+        if tuple(chunk_shape) != layout.chunk_shape or dtype != layout.dtype:
+            raise BadArrayError(
+                f"array chunks are {dtype}{list(chunk_shape)} but model {model!r} "
+                f"(world_size {world_size}) is registered as {layout.text}"
+            )
+        return layout
