@@ -173,11 +173,20 @@ def plot_ttft(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = np.argsort(np.asarray(lengths), kind="stable")
-    xs = np.asarray(lengths)[order]
+    xs = np.asarray(lengths)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    ax.plot(xs, np.asarray(baseline)[order] * 1e3, "o-", label="full recompute (no kvtier)")
-    ax.plot(xs, np.asarray(kvtier)[order] * 1e3, "s-", label="kvtier: reuse cached prefix")
+    series = (
+        (baseline, "o", "C0", "full recompute (no kvtier)"),
+        (kvtier, "s", "C1", "kvtier: reuse cached prefix"),
+    )
+    for values, marker, color, label in series:
+        ys = np.asarray(values) * 1e3
+        # every call is a point; the line joins the median per length (several questions about
+        # one document share a length, and the first of them is a cold miss)
+        ax.scatter(xs, ys, marker=marker, color=color, alpha=0.6)
+        ux = np.unique(xs)
+        ax.plot(ux, [np.median(ys[xs == x]) for x in ux], "-", marker=marker, color=color,
+                label=label)  # fmt: skip
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("time to first token (ms)")
     ax.set_title(title)
