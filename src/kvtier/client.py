@@ -259,28 +259,15 @@ class Client:
 
         `end` defaults to start + num_chunks * chunk_size. Returns the tokens now stored.
         """
-        rows, shape, dtype = _chunk_rows(kv, "kv", writable=False)
-        num_chunks = rows.shape[0]
-        end = start + num_chunks * self.chunk_size if end is None else end
-        ws = world_size or self._world_sizes.get(model, 1)
-        args = (
-            request_id,
-            _tokens(tokens),
-            model,
-            ws,
-            worker_id,
-            start,
-            end,
-            shape,
-            dtype,
-            num_chunks,
-            cache_salt,
+        rows, fields = self._range(
+            request_id, tokens, kv, "kv", model, worker_id, start, end, cache_salt, world_size
         )
+        num_chunks = rows.shape[0]
         if self._arena_bytes is None:
-            reply, _ = self._call(p.StoreInline(*args), [rows[i] for i in range(num_chunks)])
+            reply, _ = self._call(p.StoreInline(**fields), [rows[i] for i in range(num_chunks)])
             assert isinstance(reply, p.StoreReply)
             return reply.stored_chunks * self.chunk_size
-        reserved, _ = self._call(p.Reserve(*args))
+        reserved, _ = self._call(p.Reserve(**fields))
         assert isinstance(reserved, p.ReserveReply)
         if not reserved.reservation_id:
             return len(reserved.offsets) * self.chunk_size  # everything was already stored
@@ -313,27 +300,11 @@ class Client:
 
         Returns the tokens retrieved from `start`: it stops at the first chunk not cached.
         """
-        rows, shape, dtype = _chunk_rows(out, "out", writable=True)
-        num_chunks = rows.shape[0]
-        end = start + num_chunks * self.chunk_size if end is None else end
-        ws = world_size or self._world_sizes.get(model, 1)
-        inline = self._arena_bytes is None
-        reply, frames = self._call(
-            p.Retrieve(
-                request_id,
-                _tokens(tokens),
-                model,
-                ws,
-                worker_id,
-                start,
-                end,
-                shape,
-                dtype,
-                num_chunks,
-                cache_salt,
-                inline,
-            )
+        rows, fields = self._range(
+            request_id, tokens, out, "out", model, worker_id, start, end, cache_salt, world_size
         )
+        inline = self._arena_bytes is None
+        reply, frames = self._call(p.Retrieve(**fields, inline=inline))
         assert isinstance(reply, p.RetrieveReply)
         if inline:
             for i, frame in enumerate(frames):
@@ -348,6 +319,37 @@ class Client:
             if reply.lease_id:
                 self._call(p.RetrieveDone(reply.lease_id))
         return reply.num_chunks * self.chunk_size
+
+    def _range(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        array: Any,
+        what: str,
+        model: str,
+        worker_id: int,
+        start: int,
+        end: int | None,
+        cache_salt: str,
+        world_size: int | None,
+    ) -> tuple[npt.NDArray[np.uint8], dict[str, Any]]:
+        """The array's chunk rows and the fields of a RangeRequest for it."""
+        rows, shape, dtype = _chunk_rows(array, what, writable=what == "out")
+        num_chunks = rows.shape[0]
+        fields = {
+            "request_id": request_id,
+            "tokens": _tokens(tokens),
+            "model": model,
+            "world_size": world_size or self._world_sizes.get(model, 1),
+            "worker_id": worker_id,
+            "start": start,
+            "end": start + num_chunks * self.chunk_size if end is None else end,
+            "chunk_shape": shape,
+            "dtype": dtype,
+            "num_chunks": num_chunks,
+            "cache_salt": cache_salt,
+        }
+        return rows, fields
 
     def release(self, request_id: str) -> None:
         """Drop the request's lookup pins (the engine computed those chunks itself)."""

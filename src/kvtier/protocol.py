@@ -75,8 +75,12 @@ class Lookup(_Msg):
     cache_salt: str = ""
 
 
-class Reserve(_Msg):
-    """Store, step 1 (shared memory): staging slots for chunks [start, end) of this rank."""
+class RangeRequest(_Msg):
+    """The fields of every request that moves one rank's chunks [start, end) of a prompt.
+
+    `chunk_shape`, `dtype` and `num_chunks` describe the caller's array, so the server checks it
+    against the registered layout before any byte moves.
+    """
 
     request_id: str
     tokens: bytes
@@ -89,6 +93,10 @@ class Reserve(_Msg):
     dtype: str
     num_chunks: int
     cache_salt: str = ""
+
+
+class Reserve(RangeRequest):
+    """Store, step 1 (shared memory): staging slots for the range."""
 
 
 class Commit(_Msg):
@@ -103,36 +111,13 @@ class Abort(_Msg):
     reservation_id: int
 
 
-class StoreInline(_Msg):
+class StoreInline(RangeRequest):
     """Store for a client without the arena: one payload frame per chunk follows."""
 
-    request_id: str
-    tokens: bytes
-    model: str
-    world_size: int
-    worker_id: int
-    start: int
-    end: int
-    chunk_shape: list[int]
-    dtype: str
-    num_chunks: int
-    cache_salt: str = ""
 
+class Retrieve(RangeRequest):
+    """Slots (or, `inline`, the bytes) of this rank's shards of the range."""
 
-class Retrieve(_Msg):
-    """Slots (or, `inline`, the bytes) of this rank's shards of chunks [start, end)."""
-
-    request_id: str
-    tokens: bytes
-    model: str
-    world_size: int
-    worker_id: int
-    start: int
-    end: int
-    chunk_shape: list[int]
-    dtype: str
-    num_chunks: int
-    cache_salt: str = ""
     inline: bool = False
 
 

@@ -34,7 +34,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from kvtier.integrations.transformers import KVClient, KVTierCache, full_prefill
+from kvtier.client import Client
+from kvtier.integrations.transformers import KVTierCache, full_prefill
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -144,8 +145,6 @@ def connect(
     log: Path | None = None,
 ) -> Any:
     """A `kvtier.Client` for `address`, retrying while a just-started `server` comes up."""
-    from kvtier.client import Client
-
     deadline = time.monotonic() + wait
     while True:
         if server is not None and server.poll() is not None:
@@ -285,7 +284,7 @@ def run_demo(
         if address is None:
             address = stack.enter_context(serve(size.chunk_size))
             console.print(f"started a kvtier server at {address}")
-        client: KVClient = connect(address)
+        client: Client = connect(address)
         stack.callback(client.close)
         model = random_model(
             "llama",

@@ -14,77 +14,20 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvtier.client import Client
+
 TOKEN_DTYPE = np.dtype("<u4")
 
 # All-gather across the ranks of a tensor-parallel group: every rank passes a tensor of the same
 # shape and gets back all ranks' tensors in rank order (e.g. built on torch.distributed).
 Exchange = Callable[[torch.Tensor], list[torch.Tensor]]
-
-
-class KVClient(Protocol):
-    """The part of `kvtier.Client` this adapter uses."""
-
-    @property
-    def chunk_size(self) -> int: ...
-
-    def register(
-        self,
-        *,
-        model: str,
-        world_size: int = 1,
-        worker_id: int = 0,
-        chunk_shape: tuple[int, ...],
-        dtype: str,
-    ) -> None: ...
-
-    def lookup(
-        self,
-        request_id: str,
-        tokens: Any,
-        *,
-        model: str,
-        world_size: int = 1,
-        cache_salt: str = "",
-    ) -> int: ...
-
-    def retrieve(
-        self,
-        request_id: str,
-        tokens: Any,
-        out: Any,
-        *,
-        model: str,
-        worker_id: int = 0,
-        start: int = 0,
-        end: int | None = None,
-        cache_salt: str = "",
-    ) -> int: ...
-
-    def store(
-        self,
-        request_id: str,
-        tokens: Any,
-        kv: Any,
-        *,
-        model: str,
-        worker_id: int = 0,
-        start: int = 0,
-        end: int | None = None,
-        cache_salt: str = "",
-    ) -> int: ...
-
-    def release(self, request_id: str) -> None: ...
-
-    def end_session(self, request_id: str) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -278,7 +221,7 @@ class KVTierCache:
     def __init__(
         self,
         model: PreTrainedModel,
-        client: KVClient,
+        client: Client,
         model_name: str,
         *,
         cache_salt: str = "",

@@ -292,7 +292,7 @@ class Engine:
 
     def _range_keys(
         self,
-        req: p.Reserve | p.StoreInline | p.Retrieve,
+        req: p.RangeRequest,
     ) -> list[ChunkKey]:
         cs = self.chunk_size
         if req.start % cs or req.end % cs or req.start < 0 or req.start > req.end:
@@ -446,7 +446,7 @@ class Engine:
 
     # -- store ----------------------------------------------------------------------------------
 
-    def _reserve(self, client_id: str, req: p.Reserve | p.StoreInline) -> p.ReserveReply:
+    def _reserve(self, client_id: str, req: p.RangeRequest) -> p.ReserveReply:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
