@@ -277,7 +277,7 @@ def _bench_l2_lookup() -> list[str]:
                 "L2 lookup / plain reads",
             ],
             rows,
-        ),  # fmt: skip
+        ),
         "",
     ]
 

@@ -64,12 +64,12 @@ class Session:
 
     __slots__ = (
         "_expiry_seq",
+        "_extras",
         "_lock",
         "_tokens",
         "chunk_hashes",
         "clock",
         "created_at",
-        "_extras",
         "hasher",
         "last_access",
         "lookup_ipc_key",
