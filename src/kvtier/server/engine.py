@@ -8,13 +8,13 @@ lease reaper and session expiry the others, and none of them does network I/O un
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import kvtier
@@ -44,6 +44,7 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 from kvtier.server.layouts import Layout, LayoutRegistry
+from kvtier.server.leases import LeaseBook, Peer, Reservation, RetrieveLease
 from kvtier.session import Session, SessionManager
 from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
@@ -55,38 +56,6 @@ logger = logging.getLogger(__name__)
 
 _PREFETCH_OWNER = "kvtier:l2-prefetch"
 _instances = itertools.count()
-
-
-@dataclass(slots=True)
-class _Client:
-    client_id: str
-    connected_at: float
-    last_seen: float
-    registrations: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Reservation:
-    """Staging shards handed to one client's store, committed together."""
-
-    owner: str
-    worker_id: int
-    keys: list[ChunkKey]  # every chunk of the range, in chain order
-    reserved: list[ChunkKey]  # the ones that got a staging slot
-    nbytes: int
-    deadline: float
-
-
-@dataclass(slots=True)
-class _Lease:
-    """Chunks a retrieve handed out; held (never evicted) until the client copied them."""
-
-    owner: str
-    request_id: str
-    worker_id: int
-    keys: list[ChunkKey]
-    nbytes: int
-    deadline: float
 
 
 class Engine:
@@ -127,11 +96,7 @@ class Engine:
         )
         self.sessions.destroy_listeners.append(self._on_session_destroyed)
         self.layouts = LayoutRegistry()
-        self._connections: dict[bytes, str] = {}  # ZMQ routing identity -> client id
-        self._clients: dict[str, _Client] = {}
-        self._reservations: dict[int, _Reservation] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._ids = itertools.count(1)
+        self.leases = LeaseBook(clock)
         self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
         self._ending: set[str] = set()  # sessions being ended on purpose, not expired
         self._orphaned = 0  # expired sessions that still held pins
@@ -189,11 +154,10 @@ class Engine:
     def _dispatch(self, identity: bytes, req: p.Request, payloads: Sequence[Any]) -> list[Any]:
         if isinstance(req, p.Hello):
             return [p.encode(self._hello(identity, req))]
-        client_id = self._connections.get(identity)
-        if client_id is None:
+        client = self.leases.peer(identity)
+        if client is None:
             raise NotConnectedError(f"send Hello before {type(req).__name__}: no handshake yet")
-        client = self._clients[client_id]
-        client.last_seen = self.clock()
+        client_id = client.client_id
         match req:
             case p.Heartbeat():
                 reply: p.Reply = p.Ok()
@@ -245,14 +209,7 @@ class Engine:
                 f"{detail}. Chunk names would differ; use the server's settings "
                 "(--chunk-size, --hash-algorithm, --hash-seed)"
             )
-        now = self.clock()
-        with self._lock:
-            self._connections[identity] = req.client_id
-            client = self._clients.get(req.client_id)
-            if client is None:
-                self._clients[req.client_id] = _Client(req.client_id, now, now)
-            else:
-                client.last_seen = now
+        self.leases.connect(identity, req.client_id)
         return p.HelloReply(
             server_version=kvtier.__version__,
             protocol_version=p.PROTOCOL_VERSION,
@@ -264,7 +221,7 @@ class Engine:
             host_id=self.host_id,
         )
 
-    def _register(self, client: _Client, req: p.Register) -> p.Ok:
+    def _register(self, client: Peer, req: p.Register) -> p.Ok:
         layout = self.layouts.register(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
@@ -472,19 +429,20 @@ class Engine:
             raise
         reservation_id = 0
         if reserved:
-            reservation_id = next(self._ids)
-            self._reservations[reservation_id] = _Reservation(
-                client_id,
-                req.worker_id,
-                keys,
-                reserved,
-                layout.nbytes,
-                self.clock() + self.config.staging_lease,
+            reservation_id = self.leases.add_reservation(
+                Reservation(
+                    client_id,
+                    req.worker_id,
+                    keys,
+                    reserved,
+                    layout.nbytes,
+                    self.clock() + self.config.staging_lease,
+                )
             )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
 
     def _commit(self, client_id: str, reservation_id: int) -> p.StoreReply:
-        res = self._take_reservation(client_id, reservation_id)
+        res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
         lost = 0
         for key in res.reserved:
             try:
@@ -503,20 +461,10 @@ class Engine:
         return p.StoreReply(len(res.keys))
 
     def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
-        res = self._take_reservation(client_id, reservation_id)
+        res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
         for key in res.reserved:
             self.l1.abort(key, res.worker_id, owner=client_id)
         return p.Ok()
-
-    def _take_reservation(self, client_id: str, reservation_id: int) -> _Reservation:
-        res = self._reservations.get(reservation_id)
-        if res is None or res.owner != client_id:
-            raise UnknownReservationError(
-                f"no reservation {reservation_id} held by this client: it was committed, "
-                f"aborted, or expired (--staging-lease {self.config.staging_lease:g}s)"
-            )
-        del self._reservations[reservation_id]
-        return res
 
     def _store_inline(
         self, client_id: str, req: p.StoreInline, payloads: Sequence[Any]
@@ -586,30 +534,26 @@ class Engine:
         if found:
             for key in found:
                 self.l1.acquire(key)
-            lease_id = next(self._ids)
-            self._leases[lease_id] = _Lease(
-                client_id,
-                req.request_id,
-                req.worker_id,
-                found,
-                layout.nbytes,
-                self.clock() + self.config.staging_lease,
+            lease_id = self.leases.add_lease(
+                RetrieveLease(
+                    client_id,
+                    req.request_id,
+                    req.worker_id,
+                    found,
+                    layout.nbytes,
+                    self.clock() + self.config.staging_lease,
+                )
             )
         return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
 
     def _retrieve_done(self, client_id: str, lease_id: int) -> p.Ok:
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.owner != client_id:
-            raise UnknownReservationError(
-                f"no retrieve lease {lease_id} held by this client: already done or expired"
-            )
-        del self._leases[lease_id]
+        lease = self.leases.take_lease(client_id, lease_id)
         self._end_lease(lease)
         self.l1.mark_retrieved(lease.request_id, lease.worker_id)
         self.metrics.add_retrieved_bytes(len(lease.keys) * lease.nbytes)
         return p.Ok()
 
-    def _end_lease(self, lease: _Lease) -> None:
+    def _end_lease(self, lease: RetrieveLease) -> None:
         for key in lease.keys:
             self.l1.release(key)
 
@@ -618,44 +562,31 @@ class Engine:
     def reap(self) -> ThreadRunSummary:
         """Reclaim what dead or slow clients hold: staging slots, retrieve leases, pins."""
         with self._lock:
-            now = self.clock()
-            dead = [
-                c.client_id
-                for c in self._clients.values()
-                if now - c.last_seen > self.config.client_timeout
-            ]
-            for client_id in dead:
-                self._forget_client(client_id)
-            for rid in [r for r, res in self._reservations.items() if res.deadline < now]:
-                res = self._reservations.pop(rid)
+            expired = self.leases.sweep(self.config.client_timeout)
+            for client_id in expired.dead_clients:
+                logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
+                self.l1.reclaim_staging(owner=client_id)
+            for res in expired.reservations:
                 for key in res.reserved:
-                    self.l1.abort(key, res.worker_id, owner=res.owner)
-            expired_leases = [lid for lid, lease in self._leases.items() if lease.deadline < now]
-            for lid in expired_leases:
-                self._end_lease(self._leases.pop(lid))
+                    with contextlib.suppress(UnknownReservationError):  # reclaimed just above
+                        self.l1.abort(key, res.worker_id, owner=res.owner)
+            for lease in expired.leases:
+                self._end_lease(lease)
             staging = self.l1.reclaim_staging()
             pins = self.l1.reclaim_pins()
         return ThreadRunSummary(
             success=True,
-            message=f"{len(dead)} dead clients, {staging} staging, {pins} pins reclaimed",
+            message=(
+                f"{len(expired.dead_clients)} dead clients, {staging} staging slots, "
+                f"{pins} pins reclaimed"
+            ),
             extra_info={
-                "dead_clients": len(dead),
+                "dead_clients": len(expired.dead_clients),
                 "staging": staging,
                 "pins": pins,
-                "leases": len(expired_leases),
+                "leases": len(expired.leases),
             },
         )
-
-    def _forget_client(self, client_id: str) -> None:
-        logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
-        self._clients.pop(client_id, None)
-        for identity in [i for i, c in self._connections.items() if c == client_id]:
-            del self._connections[identity]
-        for rid in [r for r, res in self._reservations.items() if res.owner == client_id]:
-            del self._reservations[rid]
-        self.l1.reclaim_staging(owner=client_id)
-        for lid in [lid for lid, lease in self._leases.items() if lease.owner == client_id]:
-            self._end_lease(self._leases.pop(lid))
 
     # -- admin backend --------------------------------------------------------------------------
 
@@ -674,43 +605,23 @@ class Engine:
                     "last_seen_s": now - c.last_seen,
                     "registrations": list(c.registrations),
                 }
-                for c in self._clients.values()
+                for c in self.leases.peers.values()
             ]
             recent = list(self._recent_errors)
-        l2: dict[str, Any] = {
-            "queue_depth": 0,
-            "queue_capacity": 0,
-            "policy": self.config.l2_queue_policy,
-            "submitted": 0,
-            "written": 0,
-            "dropped": 0,
-            "write_errors": 0,
-            "tiers": [],
-        }
-        if self.tiers is not None:
-            stats = self.tiers.stats()
-            for name in ("queue_depth", "queue_capacity", "submitted", "written", "dropped"):
-                l2[name] = stats.get(name, 0)
-            l2["write_errors"] = stats.get("write_errors", 0)
-            for tier in self.tiers.tiers:
-                ts = tier.stats()
-                l2["tiers"].append(
-                    {
-                        "name": tier.name,
-                        **{
-                            k: ts.get(k, 0)
-                            for k in (
-                                "used_bytes",
-                                "capacity_bytes",
-                                "objects",
-                                "hits",
-                                "misses",
-                                "corrupt",
-                                "errors",
-                            )
-                        },
-                    }
-                )
+        l2: dict[str, Any] = (
+            self.tiers.summary()
+            if self.tiers is not None
+            else {
+                "queue_depth": 0,
+                "queue_capacity": 0,
+                "policy": self.config.l2_queue_policy,
+                "submitted": 0,
+                "written": 0,
+                "dropped": 0,
+                "write_errors": 0,
+                "tiers": [],
+            }
+        )
         return {
             "version": kvtier.__version__,
             "uptime_s": time.time() - self.started_at,

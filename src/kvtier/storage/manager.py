@@ -251,6 +251,25 @@ class TierManager:
             out[tier.name] = tier.stats()
         return out
 
+    #: the per-tier numbers the server's status reports (0 where a tier does not track one)
+    TIER_FIELDS = ("used_bytes", "capacity_bytes", "objects", "hits", "misses", "corrupt", "errors")
+
+    def summary(self) -> dict[str, Any]:
+        """The L2 part of the server's status: the queue, the writer, then one row per tier."""
+        stats = self.stats()
+        out: dict[str, Any] = {
+            name: stats[name]
+            for name in (
+                "queue_depth", "queue_capacity", "policy", "submitted", "written", "dropped",
+                "write_errors",
+            )
+        }  # fmt: skip
+        out["tiers"] = [
+            {"name": t.name, **{k: stats[t.name].get(k, 0) for k in self.TIER_FIELDS}}
+            for t in self._tiers
+        ]
+        return out
+
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
         """Clear matching objects in every tier; the total removed (writes still queued stay)."""
         return sum(t.clear(model=model, cache_salt=cache_salt) for t in self._tiers)
