@@ -3,6 +3,7 @@ batched vs unbatched Redis verbs. Figures are ratios against baselines measured 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -22,7 +23,7 @@ CHUNK = 4 << 20
 COUNT = 64
 SMALL = 64 << 10
 LAYOUT = "float16[32,2,256,4,128]"  # 16 MiB as a real layout; only the string matters here
-REPEAT = 3
+REPEAT = 7
 BATCH = 16
 
 
@@ -30,16 +31,28 @@ def _keys(n: int, tag: int = 0) -> list[ObjectKey]:
     return [ObjectKey("bench", "", 1, 0, (tag << 32 | i).to_bytes(32, "big")) for i in range(n)]
 
 
-def _best(fn: Callable[[], None], setup: Callable[[], None] | None = None) -> float:
-    """Fastest of REPEAT runs of fn (setup runs untimed before each)."""
-    best = float("inf")
+Timed = tuple[Callable[[], None], Callable[[], None] | None]
+
+
+def _race(*cases: Timed) -> list[float]:
+    """Fastest of REPEAT runs of each (fn, setup) case, the cases interleaved run by run so a
+    load change on this shared machine hits baseline and tier alike."""
+    best = [float("inf")] * len(cases)
     for _ in range(REPEAT):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for i, (fn, setup) in enumerate(cases):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
+
+
+def _row(case: str, nbytes: int, base: float, ours: float, goal: float | None) -> list[object]:
+    ratio = base / ours
+    verdict = "-" if goal is None else ("met" if ratio >= goal else "not met")
+    shown = "(info)" if goal is None else f">= {goal:.2f}"
+    return [case, _gbps(nbytes, base), _gbps(nbytes, ours), f"{ratio:.2f}", shown, verdict]
 
 
 def _gbps(nbytes: int, seconds: float) -> str:
@@ -60,6 +73,11 @@ def _bench_disk(chunks: list[bytes], outs: list[memoryview]) -> list[list[object
                 with open(path, "wb") as f:
                     f.write(data)
 
+        def plain_clear() -> None:
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
         def plain_read() -> None:
             for path, out in zip(paths, outs, strict=True):
                 with open(path, "rb", buffering=0) as f:
@@ -69,29 +87,31 @@ def _bench_disk(chunks: list[bytes], outs: list[memoryview]) -> list[list[object
             for k, data in zip(keys, chunks, strict=True):
                 tier.put(k, data, LAYOUT)
 
+        def tier_write_other() -> None:  # same keys, other bytes: a real replacement
+            for k, data in zip(keys, reversed(chunks), strict=True):
+                tier.put(k, data, LAYOUT)
+
+        def tier_clear() -> None:
+            tier.clear()
+
         def tier_read() -> None:
             for k, out in zip(keys, outs, strict=True):
                 assert tier.get_into(k, out, LAYOUT)
 
         total = CHUNK * len(chunks)
-        rows: list[list[object]] = []
-        for verb, base_fn, tier_fn in (
-            ("write", plain_write, tier_write),
-            ("read", plain_read, tier_read),
-        ):
-            base, ours = _best(base_fn), _best(tier_fn)
-            ratio = base / ours
-            rows.append(
-                [
-                    "disk " + verb,
-                    _gbps(total, base),
-                    _gbps(total, ours),
-                    f"{ratio:.2f}",
-                    ">= 0.80",
-                    "met" if ratio >= 0.8 else "not met",
-                ]
-            )
-        return rows
+        # new objects: both sides start each run from an empty folder
+        base_w, tier_w = _race((plain_write, plain_clear), (tier_write, tier_clear))
+        base_r, tier_r = _race((plain_read, None), (tier_read, None))
+        # rewrites: plain truncates and rewrites the same files in place
+        base_rw, tier_same, tier_other = _race(
+            (plain_write, None), (tier_write, None), (tier_write_other, None)
+        )
+        return [
+            _row("disk write (new objects)", total, base_w, tier_w, 0.8),
+            _row("disk read", total, base_r, tier_r, 0.8),
+            _row("disk rewrite, same bytes (skipped after check)", total, base_rw, tier_same, None),
+            _row("disk rewrite, other bytes (swap + unlink)", total, base_rw, tier_other, None),
+        ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -121,20 +141,12 @@ def _bench_redis(chunks: list[bytes], outs: list[memoryview]) -> list[list[objec
             for k, out in zip(keys, outs, strict=True):
                 assert tier.get_into(k, out, LAYOUT)
 
-        rows: list[list[object]] = []
-        for verb, base_fn, tier_fn in (("put", plain_set, tier_put), ("get", plain_get, tier_get)):
-            base, ours = _best(base_fn), _best(tier_fn)
-            ratio = base / ours
-            rows.append(
-                [
-                    "redis " + verb,
-                    _gbps(total, base),
-                    _gbps(total, ours),
-                    f"{ratio:.2f}",
-                    ">= 0.90",
-                    "met" if ratio >= 0.9 else "not met",
-                ]
-            )
+        base_s, tier_s = _race((plain_set, None), (tier_put, None))
+        base_g, tier_g = _race((plain_get, None), (tier_get, None))
+        rows = [
+            _row("redis put", total, base_s, tier_s, 0.9),
+            _row("redis get", total, base_g, tier_g, 0.9),
+        ]
         client.delete(*plain_names)
         rows += _bench_batching(tier, chunks, outs, "4 MiB")
         small = [c[:SMALL] for c in chunks] * 4
@@ -170,21 +182,12 @@ def _bench_batching(
         for g in groups:
             assert all(tier.get_many_into([(keys[i], outs[i], LAYOUT) for i in g]))
 
-    rows: list[list[object]] = []
-    for verb, single, batched in (("put", one_put, many_put), ("get", one_get, many_get)):
-        base, ours = _best(single), _best(batched)
-        ratio = base / ours
-        rows.append(
-            [
-                f"redis {verb}_many ({label}, batch {BATCH}) vs {verb}",
-                _gbps(total, base),
-                _gbps(total, ours),
-                f"{ratio:.2f}",
-                ">= 1.50",
-                "met" if ratio >= 1.5 else "not met",
-            ]
-        )
-    return rows
+    base_p, ours_p = _race((one_put, None), (many_put, None))
+    base_g, ours_g = _race((one_get, None), (many_get, None))
+    return [
+        _row(f"redis put_many ({label}, batch {BATCH}) vs put", total, base_p, ours_p, 1.5),
+        _row(f"redis get_many ({label}, batch {BATCH}) vs get", total, base_g, ours_g, 1.5),
+    ]
 
 
 LOOKUP_TOKENS = 32768
@@ -292,10 +295,18 @@ def run() -> str:
             "## L2 tiers",
             "",
             f"{COUNT} chunks of {CHUNK >> 20} MiB (64 KiB rows: {4 * COUNT} chunks), best of "
-            f"{REPEAT}. Baselines: plain file write/read (readinto) in the same /tmp folder, and "
-            "plain redis-py SET/GET of the same bytes on the local Redis. The tiers also compute "
-            "and check an xxh3-128 digest, write a header and rename atomically. Disk figures "
-            "are page-cache speeds.",
+            f"{REPEAT} runs, baseline and tier runs interleaved. Baselines: plain file "
+            "write/readinto of the same bytes into the same page-aligned buffers in the same /tmp "
+            "folder (new objects: both sides start each run from an empty folder; rewrites: "
+            "plain rewrites its files in place), and plain redis-py SET/GET (hiredis) of the same "
+            "bytes on the local Redis. The tiers also compute and check an xxh3-128 digest, "
+            "write a header and rename atomically. Disk figures are page-cache speeds.",
+            "",
+            "The tier's Redis GET/SET beat plain redis-py because they bypass its packing and "
+            "reply parsing, which copy a 4 MiB value several times. Batching cannot reach 1.5x "
+            "for 4 MiB values: a pipeline saves one round trip (~0.05 ms on loopback) per value, "
+            "while moving 4 MiB through the socket and Redis takes ~1-2 ms, so the bound is "
+            "about 1.05x; batching pays off for small values (64 KiB rows).",
             "",
             table(["case", "baseline GB/s", "tier GB/s", "ratio", "goal", "result"], rows),
             "",

@@ -296,3 +296,69 @@ def test_parse_size(text: str, expected: int) -> None:
 def test_parse_size_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+def test_rewrite_with_same_bytes_is_skipped_only_when_the_stored_object_is_intact(
+    tmp_path: Path,
+) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    inode = file_of(tier, key(1)).stat().st_ino
+    tier.put(key(1), payload(1), LAYOUT)
+    s = tier.stats()
+    assert s["unchanged"] == 1 and s["puts"] == 2 and s["objects"] == 1
+    assert file_of(tier, key(1)).stat().st_ino == inode
+    # same header but a damaged payload: the put must really rewrite it
+    path = file_of(tier, key(1))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(raw)
+    tier.put(key(1), payload(1), LAYOUT)
+    assert tier.stats()["unchanged"] == 1
+    assert file_of(tier, key(1)).stat().st_ino != inode
+    out = aligned()
+    assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(1)
+    assert tier.stats()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename"])
+def test_rewrite_with_other_bytes_replaces_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    if not exchange:
+        monkeypatch.setattr(disk_mod, "_renameat2", None)
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    tier.put(key(1), payload(2), LAYOUT)
+    out = aligned()
+    assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(2)
+    folder = file_of(tier, key(1)).parent
+    assert [p.name for p in folder.iterdir()] == [file_of(tier, key(1)).name]
+    s = tier.stats()
+    assert s["unchanged"] == 0 and s["objects"] == 1
+    assert s["used_bytes"] == file_of(tier, key(1)).stat().st_size
+
+
+def test_exchange_reports_a_missing_target_instead_of_raising(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    a.write_bytes(b"x")
+    if disk_mod._renameat2 is None:
+        pytest.fail("renameat2 is missing: this Linux test needs glibc >= 2.28")
+    assert not disk_mod._exchange(str(a), str(tmp_path / "absent"))
+    (tmp_path / "b").write_bytes(b"y")
+    assert disk_mod._exchange(str(a), str(tmp_path / "b"))
+    assert a.read_bytes() == b"y" and (tmp_path / "b").read_bytes() == b"x"
+
+
+def test_sound_object_with_longer_layout_of_same_total_size_is_a_kept_layout_miss(
+    tmp_path: Path,
+) -> None:
+    tier = DiskTier(tmp_path, 0)
+    longer = LAYOUT + "xx"  # header 2 bytes longer, payload 2 bytes shorter: same file size
+    tier.put(key(1), payload(1, SIZE - 2), longer)
+    assert not tier.get_into(key(1), aligned(), LAYOUT)
+    s = tier.stats()
+    assert s["layout_mismatches"] == 1 and s["corrupt"] == 0
+    assert file_of(tier, key(1)).exists()
+    out = aligned(SIZE - 2)
+    assert tier.get_into(key(1), out, longer) and out.tobytes() == payload(1, SIZE - 2)

@@ -254,3 +254,39 @@ def test_get_many_into_splits_large_values_out_of_pipelines(tier: RedisTier) -> 
     got = tier.get_many_into([(key(i), bufs[i], LAYOUT) for i in range(4)])
     assert got == [True, True, True, False]
     assert all(bufs[i].tobytes() == payload(i, big) for i in range(3))
+
+
+def test_error_reply_is_a_counted_miss_and_the_tier_keeps_working(
+    tier: RedisTier, client: redis.Redis
+) -> None:
+    client.rpush(tier.redis_key(key(1)), b"x")  # GET on a list: WRONGTYPE error reply
+    tier.put(key(2), payload(2), LAYOUT)
+    bufs = [out(), out()]
+    got = tier.get_many_into([(key(1), bufs[0], LAYOUT), (key(2), bufs[1], LAYOUT)])
+    assert got == [False, False]
+    s = tier.stats()
+    assert s["errors"] == 1 and s["misses"] == 2 and s["corrupt"] == 0
+    assert tier.get_into(key(2), bufs[1], LAYOUT) and bufs[1].tobytes() == payload(2)
+    assert client.type(tier.redis_key(key(1))) == b"list"
+
+
+def test_sound_value_with_longer_layout_of_same_total_size_is_a_kept_layout_miss(
+    tier: RedisTier,
+) -> None:
+    longer = LAYOUT + "xx"  # header 2 bytes longer, payload 2 bytes shorter: same value size
+    tier.put(key(1), payload(1, SIZE - 2), longer)
+    assert not tier.get_into(key(1), out(), LAYOUT)
+    s = tier.stats()
+    assert s["layout_mismatches"] == 1 and s["corrupt"] == 0 and tier.contains(key(1))
+    buf = out(SIZE - 2)
+    assert tier.get_into(key(1), buf, longer) and buf.tobytes() == payload(1, SIZE - 2)
+
+
+def test_large_value_of_another_size_is_read_whole_and_kept(tier: RedisTier) -> None:
+    big = 300 << 10  # larger than the reply-line buffer: read in several socket reads
+    tier.put_many([(key(1), payload(1, big), LAYOUT), (key(2), payload(2, big), LAYOUT)])
+    bufs = [out(big + 8), out(big)]
+    got = tier.get_many_into([(key(1), bufs[0], LAYOUT), (key(2), bufs[1], LAYOUT)])
+    assert got == [False, True] and bufs[1].tobytes() == payload(2, big)
+    s = tier.stats()
+    assert s["size_mismatches"] == 1 and s["corrupt"] == 0 and tier.contains(key(1))

@@ -10,22 +10,32 @@ are removed at startup. fsync is off by default: this is a cache, so losing the 
 power cut costs only misses, and a torn file that survives one is caught by the header digest
 and deleted on read. `fsync=True` adds a file and folder fsync per write for a durable cache.
 
+Replacing a file by renaming onto it makes ext4 (auto_da_alloc) start writeback of the new file
+at once, which doubled the cost of a rewrite; so a rewrite swaps the two names atomically with
+renameat2(RENAME_EXCHANGE) where Linux offers it and then unlinks the old file under the temp
+name. A rewrite whose object is already stored intact (same header, payload digest checked) is
+skipped and counted as `unchanged`.
+
 The index (key -> file size, in LRU order) lives in memory and is rebuilt from the folder at
-startup, ordered by file mtime; a read refreshes the mtime so the rebuilt order follows reads
-too. One lock guards the index; file data is read and written outside it. Only metadata
-operations (rename, unlink) run under it, so an eviction can never remove a newer file that a
-concurrent put renamed onto the same name.
+startup, ordered by file mtime; a read refreshes an mtime older than a second so the rebuilt
+order follows reads too. One lock guards the index; file data is read and written outside it.
+Only metadata operations (rename, unlink) run under it, so an eviction can never remove a newer
+file that a concurrent put renamed onto the same name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
+import mmap
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -54,7 +64,36 @@ _COUNTERS = (
     "bytes_written",
     "bytes_read",
     "stale_temps_removed",
+    "unchanged",
 )
+_TOUCH_NS = 1_000_000_000  # a read refreshes an mtime older than this (one metadata write less)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a libc older than glibc 2.28
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_renameat2 = _load_renameat2()
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap the files named `a` and `b`; False when unsupported or `b` is gone."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 def _byte_view(buf: Buffer) -> memoryview:
@@ -217,6 +256,15 @@ class DiskTier:
             )
         folder, final = self._path(key, text)
         with self._lock:
+            known = key in self._index
+        if known and self._holds(final, header, len(view)):
+            with self._lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                self._n["puts"] += 1
+                self._n["unchanged"] += 1
+            return
+        with self._lock:
             self._make_room(size)
             self._used += size  # reserved until the rename (or failure) settles it
         tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
@@ -230,7 +278,10 @@ class DiskTier:
             finally:
                 os.close(fd)
             with self._lock:
-                os.rename(tmp, final)
+                # the old file, if any, ends up under the temp name
+                swapped = key in self._index and not self.fsync and _exchange(tmp, final)
+                if not swapped:
+                    os.rename(tmp, final)
                 old = self._index.pop(key, None)
                 if old is not None:
                     self._used -= old
@@ -244,12 +295,43 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        if swapped:
+            try:
+                os.unlink(tmp)
+            except OSError as exc:  # removed as a stale temp file at the next start
+                logger.warning("disk tier: cannot remove replaced file %s: %s", tmp, exc)
         if self.fsync:
             dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
+
+    @staticmethod
+    def _holds(path: str, header: bytes, payload_len: int) -> bool:
+        """Whether `path` already holds exactly this object: same header, payload digest checked."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if os.fstat(fd).st_size != len(header) + payload_len:
+                return False
+            if os.pread(fd, len(header), 0) != header:
+                return False
+            if payload_len:
+                with (
+                    mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m,
+                    memoryview(m) as stored,
+                ):
+                    if fmt.digest(stored[len(header) :]) != header[fmt.DIGEST_AT]:
+                        return False
+            os.utime(fd)
+            return True
+        except (OSError, ValueError):
+            return False
+        finally:
+            os.close(fd)
 
     def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
         """`put` each item; a failed one is logged and counted in `errors`, not raised."""
@@ -292,6 +374,8 @@ class DiskTier:
                 head = bytearray(expected_header)
                 got = os.preadv(fd, [head, out], 0)
                 header = fmt.decode_header(head) if got == total else None
+                if header is None and got == total:  # maybe a longer header of another layout
+                    header = fmt.decode_header(os.pread(fd, fmt.FIXED_SIZE + 2 * fmt.MAX_TEXT, 0))
             else:  # cannot be a hit; read the header alone to tell a mismatch from corruption
                 header = fmt.decode_header(os.pread(fd, fmt.FIXED_SIZE + 2 * fmt.MAX_TEXT, 0))
             verdict = fmt.judge(header, text, layout, n, total)
@@ -299,7 +383,7 @@ class DiskTier:
                 assert header is not None
                 if fmt.digest(out) != header.digest:
                     verdict = fmt.Verdict.CORRUPT
-                else:
+                elif time.time_ns() - st.st_mtime_ns > _TOUCH_NS:
                     os.utime(fd)  # keeps the LRU order across restarts
         except OSError as exc:
             return self._read_error(key, exc)

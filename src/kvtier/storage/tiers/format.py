@@ -19,6 +19,7 @@ MAGIC = b"KVTO"
 VERSION = 1
 _FIXED = struct.Struct("<4sHHHHQ16s")
 FIXED_SIZE = _FIXED.size  # 36 bytes
+DIGEST_AT = slice(FIXED_SIZE - 16, FIXED_SIZE)  # where an encoded header holds the digest
 MAX_TEXT = 0xFFFF  # key and layout lengths are u16
 
 
