@@ -77,7 +77,7 @@ class Session:
     )
 
     def __init__(
-        self, request_id: str, hasher: TokenHasher, *, clock: Clock = time.monotonic
+        self, request_id: str, hasher: TokenHasher, *, clock: Clock = time.time
     ) -> None:
         self.request_id = request_id
         self.hasher = hasher
@@ -244,16 +244,18 @@ class SessionManager:
     that use is a ttl old.
     """
 
+    DEFAULT_SESSION_TTL = 600.0  # the lineage's defaults, by the lineage's names
+    DEFAULT_CLEANUP_INTERVAL = 60.0
     _BATCH = 256  # sessions looked at per hold of the lock during cleanup (tens of us)
     _ids = itertools.count()
 
     def __init__(
         self,
         hasher: TokenHasher,
-        ttl: float = 600,
+        ttl: float = 600.0,
         cleanup_interval: float | None = 60.0,
         *,
-        clock: Clock = time.monotonic,
+        clock: Clock = time.time,
         registry: PeriodicThreadRegistry | None = None,
     ) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:

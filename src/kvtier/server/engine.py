@@ -91,7 +91,6 @@ class Engine:
             self.hasher,
             ttl=config.session_ttl,
             cleanup_interval=config.session_cleanup_interval if start_threads else None,
-            clock=clock,
             registry=self._registry,
         )
         self.sessions.destroy_listeners.append(self._on_session_destroyed)
