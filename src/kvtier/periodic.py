@@ -1,10 +1,12 @@
 """Background periodic threads (session cleanup, lease reaping, L2 write-through...) and the
 process-wide registry the admin API reads to list them and report health.
 
-A `PeriodicThread` runs `execute_fn` every `interval` seconds on a daemon thread named
-`kvtier-<name>`. The first cycle runs one interval after `start()`, unless `wake()` asks for one
-sooner. A thread starts at most once: `start()` on a started or stopped thread raises
-RuntimeError. `ThreadLevel` values are the lower-case strings "critical", "high", "medium", "low".
+The public names and semantics follow LMCache's `periodic_thread` module, so people and code that
+know that server feel at home: a `PeriodicThread` runs `_execute()` (overridden by a subclass, or
+calling the `execute_fn` it was given) on a daemon thread named `kvtier-<name>`: first after
+`init_wait` seconds (0: at once), then every `interval` seconds; `wake()` asks for a cycle sooner.
+A thread starts at most once: `start()` on a started or stopped thread raises RuntimeError.
+`ThreadLevel` values are the lower-case strings "critical", "high", "medium", "low".
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn, final
 
 logger = logging.getLogger(__name__)
 
@@ -63,39 +65,111 @@ class ThreadRunSummary:
 ExecuteFn = Callable[[], ThreadRunSummary | object]
 
 
-class PeriodicThread:
-    """Runs `execute_fn` every `interval` seconds on a daemon thread until stopped.
+@final
+class StateFlag:
+    """An immutable boolean that reads the same as a property and as a method call.
 
-    `clock` (monotonic seconds) stamps completed cycles for `is_active` and health; tests inject
-    a fake one. Sleeping always uses real time, so `stop()` and `wake()` interrupt it at once.
+    LMCache exposes `is_running` / `is_active` as properties (`if t.is_running:`) while kvtier's
+    callers call them (`t.is_running()`); returning this object lets both spellings work. It is
+    truthy like the bool it carries, equal to and hashing like that bool, and calling it returns it.
+    """
+
+    __slots__ = ("_value",)
+    _value: bool
+
+    def __init__(self, value: bool) -> None:
+        object.__setattr__(self, "_value", bool(value))
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(f"StateFlag is immutable; cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"StateFlag is immutable; cannot delete {name!r}")
+
+    def __bool__(self) -> bool:
+        return self._value
+
+    def __call__(self) -> bool:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StateFlag):
+            return self._value == other._value
+        if isinstance(other, int):  # bool is an int; True == 1 holds for bools too
+            return self._value == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return repr(self._value)
+
+
+_TRUE = StateFlag(True)
+_FALSE = StateFlag(False)
+
+
+def _flag(value: bool) -> StateFlag:
+    return _TRUE if value else _FALSE
+
+
+def _check_seconds(thread: str, knob: str, value: object, *, allow_zero: bool) -> float:
+    """`value` as float seconds, or ValueError naming the thread and the knob."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+        if math.isfinite(seconds) and (seconds > 0 or (allow_zero and seconds == 0)):
+            return seconds
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(
+        f"periodic thread {thread!r}: {knob} must be a finite number of seconds {bound}, "
+        f"got {value!r}"
+    )
+
+
+class PeriodicThread:
+    """Runs `_execute()` on a daemon thread: after `init_wait` s, then every `interval` s.
+
+    Subclass and override `_execute()` (LMCache style), or pass `execute_fn`. `clock` (monotonic
+    seconds) stamps starts and completed cycles for `is_active` and health; tests inject a fake
+    one. Sleeping always uses real time, so `stop()` and `wake()` interrupt it at once.
     """
 
     def __init__(
         self,
         name: str,
         interval: float,
-        execute_fn: ExecuteFn,
         level: ThreadLevel = ThreadLevel.MEDIUM,
+        init_wait: float = 0.0,
         *,
+        execute_fn: ExecuteFn | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"periodic thread name must be a non-empty string, got {name!r}")
-        if not isinstance(interval, int | float) or not (interval > 0 and math.isfinite(interval)):
-            raise ValueError(
-                f"periodic thread {name!r}: interval must be a finite number of seconds > 0, "
-                f"got {interval!r}"
-            )
+        interval = _check_seconds(name, "interval", interval, allow_zero=False)
         if not isinstance(level, ThreadLevel):
+            hint = " (pass the body as execute_fn=... by keyword)" if callable(level) else ""
             raise ValueError(
-                f"periodic thread {name!r}: level must be a ThreadLevel, got {level!r}"
+                f"periodic thread {name!r}: level must be a ThreadLevel, got {level!r}{hint}"
             )
-        self.name = name
-        self.interval = float(interval)
-        self.level = level
+        init_wait = _check_seconds(name, "init_wait", init_wait, allow_zero=True)
+        if execute_fn is not None and not callable(execute_fn):
+            raise TypeError(
+                f"periodic thread {name!r}: execute_fn must be callable, got {execute_fn!r}"
+            )
+        if execute_fn is None and type(self)._execute is PeriodicThread._execute:
+            raise TypeError(
+                f"periodic thread {name!r} has nothing to run: pass execute_fn=... or subclass "
+                "PeriodicThread and override _execute()"
+            )
+        self._name = name
+        self._interval = interval
+        self._level = level
+        self._init_wait = init_wait
         self._execute_fn = execute_fn
         self._clock = clock
-        # Guards every field below; never held while execute_fn runs.
+        # Guards every field below; never held while a cycle runs.
         self._lock = threading.Lock()
         self._cycle_done = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -110,21 +184,43 @@ class PeriodicThread:
 
     def __repr__(self) -> str:
         return (
-            f"PeriodicThread(name={self.name!r}, interval={self.interval}, "
-            f"level={self.level.value}, running={self.is_running()})"
+            f"{type(self).__name__}(name={self._name!r}, interval={self._interval}, "
+            f"level={self._level.value}, running={self.is_running()})"
         )
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The registry key; the OS thread is named `kvtier-<name>`."""
+        return self._name
+
+    @property
+    def interval(self) -> float:
+        """Seconds between the end of one cycle and the start of the next."""
+        return self._interval
+
+    @property
+    def level(self) -> ThreadLevel:
+        """How much the server depends on this thread."""
+        return self._level
+
+    @property
+    def init_wait(self) -> float:
+        """Seconds from start() to the first cycle."""
+        return self._init_wait
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the daemon thread; its first cycle runs one interval from now (or on wake)."""
+        """Start the daemon thread; its first cycle runs after `init_wait` s (or on wake)."""
         with self._lock:
             if self._stopped:
-                raise RuntimeError(f"periodic thread {self.name!r} was stopped; it cannot restart")
+                raise RuntimeError(f"periodic thread {self._name!r} was stopped; it cannot restart")
             if self._thread is not None:
-                raise RuntimeError(f"periodic thread {self.name!r} is already started")
+                raise RuntimeError(f"periodic thread {self._name!r} is already started")
             self._started_at = self._clock()
-            self._thread = threading.Thread(target=self._loop, name=f"kvtier-{self.name}")
+            self._thread = threading.Thread(target=self._loop, name=f"kvtier-{self._name}")
             self._thread.daemon = True
             self._thread.start()
 
@@ -135,12 +231,12 @@ class PeriodicThread:
         """
         thread = self._signal_stop()
         if thread is None or thread is threading.current_thread():
-            return  # never started, or called from execute_fn itself (joining would deadlock)
+            return  # never started, or called from the cycle itself (joining would deadlock)
         thread.join(timeout)
         if thread.is_alive():
             logger.warning(
                 "periodic thread %s did not finish its cycle within %ss of stop()",
-                self.name,
+                self._name,
                 timeout,
             )
 
@@ -162,25 +258,33 @@ class PeriodicThread:
 
     # -- state -----------------------------------------------------------------------------
 
-    def is_running(self) -> bool:
-        """Started, not stopped, and the OS thread still alive."""
+    @property
+    def is_running(self) -> StateFlag:
+        """Started, not stopped, and the OS thread alive; read as a property or call it."""
         with self._lock:
-            thread, stopped = self._thread, self._stopped
-        return thread is not None and not stopped and thread.is_alive()
+            return _flag(self._running_locked())
 
-    def is_active(self) -> bool:
-        """Running, with a completed cycle (or the start, if none yet) within 3 intervals."""
-        return self.is_running() and self._staleness()[0] <= ACTIVE_INTERVALS * self.interval
-
-    def _staleness(self) -> tuple[float, bool]:
-        """Seconds on `clock` since the last completed cycle (or since start if none yet), and
-        whether a cycle has ever completed."""
+    @property
+    def is_active(self) -> StateFlag:
+        """Running, and the last cycle completed within 3 intervals; before the first cycle,
+        started within `init_wait` + 3 intervals. Usable as a property or a call."""
         with self._lock:
-            last_run, started = self._last_run_time, self._started_at
-        reference = last_run if last_run is not None else started
-        if reference is None:
-            return math.inf, False
-        return self._clock() - reference, last_run is not None
+            return _flag(self._running_locked() and self._stale_locked()[0] <= 0.0)
+
+    def _running_locked(self) -> bool:
+        thread = self._thread
+        return thread is not None and not self._stopped and thread.is_alive()
+
+    def _stale_locked(self) -> tuple[float, float, bool]:
+        """(seconds past the activity limit, seconds since the last cycle or start, ever ran);
+        the first is > 0 when the thread missed its interval. Caller holds the lock."""
+        if self._last_run_time is not None:
+            since = self._clock() - self._last_run_time
+            return since - ACTIVE_INTERVALS * self._interval, since, True
+        if self._started_at is None:
+            return math.inf, math.inf, False
+        since = self._clock() - self._started_at
+        return since - self._init_wait - ACTIVE_INTERVALS * self._interval, since, False
 
     @property
     def run_count(self) -> int:
@@ -193,6 +297,16 @@ class PeriodicThread:
         """Cycles that raised or returned a summary with success=False."""
         with self._lock:
             return self._failure_count
+
+    @property
+    def total_runs(self) -> int:
+        """LMCache's name for `run_count`."""
+        return self.run_count
+
+    @property
+    def failed_runs(self) -> int:
+        """LMCache's name for `failure_count`."""
+        return self.failure_count
 
     @property
     def last_summary(self) -> ThreadRunSummary | None:
@@ -222,27 +336,56 @@ class PeriodicThread:
                 self._cycle_done.wait(remaining)
             return True
 
-    def to_dict(self) -> dict[str, Any]:
-        """A consistent JSON-ready snapshot for the admin API."""
-        running, active = self.is_running(), self.is_active()
+    def get_status(self) -> dict[str, Any]:
+        """A consistent JSON-ready snapshot with LMCache's keys; times are on `clock`.
+
+        `success_rate` is the fraction of cycles that succeeded, 1.0 before the first cycle.
+        """
         with self._lock:
+            running = self._running_locked()
+            excess, _, _ = self._stale_locked()
+            last_run, total, failed = self._last_run_time, self._run_count, self._failure_count
             summary = self._last_summary
-            return {
-                "name": self.name,
-                "level": self.level.value,
-                "interval": self.interval,
-                "running": running,
-                "active": active,
-                "run_count": self._run_count,
-                "failure_count": self._failure_count,
-                "last_summary": None if summary is None else summary.to_dict(),
-            }
+            now = self._clock()
+        return {
+            "name": self._name,
+            "level": self._level.value,
+            "interval": self._interval,
+            "init_wait": self._init_wait,
+            "is_running": running,
+            "is_active": running and excess <= 0.0,
+            "last_run_time": last_run,
+            "last_run_ago": None if last_run is None else now - last_run,
+            "total_runs": total,
+            "failed_runs": failed,
+            "success_rate": 1.0 if total == 0 else (total - failed) / total,
+            "last_summary": None if summary is None else summary.to_dict(),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """`get_status()` plus the names the admin API and status page read."""
+        status = self.get_status()
+        status["running"] = status["is_running"]
+        status["active"] = status["is_active"]
+        status["run_count"] = status["total_runs"]
+        status["failure_count"] = status["failed_runs"]
+        return status
 
     # -- the thread ------------------------------------------------------------------------
 
+    def _execute(self) -> ThreadRunSummary:
+        """One cycle's work; subclasses override it, the default calls `execute_fn`."""
+        if self._execute_fn is None:
+            raise NotImplementedError(
+                f"periodic thread {self._name!r}: override _execute() or pass execute_fn"
+            )
+        result = self._execute_fn()
+        return result if isinstance(result, ThreadRunSummary) else ThreadRunSummary(success=True)
+
     def _loop(self) -> None:
+        if self._init_wait > 0:
+            self._wake_event.wait(self._init_wait)
         while True:
-            self._wake_event.wait(self.interval)
             # Cleared before the cycle, so a wake() that arrives during it sets the event again
             # and the next wait returns at once: exactly one extra cycle, however many wakes.
             self._wake_event.clear()
@@ -250,21 +393,25 @@ class PeriodicThread:
                 if self._stopped:
                     return
             self._run_cycle()
+            self._wake_event.wait(self._interval)
 
     def _run_cycle(self) -> None:
         began = time.perf_counter()
         try:
-            result = self._execute_fn()
+            result: object = self._execute()
         except Exception as exc:
-            logger.exception("periodic thread %s: cycle failed", self.name)
+            logger.exception("periodic thread %s: cycle failed", self._name)
             summary = ThreadRunSummary(success=False, message=repr(exc))
         else:
+            # A subclass may return None despite the annotation: that counts as success too.
             if isinstance(result, ThreadRunSummary):
                 summary = result
             else:
                 summary = ThreadRunSummary(success=True)
             if not summary.success:
-                logger.warning("periodic thread %s: cycle reported failure: %s", self.name, summary)
+                logger.warning(
+                    "periodic thread %s: cycle reported failure: %s", self._name, summary
+                )
         if summary.duration_ms == 0.0:
             elapsed_ms = (time.perf_counter() - began) * 1000.0
             summary = dataclasses.replace(summary, duration_ms=elapsed_ms)
@@ -278,11 +425,32 @@ class PeriodicThread:
             self._cycle_done.notify_all()
 
 
+class _ResetDescriptor:
+    """`PeriodicThreadRegistry.reset` that works on the class and on an instance.
+
+    LMCache calls `PeriodicThreadRegistry.reset()` on the class to drop the shared singleton;
+    kvtier's tests call `registry.reset()` on an instance to empty that registry. Both spellings
+    exist in the wild, so the attribute dispatches on how it is looked up.
+    """
+
+    def __get__(
+        self, obj: PeriodicThreadRegistry | None, owner: type[PeriodicThreadRegistry]
+    ) -> Callable[[], None]:
+        if obj is None:
+            return owner._reset_shared
+        return obj._reset_threads
+
+
 class PeriodicThreadRegistry:
-    """Named periodic threads of this process; `get_instance()` is the shared one."""
+    """Named periodic threads of this process; `get_instance()` is the shared one.
+
+    `reset()` on the class stops the shared registry's threads, empties it and drops it (the
+    next `get_instance()` makes a new one); on an instance it stops and empties that registry.
+    """
 
     _instance: ClassVar[PeriodicThreadRegistry | None] = None
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+    reset: ClassVar[_ResetDescriptor] = _ResetDescriptor()
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -299,6 +467,19 @@ class PeriodicThreadRegistry:
                     instance = cls._instance = cls()
         return instance
 
+    @classmethod
+    def _reset_shared(cls) -> None:
+        """Stop and empty the shared registry and drop it (for tests)."""
+        with cls._instance_lock:
+            instance, cls._instance = cls._instance, None
+        if instance is not None:
+            instance._reset_threads()
+
+    def _reset_threads(self) -> None:
+        """Stop every thread and empty this registry (for tests)."""
+        self.stop_all()
+        self.unregister_all()
+
     def register(self, thread: PeriodicThread) -> None:
         """Add `thread` under its name; a name already registered raises ValueError."""
         with self._lock:
@@ -310,6 +491,13 @@ class PeriodicThreadRegistry:
         """Remove and return the thread named `name` (None if absent); it is not stopped."""
         with self._lock:
             return self._threads.pop(name, None)
+
+    def unregister_all(self) -> list[PeriodicThread]:
+        """Remove and return every thread, in registration order; none is stopped."""
+        with self._lock:
+            threads = list(self._threads.values())
+            self._threads.clear()
+        return threads
 
     def get(self, name: str) -> PeriodicThread | None:
         """The thread registered as `name`, or None."""
@@ -325,26 +513,37 @@ class PeriodicThreadRegistry:
         """The registered threads of `level`, in registration order."""
         return [t for t in self.get_all() if t.level is level]
 
+    def get_running_count(self) -> int:
+        """How many registered threads are running."""
+        return sum(1 for t in self.get_all() if t.is_running)
+
+    def get_active_count(self) -> int:
+        """How many registered threads are active (running and not stalled)."""
+        return sum(1 for t in self.get_all() if t.is_active)
+
     def health(self) -> dict[str, Any]:
-        """Running CRITICAL/HIGH threads with no completed cycle (or start) in 3 intervals."""
+        """Running CRITICAL/HIGH threads that missed their interval, as `is_active` judges it."""
         unhealthy: list[dict[str, Any]] = []
         for thread in self.get_all():
-            if thread.level not in HEALTH_LEVELS or not thread.is_running():
+            if thread.level not in HEALTH_LEVELS:
                 continue
-            staleness, ever_ran = thread._staleness()
-            limit = ACTIVE_INTERVALS * thread.interval
-            if staleness <= limit:
+            with thread._lock:
+                if not thread._running_locked():
+                    continue
+                excess, since, ever_ran = thread._stale_locked()
+            if excess <= 0.0:
                 continue
-            since = "since its last cycle" if ever_ran else "since start, never completed a cycle"
+            limit = since - excess
+            what = "since its last cycle" if ever_ran else "since start, never completed a cycle"
+            rule = f"{ACTIVE_INTERVALS} x interval {thread.interval:g}s"
+            if not ever_ran and thread.init_wait:
+                rule = f"init_wait {thread.init_wait:g}s + {rule}"
             unhealthy.append(
                 {
                     "name": thread.name,
                     "level": thread.level.value,
-                    "reason": (
-                        f"{staleness:.1f}s {since}; limit is {ACTIVE_INTERVALS} x interval "
-                        f"{thread.interval:g}s = {limit:g}s"
-                    ),
-                    "seconds_since_last_run": staleness,
+                    "reason": f"{since:.1f}s {what}; limit is {rule} = {limit:g}s",
+                    "seconds_since_last_run": since,
                 }
             )
         return {"healthy": not unhealthy, "unhealthy": unhealthy}
@@ -361,12 +560,6 @@ class PeriodicThreadRegistry:
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.stop(max(0.0, deadline - time.monotonic()))
-
-    def reset(self) -> None:
-        """Stop every thread and empty the registry (for tests)."""
-        self.stop_all()
-        with self._lock:
-            self._threads.clear()
 
     def __len__(self) -> int:
         with self._lock:
@@ -386,9 +579,10 @@ def create_periodic_thread(
     registry: PeriodicThreadRegistry | None = None,
     start: bool = False,
     clock: Callable[[], float] = time.monotonic,
+    init_wait: float = 0.0,
 ) -> PeriodicThread:
     """Create a thread and register it (in the shared registry by default); start it if asked."""
-    thread = PeriodicThread(name, interval, execute_fn, level, clock=clock)
+    thread = PeriodicThread(name, interval, level, init_wait, execute_fn=execute_fn, clock=clock)
     (registry if registry is not None else PeriodicThreadRegistry.get_instance()).register(thread)
     if start:
         thread.start()

@@ -76,9 +76,7 @@ class Session:
         "request_id",
     )
 
-    def __init__(
-        self, request_id: str, hasher: TokenHasher, *, clock: Clock = time.time
-    ) -> None:
+    def __init__(self, request_id: str, hasher: TokenHasher, *, clock: Clock = time.time) -> None:
         self.request_id = request_id
         self.hasher = hasher
         self.clock = clock

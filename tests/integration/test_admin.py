@@ -366,6 +366,7 @@ def test_health_503_while_a_critical_thread_is_stalled(tmp_path: Path) -> None:
         with start_admin_server(engine, port=0, registry=registry) as admin:
             stalled.start()
             lazy.start()
+            assert stalled.wait_for_runs(1, timeout=10)  # the first cycle runs at start
             assert httpx.get(admin.url + "/health").json() == {"status": "ok"}
 
             clock.now += 3 * 3600.0 + 1  # three missed intervals: stalled (the LOW one is ignored)
@@ -380,7 +381,7 @@ def test_health_503_while_a_critical_thread_is_stalled(tmp_path: Path) -> None:
             assert {t["name"] for t in threads["threads"]} >= {"test-stalled", "test-lazy"}
 
             stalled.wake()  # it runs a cycle, stamped with the fake clock's now: healthy again
-            assert stalled.wait_for_runs(1, timeout=10)
+            assert stalled.wait_for_runs(2, timeout=10)
             assert httpx.get(admin.url + "/health").status_code == 200
 
             engine.close()  # the arena is gone: not ready
