@@ -43,18 +43,18 @@ from kvtier.periodic import (
     ThreadRunSummary,
     create_periodic_thread,
 )
-from kvtier.server.layouts import Layout, LayoutRegistry
+from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Peer, Reservation, RetrieveLease
 from kvtier.session import Session, SessionManager
 from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
+from kvtier.storage.prefetch import prefetch
 
 __all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
 
-_PREFETCH_OWNER = "kvtier:l2-prefetch"
 _instances = itertools.count()
 
 
@@ -343,62 +343,29 @@ class Engine:
         return p.LookupReply(hit_tokens)
 
     def _prefetch(self, req: p.Lookup, keys: list[ChunkKey], hit: int) -> int:
-        """Load chunks [hit, ...) that every rank has in an L2 tier into L1, and pin them.
-
-        Only chunks that are actually loadable count: a shard that fails its digest on the way
-        in ends the hit there.
-        """
+        """Extend an L1 hit with the following chunks every rank has in L2, and pin them."""
         assert self.tiers is not None
         layout = self.layouts.get(req.model, req.world_size)
         if layout is None:
             return hit  # no worker told us the layout: nothing in L2 can be checked or loaded
-        ws = req.world_size
-        rest = keys[hit:]
-        present = self.tiers.contains_many([k.shard(w) for k in rest for w in range(ws)])
-        loadable = 0
-        while loadable < len(rest) and all(present[loadable * ws : (loadable + 1) * ws]):
-            loadable += 1
-        held: list[ChunkKey] = []
-        try:
-            for key in rest[:loadable]:
-                if not self._load_group(key, layout):
-                    break
-                self.l1.acquire(key)  # keep it while later loads make room
-                held.append(key)
-            if held:
-                hit += len(held)
+        with prefetch(
+            self.l1,
+            self.arena,
+            self.tiers,
+            keys[hit:],
+            nbytes=layout.nbytes,
+            layout=layout.text,
+            lease_s=self.config.staging_lease,
+        ) as loaded:
+            if loaded:
+                hit += len(loaded)
                 self.l1.pin(
-                    req.request_id, keys[:hit], ranks=range(ws), lease_s=self.config.pin_lease
+                    req.request_id,
+                    keys[:hit],
+                    ranks=range(req.world_size),
+                    lease_s=self.config.pin_lease,
                 )
-        finally:
-            for key in held:
-                self.l1.release(key)
         return hit
-
-    def _load_group(self, key: ChunkKey, layout: Layout) -> bool:
-        assert self.tiers is not None
-        for worker_id in range(key.world_size):
-            if self.l1.get_shard(key, worker_id) is not None:
-                continue
-            try:
-                offset = self.l1.reserve(
-                    key,
-                    worker_id,
-                    layout.nbytes,
-                    owner=_PREFETCH_OWNER,
-                    lease_s=self.config.staging_lease,
-                    layout=layout.text,
-                )
-            except NoSpaceError:
-                return False
-            if offset is None:
-                return False  # another client is writing this shard right now
-            view = self.arena.view(offset, layout.nbytes)
-            if self.tiers.get_into(key.shard(worker_id), view, layout.text) is None:
-                self.l1.abort(key, worker_id, owner=_PREFETCH_OWNER)
-                return False
-            self.l1.commit(key, worker_id, owner=_PREFETCH_OWNER)
-        return True
 
     # -- store ----------------------------------------------------------------------------------
 
