@@ -233,13 +233,7 @@ class DiskTier:
             key, old = self._index.popitem(last=False)
             self._used -= old
             self._n["evictions"] += 1
-            try:
-                os.unlink(self._path(key)[1])
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._n["errors"] += 1
-                logger.warning("disk tier: cannot evict %s: %s", key, exc)
+            self._unlink(key)
 
     # -- writes --------------------------------------------------------------------------------
 
