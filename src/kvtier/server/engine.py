@@ -3,7 +3,8 @@
 `Engine.handle(identity, header, payloads)` takes one request's frames and returns the reply's
 frames; the transport only moves frames. Every failure becomes a typed error reply. State is
 mutated under one re-entrant lock, held per request: the transport thread is its main user, the
-lease reaper and session expiry the others, and none of them does network I/O under it.
+lease reaper, session expiry, L2 write completions and the admin API the others. The only I/O
+under it is a lookup's L2 reads, which that lookup is waiting for anyway.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvtier
@@ -65,7 +66,7 @@ class Engine:
         self,
         config: ServerConfig,
         *,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
         registry: PeriodicThreadRegistry | None = None,
         tiers: TierManager | None = None,
         start_threads: bool = True,
@@ -101,7 +102,6 @@ class Engine:
         self._orphaned = 0  # expired sessions that still held pins
         self._lookup_requested = 0
         self._lookup_hit = 0
-        self._ready = True
         self._closed = False
         self._reaper: PeriodicThread | None = None
         if start_threads:
@@ -278,12 +278,14 @@ class Engine:
             "chunk_keys", {}
         )
         keys = cache.setdefault((model, salt, world_size), [])
-        if len(keys) > len(hashes):
-            del keys[len(hashes) :]
-        if keys and keys[-1].chunk_hash != hashes[len(keys) - 1]:
+        n = len(hashes)
+        valid = min(len(keys), n)  # the cached keys agree with these hashes up to here
+        if valid and keys[valid - 1].chunk_hash != hashes[valid - 1]:
             keys.clear()
+        elif len(keys) >= n:
+            return keys[:n]  # a shorter range of a prompt already named: keep the rest cached
         keys.extend(ChunkKey(model, salt, world_size, h) for h in hashes[len(keys) :])
-        return keys[: len(hashes)]
+        return keys[:]
 
     def _require_session(self, request_id: str) -> Session:
         session = self.sessions.get(request_id)
@@ -557,7 +559,7 @@ class Engine:
     # -- admin backend --------------------------------------------------------------------------
 
     def is_ready(self) -> bool:
-        return self._ready and not self._closed
+        return not self._closed
 
     def status(self) -> dict[str, Any]:
         """The JSON-safe picture of the server the admin API and metrics read."""

@@ -1,0 +1,66 @@
+"""prefetch: groups that every rank has in L2 come up into L1, the first failure ends the run."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.keys import ChunkKey
+from kvtier.storage.arena import Arena
+from kvtier.storage.l1 import L1Store
+from kvtier.storage.manager import TierManager
+from kvtier.storage.prefetch import prefetch
+from kvtier.storage.tiers.disk import DiskTier
+
+NBYTES = 4096
+LAYOUT = "uint8[4096]"
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    with Arena.create(f"kvtier-prefetch-{os.getpid()}-{uuid.uuid4().hex[:6]}", 1 << 20) as a:
+        yield a
+
+
+def keys(n: int, ws: int = 2) -> list[ChunkKey]:
+    return [ChunkKey("m", "", ws, bytes([i]) * 32) for i in range(n)]
+
+
+def test_loads_leading_groups_complete_in_l2(arena: Arena, tmp_path: Path) -> None:
+    tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
+    chain = keys(4)
+    for i, key in enumerate(chain):
+        for rank in range(2):
+            if (i, rank) != (2, 1):  # chunk 2 lacks rank 1's shard: the run ends before it
+                tiers.tiers[0].put(key.shard(rank), bytes([i * 2 + rank]) * NBYTES, LAYOUT)
+    l1 = L1Store(arena.size)
+    with prefetch(l1, arena, tiers, chain, nbytes=NBYTES, layout=LAYOUT, lease_s=5) as loaded:
+        assert loaded == chain[:2]
+        assert l1.stats()["pinned_groups"] == 2  # held while the caller pins them
+    assert l1.stats()["pinned_groups"] == 0
+    assert l1.count_prefix(chain) == 2
+    offset, size, _ = l1.get_shard(chain[1], 1) or (0, 0, "")
+    assert bytes(arena.view(offset, size)) == bytes([3]) * NBYTES
+    tiers.close()
+
+
+def test_a_corrupted_shard_ends_the_run_and_leaves_no_staging(arena: Arena, tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1 << 30)
+    tiers = TierManager([disk])
+    chain = keys(3, ws=1)
+    for i, key in enumerate(chain):
+        disk.put(key.shard(0), bytes([i]) * NBYTES, LAYOUT)
+    victim = next(p for p in tmp_path.rglob("*") if p.name == chain[1].shard(0).to_str())
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    l1 = L1Store(arena.size)
+    with prefetch(l1, arena, tiers, chain, nbytes=NBYTES, layout=LAYOUT, lease_s=5) as loaded:
+        assert loaded == chain[:1]
+    assert l1.stats()["staging_shards"] == 0
+    assert disk.stats()["corrupt"] == 1
+    tiers.close()
