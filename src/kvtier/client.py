@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -58,7 +59,7 @@ def _chunk_rows(
             raise BadArrayError(f"{what} must be C-contiguous (use np.ascontiguousarray)")
         if writable and not array.flags.writeable:
             raise BadArrayError(f"{what} is read-only; retrieve writes into it")
-        rows = array.reshape(array.shape[0], -1).view(np.uint8)
+        rows = array.reshape(array.shape[0], math.prod(array.shape[1:])).view(np.uint8)
         return rows, list(array.shape[1:]), array.dtype.name
     if type(array).__module__.startswith("torch"):
         if array.device.type != "cpu":
@@ -71,7 +72,7 @@ def _chunk_rows(
             raise BadArrayError(f"{what} must be contiguous (call .contiguous())")
         import torch  # only reached when the caller already uses torch
 
-        flat = array.detach().reshape(array.shape[0], -1)
+        flat = array.detach().reshape(array.shape[0], math.prod(array.shape[1:]))
         rows_t = flat.view(torch.uint8)
         return rows_t.numpy(), list(array.shape[1:]), str(array.dtype).removeprefix("torch.")
     raise BadArrayError(f"{what} must be a numpy array or a CPU torch tensor, got {type(array)}")
@@ -335,6 +336,10 @@ class Client:
     ) -> tuple[npt.NDArray[np.uint8], dict[str, Any]]:
         """The array's chunk rows and the fields of a RangeRequest for it."""
         rows, shape, dtype = _chunk_rows(array, what, writable=what == "out")
+        if end is not None and (end - start) % self.chunk_size == 0:
+            # an explicit range may use only the leading rows of a larger array (e.g. `out`
+            # sized for the whole prompt, `end=hit`); a smaller array is the server's to refuse
+            rows = rows[: max(0, (end - start) // self.chunk_size)]
         num_chunks = rows.shape[0]
         fields = {
             "request_id": request_id,

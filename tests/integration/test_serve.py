@@ -145,6 +145,26 @@ def test_store_is_idempotent_and_retrieve_stops_at_first_missing_chunk(
         assert c.lookup("r", tokens, model="m") == 6 * CS
 
 
+def test_an_explicit_range_may_use_the_leading_rows_of_a_larger_array(
+    server: ServerProcess,
+) -> None:
+    tokens = list(range(5 * CS + 7))
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert c.lookup("r", tokens, model="m") == 0
+        empty = np.zeros((0, *SHAPE), np.float16)
+        assert c.retrieve("r", tokens, empty, model="m", end=0) == 0  # a miss: nothing to copy
+        kv = kv_for(12, 5)
+        assert c.store("r", tokens, kv, model="m", start=0) == 5 * CS
+        hit = c.lookup("r2", tokens, model="m")
+        out = np.zeros_like(kv)  # sized for the whole prompt
+        assert c.retrieve("r2", tokens, out[:0], model="m", end=0) == 0
+        assert c.retrieve("r2", tokens, out, model="m", start=0, end=hit - 2 * CS) == 3 * CS
+        assert np.array_equal(out[:3], kv[:3]) and not out[3:].any()
+        with pytest.raises(BadArrayError, match="chunks"):
+            c.retrieve("r2", tokens, out[:2], model="m", end=3 * CS)  # too small: refused
+
+
 def test_torch_tensors_round_trip(server: ServerProcess) -> None:
     torch = pytest.importorskip("torch", reason="torch is part of the test install")
     tokens = list(range(3 * CS))
