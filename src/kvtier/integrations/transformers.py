@@ -21,9 +21,10 @@ import numpy.typing as npt
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvtier import hashing
 from kvtier.client import Client
 
-TOKEN_DTYPE = np.dtype("<u4")
+TOKEN_DTYPE = hashing.TOKEN_DTYPE
 
 # All-gather across the ranks of a tensor-parallel group: every rank passes a tensor of the same
 # shape and gets back all ranks' tensors in rank order (e.g. built on torch.distributed).
@@ -168,7 +169,7 @@ def as_token_array(input_ids: Any) -> npt.NDArray[np.uint32]:
         raise ValueError("input_ids is empty: there is nothing to prefill")
     if array.dtype.kind not in "iu":
         raise ValueError(f"input_ids must be integer token ids, got dtype {array.dtype}")
-    return array.astype(TOKEN_DTYPE, copy=False)
+    return hashing.as_token_array(array)  # range-checked: a negative id is an error, not a wrap
 
 
 class ModelRunner:
