@@ -167,6 +167,7 @@ def test_an_explicit_range_may_use_the_leading_rows_of_a_larger_array(
 
 def test_torch_tensors_round_trip(server: ServerProcess) -> None:
     import torch  # installed by `make test` (the transformers extra); never skipped
+
     tokens = list(range(3 * CS))
     with Client(server.address) as c:
         c.register(model="t", chunk_shape=SHAPE, dtype="bfloat16")
