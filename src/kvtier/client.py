@@ -24,6 +24,7 @@ import zmq
 from kvtier import protocol as p
 from kvtier.errors import (
     BadArrayError,
+    ErrorCode,
     KVTierError,
     NotConnectedError,
     error_from_code,
@@ -78,6 +79,10 @@ def _chunk_rows(
     raise BadArrayError(f"{what} must be a numpy array or a CPU torch tensor, got {type(array)}")
 
 
+class _Forgotten(NotConnectedError):
+    """The server answered "send Hello first": it restarted and no longer knows this client."""
+
+
 class Client:
     """A connection to one `kvtier serve`. See the README for the flow of one request."""
 
@@ -103,9 +108,13 @@ class Client:
         self._sockets_lock = threading.Lock()
         self._seq = itertools.count(1)
         self._world_sizes: dict[str, int] = {}
+        self._registrations: dict[tuple[str, int, int], p.Register] = {}
         self._closed = False
+        self._transfer = transfer
         self._arena: Arena | None = None
         self._arena_bytes: npt.NDArray[np.uint8] | None = None
+        self._retired_arenas: list[Arena] = []  # mappings of a server that restarted
+        self._rejoin_lock = threading.Lock()
         try:
             self.server = self._socket_hello()
             if transfer != "inline":
@@ -169,6 +178,9 @@ class Client:
         with self._sockets_lock:
             self._sockets.append(sock)
         self._local.socket = sock
+        return self._hello_on(sock)
+
+    def _hello_on(self, sock: zmq.Socket[bytes]) -> p.HelloReply:
         hello = p.Hello(
             protocol_version=p.PROTOCOL_VERSION,
             client_id=self.client_id,
@@ -181,7 +193,32 @@ class Client:
         return reply
 
     def _call(self, msg: Any, payloads: Sequence[Any] = ()) -> tuple[p.Reply, list[zmq.Frame]]:
-        return self._call_on(self._socket(), msg, payloads)
+        sock = self._socket()
+        try:
+            return self._call_on(sock, msg, payloads)
+        except _Forgotten:
+            self._rejoin(sock)  # the server restarted: shake hands again, then retry once
+            return self._call_on(sock, msg, payloads)
+
+    def _rejoin(self, sock: zmq.Socket[bytes]) -> None:
+        """Hello again on `sock`; if the server is a new one, map its arena and re-register.
+
+        The old mapping is retired, not closed: another thread may still be copying through it
+        (its store's commit will then be refused, since the new server never reserved it).
+        """
+        with self._rejoin_lock:
+            hello = self._hello_on(sock)
+            if hello.server_id == self.server.server_id:
+                return  # another thread already re-joined this server
+            logger.info("kvtier at %s restarted: re-joining", self.address)
+            self.server = hello
+            if self._arena is not None:
+                self._retired_arenas.append(self._arena)
+                self._arena, self._arena_bytes = None, None
+            if self._transfer != "inline":
+                self._attach_arena(self._transfer)
+            for register in self._registrations.values():
+                self._call_on(sock, register)
 
     def _call_on(
         self, sock: zmq.Socket[bytes], msg: Any, payloads: Sequence[Any] = ()
@@ -201,6 +238,8 @@ class Client:
                 continue  # the late answer to a request that already timed out
             reply = p.decode_reply(frames[1].buffer)
             if isinstance(reply, p.ErrorReply):
+                if reply.code == ErrorCode.NOT_CONNECTED and not isinstance(msg, p.Hello):
+                    raise _Forgotten(reply.message)
                 raise error_from_code(reply.code, reply.message)
             return reply, frames[2:]
 
@@ -226,7 +265,9 @@ class Client:
     ) -> None:
         """Tell the server this worker's KV layout: one chunk of its shard is `chunk_shape`."""
         dtype = str(dtype).removeprefix("torch.")
-        self._call(p.Register(model, world_size, worker_id, [int(d) for d in chunk_shape], dtype))
+        register = p.Register(model, world_size, worker_id, [int(d) for d in chunk_shape], dtype)
+        self._call(register)
+        self._registrations[model, world_size, worker_id] = register  # replayed on a rejoin
         self._world_sizes[model] = world_size
 
     def lookup(
@@ -376,9 +417,10 @@ class Client:
             self._heartbeat.join(timeout=2)
         self._ctx.destroy(linger=0)
         self._arena_bytes = None
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        for arena in [*self._retired_arenas, self._arena]:
+            if arena is not None:
+                arena.close()
+        self._arena, self._retired_arenas = None, []
 
     def __enter__(self) -> Client:
         return self

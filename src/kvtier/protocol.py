@@ -169,6 +169,7 @@ class HelloReply(_Msg):
     arena_name: str
     arena_size: int
     host_id: str
+    server_id: str = ""  # new at every server start: a client that sees it change re-joins
 
 
 class Ok(_Msg):

@@ -355,6 +355,28 @@ def test_ctrl_c_stops_cleanly_and_a_stale_segment_does_not_block_a_restart(
     assert again.stop() == 0
 
 
+def test_a_client_rejoins_a_restarted_server_by_itself(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    first = server_factory("--chunk-size", str(CS), "--l1-size", "8MiB")
+    with Client(first.address, timeout=10) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert c.store("a", list(range(2 * CS)), kv_for(13, 2), model="m") == 2 * CS
+        old_server = c.server.server_id
+        assert first.stop() == 0
+        second = server_factory("--chunk-size", str(CS), "--l1-size", "8MiB", address=first.address)
+        # no register() again: the client re-joins, maps the new arena, replays its layout
+        tokens = list(range(500, 500 + 3 * CS))
+        kv = kv_for(14, 3)
+        assert c.store("b", tokens, kv, model="m") == 3 * CS
+        assert c.server.server_id != old_server
+        assert c.lookup("b2", tokens, model="m") == 3 * CS
+        out = np.zeros_like(kv)
+        assert c.retrieve("b2", tokens, out, model="m") == 3 * CS
+        assert np.array_equal(out, kv)
+        assert status(second)["l1"]["ready_groups"] == 3  # the bytes are in the NEW arena
+
+
 def test_tcp_address_serves_inline_clients(server_factory: Callable[..., ServerProcess]) -> None:
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as s:
         port = s.bind_to_random_port("tcp://127.0.0.1")

@@ -14,6 +14,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,6 +79,7 @@ class Engine:
         self.chunk_size = config.chunk_size
         self.contract = self.hasher.contract()
         self.host_id = p.local_host_id()
+        self.server_id = uuid.uuid4().hex
         self.arena = Arena.create(
             config.arena_name or default_arena_name(config.address[0]),
             config.l1_size,
@@ -218,6 +220,7 @@ class Engine:
             arena_name=self.arena.name,
             arena_size=self.arena.size,
             host_id=self.host_id,
+            server_id=self.server_id,
         )
 
     def _register(self, client: Peer, req: p.Register) -> p.Ok:
