@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.errors import NotConnectedError
 from kvtier.integrations.demo import connect, random_model, serve
 from kvtier.integrations.transformers import (
     KVGeometry,
@@ -313,3 +314,22 @@ def test_reuse_after_a_disk_tier_round_trip_and_a_restart(tmp_path: Path) -> Non
         logits, _ = kv.prefill(prompt)
         assert kv.last_hit_tokens == 4 * CHUNK
         torch.testing.assert_close(logits, full_prefill(model, prompt)[0], atol=TOL, rtol=0)
+
+
+def test_a_dead_server_costs_a_recompute_not_the_request() -> None:
+    model = random_model("llama")
+    prompt = _prompt(61, 3 * CHUNK + 3)
+    with serve(CHUNK, "64MiB") as addr:
+        c = connect(addr)  # 2 s request timeout
+        kv = KVTierCache(model, c, _name())
+        kv.prefill(prompt)
+    try:
+        # the server is gone: the lookup times out, the request's other kvtier calls are skipped
+        logits, _ = kv.prefill(prompt)
+        assert isinstance(kv.last_error, NotConnectedError)
+        assert kv.last_hit_tokens == 0
+        torch.testing.assert_close(logits, full_prefill(model, prompt)[0], atol=TOL, rtol=0)
+        out = kv.generate(prompt, max_new_tokens=3)
+        assert out.shape == (1, len(prompt) + 3)
+    finally:
+        c.close()

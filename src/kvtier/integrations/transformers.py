@@ -10,6 +10,7 @@ K, 1 is V) in the model's dtype; a rank of a tensor-parallel group holds the KV 
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,8 +24,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvtier import hashing
 from kvtier.client import Client
+from kvtier.errors import KVTierError
 
 TOKEN_DTYPE = hashing.TOKEN_DTYPE
+
+logger = logging.getLogger(__name__)
 
 # All-gather across the ranks of a tensor-parallel group: every rank passes a tensor of the same
 # shape and gets back all ranks' tensors in rank order (e.g. built on torch.distributed).
@@ -251,6 +255,8 @@ class KVTierCache:
         self.runner = ModelRunner(model)
         self.last_timings: dict[str, float] = {}
         self.last_hit_tokens = 0
+        #: the kvtier error the last call worked around (it then computed without the cache)
+        self.last_error: KVTierError | None = None
         client.register(
             model=model_name,
             world_size=world_size,
@@ -264,11 +270,14 @@ class KVTierCache:
         (vocab,) and the model's filled cache. Timings land in `last_timings`."""
         tokens = as_token_array(input_ids)
         request_id = uuid.uuid4().hex
+        self.last_error = None
         timings = {k: 0.0 for k in ("lookup", "retrieve", "copy", "compute", "store")}
         c = self.chunk_size
         try:
             t0 = time.perf_counter()
-            hit = self.client.lookup(
+            hit = self._or_zero(
+                "lookup",
+                self.client.lookup,
                 request_id,
                 tokens,
                 model=self.model_name,
@@ -290,7 +299,7 @@ class KVTierCache:
                     chunks_to_cache(chunks, cache)
                 del chunks
                 timings["copy"] = time.perf_counter() - t2
-            self.client.release(request_id)
+            self._or_zero("release", self.client.release, request_id)
             t3 = time.perf_counter()
             logits = self.runner.forward(tokens[reuse:], reuse, cache)
             t4 = time.perf_counter()
@@ -300,7 +309,7 @@ class KVTierCache:
             self._store(request_id, tokens, cache, stored_from)
             timings["store"] = time.perf_counter() - t4
         finally:
-            self.client.end_session(request_id)
+            self._or_zero("end_session", self.client.end_session, request_id)
         timings["ttft"] = sum(timings[k] for k in ("lookup", "retrieve", "copy", "compute"))
         timings["total"] = timings["ttft"] + timings["store"]
         self.last_timings = timings
@@ -326,7 +335,8 @@ class KVTierCache:
         if self.store_generated:
             t0 = time.perf_counter()
             start = len(tokens) // self.chunk_size * self.chunk_size
-            self.store(everything[: cache.get_seq_length()], cache, start=start)
+            # not self.store(): a kvtier failure during the prefill must not be retried here
+            self._store_new(everything[: cache.get_seq_length()], cache, start)
             prefill_timings["store_generated"] = time.perf_counter() - t0
         self.last_timings = prefill_timings
         return torch.from_numpy(everything.astype(np.int64)).unsqueeze(0)
@@ -334,11 +344,14 @@ class KVTierCache:
     def store(self, input_ids: Any, cache: Any, *, start: int = 0) -> int:
         """Stores the full chunks of a filled cache from token `start` on (e.g. after a prefill
         done without kvtier); returns the tokens stored."""
-        tokens = as_token_array(input_ids)
+        self.last_error = None
+        return self._store_new(as_token_array(input_ids), cache, start)
+
+    def _store_new(self, tokens: npt.NDArray[np.uint32], cache: Any, start: int) -> int:
         request_id = uuid.uuid4().hex
         stored = self._store(request_id, tokens, cache, start)
         if self._full_end(tokens, cache) > start:  # only a store call opens a session
-            self.client.end_session(request_id)
+            self._or_zero("end_session", self.client.end_session, request_id)
         return stored
 
     def _full_end(self, tokens: npt.NDArray[np.uint32], cache: Any) -> int:
@@ -354,7 +367,9 @@ class KVTierCache:
         end = self._full_end(tokens, cache)
         stored = 0
         if end > start:
-            stored = self.client.store(
+            stored = self._or_zero(
+                "store",
+                self.client.store,
                 request_id,
                 tokens[:end],
                 cache_to_chunks(cache, start, end, c, heads=self.heads),
@@ -373,7 +388,9 @@ class KVTierCache:
         c = self.chunk_size
         shape = self.geometry.chunk_shape(c, self.world_size)
         out = torch.empty((end // c, *shape), dtype=self.geometry.dtype)
-        got = self.client.retrieve(
+        got = self._or_zero(
+            "retrieve",
+            self.client.retrieve,
             request_id,
             tokens[:end],
             out,
@@ -388,6 +405,19 @@ class KVTierCache:
         if self.exchange is None:
             return out
         return merge_heads(self.exchange(out.contiguous()))
+
+    def _or_zero(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+        """A kvtier call whose failure costs a recompute, never the request: a kvtier error is
+        logged, kept in `last_error`, and reads as 0 tokens (every rank still reaches the next
+        `_agree`, so a tensor-parallel group stays in step and agrees on the smaller span)."""
+        if self.last_error is not None:
+            return 0  # kvtier already failed in this call: do not wait on it again
+        try:
+            return int(call(*args, **kwargs) or 0)
+        except KVTierError as exc:
+            logger.warning("kvtier %s failed, computing without the cache: %s", what, exc)
+            self.last_error = exc
+            return 0
 
     def _agree(self, tokens: int) -> int:
         """The smallest of the ranks' token counts, so every rank reuses the same span."""
