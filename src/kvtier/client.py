@@ -83,6 +83,13 @@ class _Forgotten(NotConnectedError):
     """The server answered "send Hello first": it restarted and no longer knows this client."""
 
 
+class _NoReply(NotConnectedError):
+    """No reply within the timeout: the server is down, stalled or unreachable."""
+
+
+_PROBE_TIMEOUT = 5.0  # how long a heartbeat waits before it calls the server unreachable
+
+
 class Client:
     """A connection to one `kvtier serve`. See the README for the flow of one request."""
 
@@ -115,6 +122,7 @@ class Client:
         self._arena_bytes: npt.NDArray[np.uint8] | None = None
         self._retired_arenas: list[Arena] = []  # mappings of a server that restarted
         self._rejoin_lock = threading.Lock()
+        self._unreachable_since: float | None = None  # monotonic time of the first missed reply
         try:
             self.server = self._socket_hello()
             if transfer != "inline":
@@ -192,13 +200,35 @@ class Client:
         assert isinstance(reply, p.HelloReply)
         return reply
 
-    def _call(self, msg: Any, payloads: Sequence[Any] = ()) -> tuple[p.Reply, list[zmq.Frame]]:
+    def _call(
+        self, msg: Any, payloads: Sequence[Any] = (), *, probe: bool = False
+    ) -> tuple[p.Reply, list[zmq.Frame]]:
+        """One request, re-joining a restarted server once; fails fast while it is unreachable.
+
+        A request that timed out, or a heartbeat (`probe`) that did, marks the server
+        unreachable: later requests raise NotConnectedError at once instead of each waiting out
+        the timeout, until a heartbeat gets an answer again.
+        """
+        if self._unreachable_since is not None and not probe:
+            raise NotConnectedError(
+                f"kvtier at {self.address} has not answered for "
+                f"{time.monotonic() - self._unreachable_since:.1f}s; failing fast until a "
+                "heartbeat gets through"
+            )
+        timeout = min(self.timeout, _PROBE_TIMEOUT) if probe else self.timeout
         sock = self._socket()
         try:
-            return self._call_on(sock, msg, payloads)
-        except _Forgotten:
-            self._rejoin(sock)  # the server restarted: shake hands again, then retry once
-            return self._call_on(sock, msg, payloads)
+            try:
+                result = self._call_on(sock, msg, payloads, timeout)
+            except _Forgotten:
+                self._rejoin(sock)  # the server restarted: shake hands again, then retry once
+                result = self._call_on(sock, msg, payloads, timeout)
+        except _NoReply:
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+            raise
+        self._unreachable_since = None
+        return result
 
     def _rejoin(self, sock: zmq.Socket[bytes]) -> None:
         """Hello again on `sock`; if the server is a new one, map its arena and re-register.
@@ -221,16 +251,21 @@ class Client:
                 self._call_on(sock, register)
 
     def _call_on(
-        self, sock: zmq.Socket[bytes], msg: Any, payloads: Sequence[Any] = ()
+        self,
+        sock: zmq.Socket[bytes],
+        msg: Any,
+        payloads: Sequence[Any] = (),
+        timeout: float | None = None,
     ) -> tuple[p.Reply, list[zmq.Frame]]:
+        timeout = self.timeout if timeout is None else timeout
         seq = next(self._seq).to_bytes(8, "little")
         sock.send_multipart([seq, p.encode(msg), *payloads], copy=False)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
-                raise NotConnectedError(
-                    f"no reply from kvtier at {self.address} within {self.timeout:g}s to "
+                raise _NoReply(
+                    f"no reply from kvtier at {self.address} within {timeout:g}s to "
                     f"{type(msg).__name__}: is `kvtier serve --address {self.address}` running?"
                 )
             frames = sock.recv_multipart(copy=False)
@@ -246,7 +281,7 @@ class Client:
     def _heartbeat_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                self._call(p.Heartbeat())
+                self._call(p.Heartbeat(), probe=True)
             except KVTierError as exc:
                 logger.debug("heartbeat failed: %s", exc)
             except zmq.ZMQError:

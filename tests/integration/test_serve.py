@@ -377,6 +377,31 @@ def test_a_client_rejoins_a_restarted_server_by_itself(
         assert status(second)["l1"]["ready_groups"] == 3  # the bytes are in the NEW arena
 
 
+def test_a_dead_server_fails_fast_until_it_answers_again(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    first = server_factory("--chunk-size", str(CS), "--l1-size", "8MiB")
+    tokens = list(range(3 * CS))
+    with Client(first.address, timeout=1, heartbeat_interval=0.2) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        first.stop(signal.SIGKILL)  # a crash, not a clean stop
+        with pytest.raises(NotConnectedError):
+            c.lookup("r", tokens, model="m")  # a timeout (or already failing fast)
+        with pytest.raises(NotConnectedError, match="failing fast"):
+            c.lookup("r", tokens, model="m")
+        server_factory("--chunk-size", str(CS), "--l1-size", "8MiB", address=first.address)
+
+        def answers() -> bool:
+            try:
+                c.lookup("r", tokens, model="m")
+            except NotConnectedError:
+                return False
+            return True
+
+        assert wait_for(answers, timeout=20)  # a heartbeat got through; the client re-joined
+        assert c.store("r", tokens, kv_for(15, 3), model="m") == 3 * CS
+
+
 def test_tcp_address_serves_inline_clients(server_factory: Callable[..., ServerProcess]) -> None:
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as s:
         port = s.bind_to_random_port("tcp://127.0.0.1")
