@@ -521,6 +521,26 @@ class PeriodicThreadRegistry:
         """How many registered threads are active (running and not stalled)."""
         return sum(1 for t in self.get_all() if t.is_active)
 
+    def get_count_by_level(self, level: ThreadLevel) -> dict[str, int]:
+        """{"total", "running", "active"} counts of the threads of one level."""
+        threads = self.get_by_level(level)
+        return {
+            "total": len(threads),
+            "running": sum(1 for t in threads if t.is_running),
+            "active": sum(1 for t in threads if t.is_active),
+        }
+
+    def get_summary(self) -> dict[str, Any]:
+        """Counts overall and by level, and every thread's status (the lineage's summary)."""
+        threads = self.get_all()
+        return {
+            "total_count": len(threads),
+            "running_count": sum(1 for t in threads if t.is_running),
+            "active_count": sum(1 for t in threads if t.is_active),
+            "by_level": {level.value: self.get_count_by_level(level) for level in ThreadLevel},
+            "threads": [t.get_status() for t in threads],
+        }
+
     def health(self) -> dict[str, Any]:
         """Running CRITICAL/HIGH threads that missed their interval, as `is_active` judges it."""
         unhealthy: list[dict[str, Any]] = []
@@ -575,15 +595,20 @@ def create_periodic_thread(
     interval: float,
     execute_fn: ExecuteFn,
     level: ThreadLevel = ThreadLevel.MEDIUM,
+    init_wait: float = 0.0,
+    auto_register: bool = True,
     *,
     registry: PeriodicThreadRegistry | None = None,
     start: bool = False,
     clock: Callable[[], float] = time.monotonic,
-    init_wait: float = 0.0,
 ) -> PeriodicThread:
-    """Create a thread and register it (in the shared registry by default); start it if asked."""
+    """Create a thread running `execute_fn` and, unless `auto_register` is False, register it
+    (in the shared registry by default); start it if asked. The positional order is the
+    lineage's: (name, interval, execute_fn, level, init_wait, auto_register)."""
     thread = PeriodicThread(name, interval, level, init_wait, execute_fn=execute_fn, clock=clock)
-    (registry if registry is not None else PeriodicThreadRegistry.get_instance()).register(thread)
+    if auto_register:
+        target = registry if registry is not None else PeriodicThreadRegistry.get_instance()
+        target.register(thread)
     if start:
         thread.start()
     return thread

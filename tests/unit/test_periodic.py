@@ -652,3 +652,25 @@ def test_stop_all_waits_for_a_running_cycle(registry: PeriodicThreadRegistry) ->
     assert finished.is_set()  # stop_all returned only after the cycle finished
     assert thread.run_count == 1
     assert len(registry) == 1  # stop_all keeps registrations; reset() drops them
+
+
+def test_lineage_factory_signature_and_summary(registry: PeriodicThreadRegistry) -> None:
+    # positional order of the lineage: (name, interval, execute_fn, level, init_wait, auto_register)
+    loose = create_periodic_thread("loose", NEVER, lambda: None, ThreadLevel.LOW, NEVER, False)
+    assert "loose" not in registry and loose.init_wait == NEVER
+    crit = create_periodic_thread("crit", NEVER, lambda: None, ThreadLevel.CRITICAL, NEVER)
+    assert "crit" in registry
+    crit.start()
+    try:
+        assert registry.get_count_by_level(ThreadLevel.CRITICAL) == {
+            "total": 1,
+            "running": 1,
+            "active": 1,
+        }
+        summary = registry.get_summary()
+        assert summary["total_count"] == 1 and summary["running_count"] == 1
+        assert summary["by_level"]["low"] == {"total": 0, "running": 0, "active": 0}
+        assert [t["name"] for t in summary["threads"]] == ["crit"]
+        json.dumps(summary)
+    finally:
+        crit.stop()
