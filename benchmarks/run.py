@@ -48,6 +48,24 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(steal, total) CPU ticks since boot, from /proc/stat (zeros where it does not exist)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def _steal_note(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """How much CPU the hypervisor took during a module: high steal means noisy figures."""
+    total = after[1] - before[1]
+    if total <= 0:
+        return ""
+    return f"\n_CPU steal during this section: {100 * (after[0] - before[0]) / total:.0f}%._\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", type=Path, default=Path("docs/benchmarks.md"))
@@ -59,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and not any(name.endswith(s) for s in args.only):
             continue
         print(f"== {name}", flush=True)
+        ticks = _cpu_ticks()
         try:
             module = importlib.import_module(name)
-            section = module.run()
+            section = module.run() + _steal_note(ticks, _cpu_ticks())
         except ModuleNotFoundError as exc:
             if exc.name == name:
                 continue  # not written yet

@@ -268,12 +268,17 @@ class L1Store:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         pending = set(ranks)
-        groups = []
-        for key in keys:
-            group = self._groups.get(key)
-            if group is not None:
-                self._hold(group)
-                groups.append(group)
+        get = self._groups.get
+        groups = [g for g in map(get, keys) if g is not None]
+        old = self._pins.get(holder)
+        if old is not None and old.groups == groups:
+            # A repeated lookup of the same prompt (the common case): the same groups are held
+            # already, so only the pending ranks and the lease start over.
+            old.ranks = pending
+            old.deadline = self._clock() + lease_s
+            return
+        for group in groups:
+            self._hold(group)
         # Release the old pin after taking the new one, so groups in both stay held throughout.
         old = self._pins.pop(holder, None)
         self._pins[holder] = _Pin(groups, pending, self._clock() + lease_s)
