@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +21,49 @@ REDIS_HINT = (
     "these tests need the Redis at 127.0.0.1:6379; start it with: redis-server --daemonize yes "
     '--bind 127.0.0.1 --port 6379 --save "" --appendonly no'
 )
+
+
+class FakeClock:
+    """A clock that moves only when the test moves it (`advance`, or set `now`)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    """A private redis-server on `port` (tests that stop and restart Redis use it)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail(f"redis-server is not on PATH; {REDIS_HINT}", pytrace=False)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    probe = redis.Redis(port=port, socket_connect_timeout=0.2)
+    for _ in range(100):
+        try:
+            probe.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"redis-server on port {port} did not start")
 
 
 @dataclass

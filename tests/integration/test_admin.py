@@ -23,6 +23,8 @@ from kvtier.server.admin import start_admin_server
 from kvtier.server.engine import Engine
 from tests.conftest import ServerProcess, start_server
 
+from ..conftest import FakeClock
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-Zx9"
 SERVER_ARGS = ("--l1-size", "64MiB")
@@ -335,14 +337,6 @@ def test_metrics_and_sessions_follow_a_client_workload(server: ServerProcess) ->
 
 
 # -- health with a stalled thread (in process, over a real Engine) -------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_health_503_while_a_critical_thread_is_stalled(tmp_path: Path) -> None:

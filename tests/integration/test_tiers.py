@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,7 +19,7 @@ from kvtier.client import Client
 from kvtier.hashing import TokenHasher
 from kvtier.keys import ObjectKey
 
-from ..conftest import ServerProcess
+from ..conftest import ServerProcess, free_port, start_redis
 from .test_serve import CS, SHAPE, kv_for, status, wait_for
 
 
@@ -121,34 +119,11 @@ def test_two_servers_share_one_redis(
     assert in_process(_retrieve_in_process, b.address, tokens, 23) == (6 * CS, 6 * CS, True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_redis(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    r = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            r.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start (is the redis-server binary installed?)")
-
-
 def test_server_keeps_serving_while_redis_is_down_and_recovers(
     server_factory: Callable[..., ServerProcess],
 ) -> None:
-    port = _free_port()
-    redis_proc = _start_redis(port)
+    port = free_port()
+    redis_proc = start_redis(port)
     try:
         server = server_factory("--chunk-size", str(CS), "--l2", f"redis://127.0.0.1:{port}/0")
         with Client(server.address) as c:
@@ -168,7 +143,7 @@ def test_server_keeps_serving_while_redis_is_down_and_recovers(
             assert np.array_equal(out, kv)
             assert wait_for(lambda: status(server)["l2"]["tiers"][0]["errors"] > 0)
             # Redis is back on the same port: the tier reconnects by itself
-            redis_proc = _start_redis(port)
+            redis_proc = start_redis(port)
             time.sleep(1.5)  # past the tier's cool-down after a failure
             tokens3 = list(range(400, 400 + 2 * CS))
             assert c.store("c", tokens3, kv_for(26, 2), model="m") == 2 * CS

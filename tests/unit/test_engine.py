@@ -17,17 +17,11 @@ from kvtier.hashing import TokenHasher
 from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.server.engine import Engine
 
+from ..conftest import FakeClock
+
 CS = 16
 SHAPE = [2, 8]  # float32: 64 bytes per chunk
 CLIENT = b"identity-1"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

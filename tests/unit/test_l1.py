@@ -13,15 +13,9 @@ from kvtier.keys import ChunkKey
 from kvtier.storage.arena import PAGE_SIZE
 from kvtier.storage.l1 import L1Store
 
+from ..conftest import FakeClock
+
 PAGE = PAGE_SIZE
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(i: int, *, world_size: int = 1, model: str = "m", salt: str = "") -> ChunkKey:

@@ -8,18 +8,13 @@ from kvtier.errors import UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.leases import LeaseBook, Reservation, RetrieveLease
 
+from ..conftest import FakeClock
+
 KEY = ChunkKey("m", "", 1, b"h" * 32)
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_peers_are_known_by_socket_after_hello() -> None:
-    clock = Clock()
+    clock = FakeClock(0.0)
     book = LeaseBook(clock)
     assert book.peer(b"sock") is None
     book.connect(b"sock", "c1")
@@ -31,7 +26,7 @@ def test_peers_are_known_by_socket_after_hello() -> None:
 
 
 def test_reservations_and_leases_belong_to_their_owner() -> None:
-    book = LeaseBook(Clock())
+    book = LeaseBook(FakeClock(0.0))
     rid = book.add_reservation(Reservation("c1", 0, [KEY], [KEY], 64, 10.0))
     with pytest.raises(UnknownReservationError, match="staging-lease 30s"):
         book.take_reservation("c2", rid, 30)
@@ -45,7 +40,7 @@ def test_reservations_and_leases_belong_to_their_owner() -> None:
 
 
 def test_sweep_takes_silent_clients_and_everything_past_its_deadline() -> None:
-    clock = Clock()
+    clock = FakeClock(0.0)
     book = LeaseBook(clock)
     book.connect(b"a", "quiet")
     book.connect(b"b", "busy")

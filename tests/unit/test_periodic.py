@@ -19,23 +19,12 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 
+from ..conftest import FakeClock
+
 # Long enough that no cycle but the immediate first one runs by itself during a test.
 NEVER = 60.0
 # Generous bound on waits that should succeed; they normally return in milliseconds.
 WAIT = 5.0
-
-
-class FakeClock:
-    """A monotonic clock that moves only when the test advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture(autouse=True)

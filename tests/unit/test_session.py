@@ -21,22 +21,11 @@ from kvtier.hashing import TokenHasher, TokenIds
 from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.session import Session, SessionManager
 
+from ..conftest import FakeClock
+
 CS = 4  # a small chunk size keeps the property tests' sequences short
 SRC = Path(__file__).resolve().parents[2] / "src"
 WAIT = 5.0  # bound on waits that normally end in milliseconds
-
-
-class FakeClock:
-    """A monotonic clock that moves only when the test advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class CountingHasher(TokenHasher):

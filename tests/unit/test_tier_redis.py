@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -20,6 +18,8 @@ import redis
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import open_tier
 from kvtier.storage.tiers.redis import RedisTier
+
+from ..conftest import free_port, start_redis
 
 pytestmark = pytest.mark.redis
 
@@ -182,40 +182,14 @@ def test_open_tier_schemes_and_options(prefix: str) -> None:
         RedisTier(URL, prefix="a{b}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_redis(port: int) -> subprocess.Popen[bytes]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(f"redis-server is not on PATH; {START_HINT}", pytrace=False)
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    probe = redis.Redis(port=port, socket_connect_timeout=0.2)
-    for _ in range(100):
-        try:
-            probe.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    pytest.fail(f"redis-server on port {port} did not start")
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     proc.wait(timeout=10)
 
 
 def test_redis_down_is_a_miss_then_recovers_without_new_tier() -> None:
-    port = _free_port()
-    proc = _start_redis(port)
+    port = free_port()
+    proc = start_redis(port)
     t = RedisTier(f"redis://127.0.0.1:{port}/0", prefix="kvtier-test", cooldown=0.3)
     try:
         t.put(key(1), payload(1), LAYOUT)
@@ -235,7 +209,7 @@ def test_redis_down_is_a_miss_then_recovers_without_new_tier() -> None:
         assert not t.get_into(key(1), out(), LAYOUT)  # cool-down over: tries, fails again
         assert t.stats()["errors"] == 2
 
-        proc = _start_redis(port)
+        proc = start_redis(port)
         time.sleep(0.35)
         t.put(key(4), payload(4), LAYOUT)
         buf = out()
