@@ -62,5 +62,5 @@ def test_a_corrupted_shard_ends_the_run_and_leaves_no_staging(arena: Arena, tmp_
     with prefetch(l1, arena, tiers, chain, nbytes=NBYTES, layout=LAYOUT, lease_s=5) as loaded:
         assert loaded == chain[:1]
     assert l1.stats()["staging_shards"] == 0
-    assert disk.stats()["corrupt"] == 1
+    assert disk.stats().corrupt == 1
     tiers.close()

@@ -95,3 +95,28 @@ def judge(header: Header | None, key_text: str, layout: str, out_len: int, total
     if header.payload_len != out_len:
         return Verdict.SIZE_MISMATCH
     return Verdict.OK
+
+
+def decode_split_header(head: Buffer, payload: Buffer) -> Header | None:
+    """The header of an object read as `head` (the expected header length) then `payload`.
+
+    When `head` alone does not decode, the object may be a sound one with a longer header (of
+    another layout) and the same total size: look past `head` into the start of `payload`.
+    """
+    header = decode_header(head)
+    if header is None:
+        header = decode_header(bytes(head) + bytes(memoryview(payload)[: 2 * MAX_TEXT]))
+    return header
+
+
+def verify(header: Header | None, key_text: str, layout: str, out: Buffer, total: int) -> Verdict:
+    """The verdict on a read of `out` from an object of `total` bytes with `header`: `judge`,
+    then the payload digest for an object that may serve the read. Every tier's read path
+    ends here."""
+    view = memoryview(out)
+    verdict = judge(header, key_text, layout, view.nbytes, total)
+    if verdict is Verdict.OK:
+        assert header is not None
+        if digest(view) != header.digest:
+            return Verdict.CORRUPT
+    return verdict
