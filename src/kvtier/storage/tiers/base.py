@@ -152,6 +152,12 @@ def _open_redis(url: str) -> L2Tier:
     return RedisTier.from_url(url)
 
 
+def _open_redis_cluster(url: str) -> L2Tier:
+    from kvtier.storage.tiers.redis_cluster import RedisClusterTier
+
+    return RedisClusterTier.from_url(url)
+
+
 #: URL scheme -> tier factory; a new tier costs a module and a row here
 TIER_SCHEMES: dict[str, Callable[[str], L2Tier]] = {
     "disk": _open_disk,
@@ -159,6 +165,10 @@ TIER_SCHEMES: dict[str, Callable[[str], L2Tier]] = {
     "rediss": _open_redis,
     "valkey": _open_redis,
     "valkeys": _open_redis,
+    "redis+cluster": _open_redis_cluster,
+    "rediss+cluster": _open_redis_cluster,
+    "valkey+cluster": _open_redis_cluster,
+    "valkeys+cluster": _open_redis_cluster,
 }
 
 

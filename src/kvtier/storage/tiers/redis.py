@@ -75,77 +75,59 @@ def check_options(
         )
 
 
-class RedisTier:
-    """An L2 tier in the Redis or Valkey server at `url`, under key prefix `prefix`."""
+def scan_unlink(client: redis.Redis, pattern: str, *, one_by_one: bool) -> int:
+    """UNLINK the keys of `client`'s server matching `pattern`, found by SCAN (never FLUSHDB).
+
+    `one_by_one` sends one UNLINK per key (pipelined): a cluster refuses multi-key commands
+    across slots.
+    """
+    removed = 0
+    batch: list[bytes] = []
+
+    def flush() -> int:
+        if not one_by_one:
+            return int(client.unlink(*batch))
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.unlink(name)
+        return sum(int(n) for n in pipe.execute())
+
+    for name in client.scan_iter(match=pattern, count=1000):
+        batch.append(name)
+        if len(batch) >= _CLEAR_BATCH:
+            removed += flush()
+            batch.clear()
+    if batch:
+        removed += flush()
+    return removed
+
+
+class RespTier:
+    """What both Redis tiers share: object verbs over `resp.Wire`, batched per node, with
+    cluster redirects followed. Subclasses name keys, route names to nodes, clear and report.
+    """
 
     kind = "redis"
+    name: str
+    prefix: str
+    ttl: int | None
+    _counters: TierCounters
+    _executor: ThreadPoolExecutor | None
 
-    def __init__(
-        self,
-        url: str = "redis://127.0.0.1:6379/0",
-        *,
-        prefix: str = "kvtier",
-        ttl: int | None = None,
-        connect_timeout: float = 0.5,
-        timeout: float = 1.0,
-        cooldown: float = 1.0,
-        max_connections: int = 16,
-        name: str = "redis",
-    ) -> None:
-        scheme, sep, rest = url.partition("://")
-        if not sep or scheme.lower() not in _SCHEMES:
-            raise ValueError(
-                f"not a Redis/Valkey URL: {redact_url(url)!r} (schemes: {sorted(_SCHEMES)})"
-            )
-        check_options(prefix, ttl, connect_timeout, timeout, cooldown)
+    def _init_common(self, name: str, prefix: str, ttl: int | None) -> None:
         self.name = name
         self.prefix = prefix
         self.ttl = ttl
-        self.cooldown = cooldown
-        self.url = f"{_SCHEMES[scheme.lower()]}://{rest}"
         self._counters = TierCounters(logger, _EXTRA)
-        self._pool = redis.ConnectionPool.from_url(
-            self.url,
-            socket_connect_timeout=connect_timeout,
-            socket_timeout=timeout,
-            max_connections=max_connections,
-            # one immediate retry replaces a pooled connection that died with a restarted server
-            retry=Retry(NoBackoff(), 1),
-        )
-        self._r = redis.Redis(connection_pool=self._pool)
-        # object verbs only, read by `Wire`: its connections' parsers stay empty
-        bulk = redis.ConnectionPool.from_url(
-            self.url,
-            socket_connect_timeout=connect_timeout,
-            socket_timeout=timeout,
-            max_connections=max_connections,
-        )
-        kw = bulk.connection_kwargs
-        self._node = Node(f"{kw.get('host', '')}:{kw.get('port', '')}", bulk, cooldown)
-        self._executor: ThreadPoolExecutor | None = None
-
-    @classmethod
-    def from_url(cls, url: str) -> RedisTier:
-        """A tier from "redis://host:port/db?prefix=kvtier&ttl=3600" (also rediss://, valkey://).
-
-        Options: prefix, ttl (seconds), connect_timeout and timeout (seconds, socket timeouts),
-        cooldown (seconds a failed server is skipped), max_connections.
-        """
-        parts, kwargs = parse_url(url, OPTIONS, tier="Redis")
-        return cls(parts._replace(query="", fragment="").geturl(), **kwargs)
-
-    # -- naming and routing (the cluster tier overrides these) ----------------------------------
+        self._executor = None
 
     def redis_key(self, key: ObjectKey) -> str:
         """The Redis key name of `key`."""
-        return (
-            f"{self.prefix}:{{{key.model.encode().hex()}.{key.cache_salt.encode().hex()}}}:"
-            f"{key.world_size}.{key.worker_id}.{key.chunk_hash.hex()}"
-        )
+        raise NotImplementedError
 
     def _route(self, name: bytes) -> Node | None:
         """The node that serves `name` (None when none is known)."""
-        return self._node
+        raise NotImplementedError
 
     def _follow(self, redirect: Redirect) -> Node | None:
         """The node a redirect points to (None: not followed, counted as an error)."""
@@ -153,7 +135,8 @@ class RedisTier:
         return None
 
     def _node_failed(self, node: Node) -> None:
-        """A node failed on the connection (the cluster tier refreshes its topology)."""
+        """A node failed on the connection, or was skipped in its cool-down (the cluster tier
+        refreshes its topology)."""
 
     # -- the batch engine -----------------------------------------------------------------------
 
@@ -200,16 +183,25 @@ class RedisTier:
                     continue
                 if not node.available:
                     self._counters.add("skipped")
+                    self._node_failed(node)
                     continue
                 groups.setdefault(node.address, (node, []))[1].append(i)
             redirects: list[tuple[int, Redirect]] = []
             self._fan_out(
                 [
                     functools.partial(
-                        self._on_node, what, node, part, asking, send, read, results, redirects
+                        self._on_node,
+                        what,
+                        node,
+                        idxs,
+                        asking,
+                        send,
+                        read,
+                        results,
+                        redirects,
+                        sizes,
                     )
                     for node, idxs in groups.values()
-                    for part in self._split(idxs, sizes)
                 ]
             )
             if not redirects:
@@ -228,14 +220,31 @@ class RedisTier:
         self,
         what: str,
         node: Node,
+        idxs: list[int],
+        asking: dict[int, Node],
+        send: Callable[[int], list[Buffer]],
+        read: Callable[[Wire, int], _R | Redirect],
+        results: list[_R | None],
+        redirects: list[tuple[int, Redirect]],
+        sizes: Sequence[int] | None,
+    ) -> None:
+        """`_batch`'s pipelines on one node, one after another; fills `results` and
+        `redirects`. A connection failure ends the node's share of the batch."""
+        for part in self._split(idxs, sizes):
+            if not self._pipeline(what, node, part, asking, send, read, results, redirects):
+                return
+
+    def _pipeline(
+        self,
+        what: str,
+        node: Node,
         part: list[int],
         asking: dict[int, Node],
         send: Callable[[int], list[Buffer]],
         read: Callable[[Wire, int], _R | Redirect],
         results: list[_R | None],
         redirects: list[tuple[int, Redirect]],
-    ) -> None:
-        """One pipeline of `_batch` on one node; fills `results` and `redirects`."""
+    ) -> bool:
 
         def op(wire: Wire) -> list[_R | Redirect | redis.ResponseError]:
             pieces: list[Buffer] = []
@@ -258,7 +267,7 @@ class RedisTier:
             replies = node.run(op)
         except redis.RedisError as exc:
             self._failed(what, node, exc)
-            return
+            return False
         for i, reply in zip(part, replies, strict=True):
             if isinstance(reply, Redirect):
                 redirects.append((i, reply))
@@ -266,6 +275,7 @@ class RedisTier:
                 self._failed(what, node, reply)
             else:
                 results[i] = reply
+        return True
 
     @staticmethod
     def _split(idxs: list[int], sizes: Sequence[int] | None) -> list[list[int]]:
@@ -402,54 +412,8 @@ class RedisTier:
         """DEL; False when absent or when Redis is unreachable."""
         return bool(self._delete_names([self.redis_key(key).encode()]))
 
-    def clear_pattern(self, model: str | None, cache_salt: str | None) -> str:
-        """The SCAN MATCH pattern of this prefix's keys of `model` and `cache_salt`."""
-        m = "*" if model is None else model.encode().hex()
-        s = "*" if cache_salt is None else cache_salt.encode().hex()
-        # hex has no '.', so "{m.s}" pins each filter to its own side of the dot
-        return f"{glob_escape(self.prefix)}:{{{m}.{s}}}:*"
-
     @staticmethod
-    def scan_unlink(client: redis.Redis, pattern: str, *, one_by_one: bool) -> int:
-        """UNLINK the keys of `client`'s server matching `pattern`, found by SCAN (never FLUSHDB).
-
-        `one_by_one` sends one UNLINK per key (pipelined): a cluster refuses multi-key commands
-        across slots.
-        """
-        removed = 0
-        batch: list[bytes] = []
-
-        def flush() -> int:
-            if not one_by_one:
-                return int(client.unlink(*batch))
-            pipe = client.pipeline(transaction=False)
-            for name in batch:
-                pipe.unlink(name)
-            return sum(int(n) for n in pipe.execute())
-
-        for name in client.scan_iter(match=pattern, count=1000):
-            batch.append(name)
-            if len(batch) >= _CLEAR_BATCH:
-                removed += flush()
-                batch.clear()
-        if batch:
-            removed += flush()
-        return removed
-
-    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        """UNLINK this prefix's keys matching the filters, found by SCAN (never FLUSHDB)."""
-        if not self._node.available:
-            self._counters.add("skipped")
-            return 0
-        try:
-            return self.scan_unlink(
-                self._r, self.clear_pattern(model, cache_salt), one_by_one=False
-            )
-        except redis.RedisError as exc:
-            self._failed("clear", self._node, exc)
-            return 0
-
-    def _server_figures(self, client: redis.Redis) -> tuple[int, int, int]:
+    def server_figures(client: redis.Redis) -> tuple[int, int, int]:
         """(objects, used_bytes, capacity_bytes) of one server: its db's key count (all
         prefixes), used_memory and maxmemory."""
         info: dict[str, Any] = client.info("memory")
@@ -459,12 +423,100 @@ class RedisTier:
             int(info.get("maxmemory", 0)),
         )
 
+    def _shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+class RedisTier(RespTier):
+    """An L2 tier in the Redis or Valkey server at `url`, under key prefix `prefix`."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "kvtier",
+        ttl: int | None = None,
+        connect_timeout: float = 0.5,
+        timeout: float = 1.0,
+        cooldown: float = 1.0,
+        max_connections: int = 16,
+        name: str = "redis",
+    ) -> None:
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme.lower() not in _SCHEMES:
+            raise ValueError(
+                f"not a Redis/Valkey URL: {redact_url(url)!r} (schemes: {sorted(_SCHEMES)})"
+            )
+        check_options(prefix, ttl, connect_timeout, timeout, cooldown)
+        self._init_common(name, prefix, ttl)
+        self.cooldown = cooldown
+        self.url = f"{_SCHEMES[scheme.lower()]}://{rest}"
+        self._pool = redis.ConnectionPool.from_url(
+            self.url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=timeout,
+            max_connections=max_connections,
+            # one immediate retry replaces a pooled connection that died with a restarted server
+            retry=Retry(NoBackoff(), 1),
+        )
+        self._r = redis.Redis(connection_pool=self._pool)
+        # object verbs only, read by `Wire`: its connections' parsers stay empty
+        bulk = redis.ConnectionPool.from_url(
+            self.url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=timeout,
+            max_connections=max_connections,
+        )
+        kw = bulk.connection_kwargs
+        self._node = Node(f"{kw.get('host', '')}:{kw.get('port', '')}", bulk, cooldown)
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisTier:
+        """A tier from "redis://host:port/db?prefix=kvtier&ttl=3600" (also rediss://, valkey://).
+
+        Options: prefix, ttl (seconds), connect_timeout and timeout (seconds, socket timeouts),
+        cooldown (seconds a failed server is skipped), max_connections.
+        """
+        parts, kwargs = parse_url(url, OPTIONS, tier="Redis")
+        return cls(parts._replace(query="", fragment="").geturl(), **kwargs)
+
+    def redis_key(self, key: ObjectKey) -> str:
+        """The Redis key name of `key`."""
+        return (
+            f"{self.prefix}:{{{key.model.encode().hex()}.{key.cache_salt.encode().hex()}}}:"
+            f"{key.world_size}.{key.worker_id}.{key.chunk_hash.hex()}"
+        )
+
+    def _route(self, name: bytes) -> Node | None:
+        """The node that serves `name` (None when none is known)."""
+        return self._node
+
+    def clear_pattern(self, model: str | None, cache_salt: str | None) -> str:
+        """The SCAN MATCH pattern of this prefix's keys of `model` and `cache_salt`."""
+        m = "*" if model is None else model.encode().hex()
+        s = "*" if cache_salt is None else cache_salt.encode().hex()
+        # hex has no '.', so "{m.s}" pins each filter to its own side of the dot
+        return f"{glob_escape(self.prefix)}:{{{m}.{s}}}:*"
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        """UNLINK this prefix's keys matching the filters, found by SCAN (never FLUSHDB)."""
+        if not self._node.available:
+            self._counters.add("skipped")
+            return 0
+        pattern = self.clear_pattern(model, cache_salt)
+        try:
+            return scan_unlink(self._r, pattern, one_by_one=False)
+        except redis.RedisError as exc:
+            self._failed("clear", self._node, exc)
+            return 0
+
     def stats(self) -> TierStats:
         """Counters of this process, plus the server's key count, used_memory and maxmemory."""
         figures = (0, 0, 0)
         if self._node.available:
             try:
-                figures = self._server_figures(self._r)
+                figures = self.server_figures(self._r)
             except redis.RedisError as exc:
                 self._failed("stats", self._node, exc)
         return self._counters.snapshot(
@@ -480,7 +532,6 @@ class RedisTier:
 
     def close(self) -> None:
         """Close every pooled connection and the fan-out threads."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self._shutdown()
         self._pool.disconnect()
         self._node.close()
