@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -382,3 +384,64 @@ def test_sound_object_with_longer_layout_of_same_total_size_is_a_kept_layout_mis
     assert file_of(tier, key(1)).exists()
     out = aligned(SIZE - 2)
     assert tier.get_into(key(1), out, longer) and out.tobytes() == payload(1, SIZE - 2)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB tmpfs mounted for the test (needs root: CI and these machines run as root)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.fail(
+            f"cannot mount a 4 MiB tmpfs for the full-disk test ({done.stderr.strip()}); "
+            "run the tests as root, as CI does",
+            pytrace=False,
+        )
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_filesystem_evicts_shrinks_capacity_and_rate_limits_warnings(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 10: on a really full filesystem (a 4 MiB tmpfs, 1 GiB configured) the tier keeps
+    storing by evicting, its effective capacity shrinks below the filesystem, and 200 writes log
+    a handful of warnings, not 200."""
+    big = 256 << 10
+    tier = DiskTier(small_fs / "l2", 1 << 30)
+    filler = small_fs / "someone-elses-file"
+    with open(filler, "wb") as f:  # another program takes half the filesystem meanwhile
+        f.write(bytes(2 << 20))
+    caplog.set_level("WARNING", logger="kvtier.storage.tiers.disk")
+    stored = 0
+    for i in range(200):
+        try:
+            tier.put(key(i), payload(i, big), LAYOUT)
+            stored += 1
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    s = tier.stats()
+    assert stored >= 190, stored  # evictions made room for nearly every write
+    assert s.extra["disk_full"] >= 1 and s.errors >= 1  # ENOSPC really happened
+    assert s.extra["evictions"] >= 190 - 8 and 0 < s.objects <= 8
+    assert s.extra["effective_capacity"] < 4 << 20 and s.used_bytes <= s.extra["effective_capacity"]
+    assert len(caplog.records) <= 5, [r.getMessage() for r in caplog.records]
+    # the newest objects read back intact; the other program's file is untouched
+    latest = [i for i in range(200) if tier.contains(key(i))]
+    assert latest and max(latest) == 199
+    for i in latest:
+        buf = aligned(big)
+        assert tier.get_into(key(i), buf, LAYOUT) and buf.tobytes() == payload(i, big)
+    assert filler.stat().st_size == 2 << 20
+    # once the other program frees its space, the effective capacity grows back
+    filler.unlink()
+    time.sleep(1.1)
+    tier.put(key(999), payload(999, big), LAYOUT)
+    assert tier.stats().extra["effective_capacity"] > s.extra["effective_capacity"]
