@@ -338,10 +338,11 @@ class RespTier:
             return None
         text = key.to_str()
         hsize = fmt.header_size(text, layout)
+        payload_digest: bytes | None = None
         if n == hsize + len(out):
             head = bytearray(hsize)
             wire.read_into(memoryview(head))
-            wire.read_into(out)
+            payload_digest = fmt.read_hashed(out, lambda block, _: wire.read_into(block))
             wire.crlf()
             header = fmt.decode_split_header(head, out)
         else:  # cannot be a hit; read it whole to tell a mismatch from corruption
@@ -349,7 +350,7 @@ class RespTier:
             wire.read_into(memoryview(value))
             wire.crlf()
             header = fmt.decode_header(value)
-        return fmt.verify(header, text, layout, out, n)
+        return fmt.verify(header, text, layout, out, n, payload_digest)
 
     def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> bool:
         """GET the object, its payload straight into `out`, and check it."""

@@ -122,6 +122,7 @@ class RedisClusterTier(RespTier):
         self._tls = tls
         self._rc: RedisCluster | None = None
         self._nodes: dict[str, Node] = {}
+        self._admin: dict[str, redis.Redis] = {}  # SCAN, UNLINK, INFO per master
         self._slots: list[Node | None] = [None] * SLOTS
         self._topology_lock = threading.Lock()  # one refresh at a time; never held across I/O
         self._refreshing = threading.Lock()
@@ -248,18 +249,20 @@ class RedisClusterTier(RespTier):
         return list(seen.values())
 
     def _clients(self) -> list[tuple[Node, redis.Redis]]:
-        """A redis-py client per master, on that master's bulk pool's settings."""
+        """A redis-py client per master (kept between calls: /metrics asks for stats often)."""
         out = []
         for node in self.masters():
-            kw = node.pool.connection_kwargs
-            out.append((node, redis.Redis(host=kw["host"], port=kw["port"], **self._extra_kw())))
+            client = self._admin.get(node.address)
+            if client is None:
+                kw = node.pool.connection_kwargs
+                kwargs = dict(self._conn_kwargs)
+                if self._tls:
+                    kwargs["ssl"] = True
+                client = self._admin[node.address] = redis.Redis(
+                    host=kw["host"], port=kw["port"], **kwargs
+                )
+            out.append((node, client))
         return out
-
-    def _extra_kw(self) -> dict[str, Any]:
-        kwargs = dict(self._conn_kwargs)
-        if self._tls:
-            kwargs["ssl"] = True
-        return kwargs
 
     # -- admin verbs ---------------------------------------------------------------------------
 
@@ -275,8 +278,6 @@ class RedisClusterTier(RespTier):
                 removed += scan_unlink(client, pattern, one_by_one=True)
             except redis.RedisError as exc:
                 self._failed("clear", node, exc)
-            finally:
-                client.close()
         return removed
 
     def stats(self) -> TierStats:
@@ -295,8 +296,6 @@ class RedisClusterTier(RespTier):
                 self._failed("stats", node, exc)
                 down += 1
                 continue
-            finally:
-                client.close()
             objects, used, capacity = objects + n, used + u, capacity + c
         uncovered = sum(1 for node in self._slots if node is None)
         return self._counters.snapshot(
@@ -320,5 +319,7 @@ class RedisClusterTier(RespTier):
         self._shutdown()
         for node in list(self._nodes.values()):
             node.close()
+        for client in list(self._admin.values()):
+            client.close()
         if self._rc is not None:
             self._rc.close()
