@@ -120,6 +120,8 @@ class _Committed:
     shards: list[Shard]
 
 
+_OK = p.encode(p.Ok())
+
 #: prompts at least this long are hashed and named on a handler thread, not the transport's
 _OFFLOAD_TOKEN_BYTES = 4096 * 4
 
@@ -174,7 +176,7 @@ class Engine:
             self.l1,
             self.arena,
             self.tiers,
-            self._lock,
+            lambda: self._lock.hold("L2 prefetch"),
             max_jobs=config.max_prefetch_jobs,
             lease_s=config.staging_lease,
         )
@@ -330,7 +332,9 @@ class Engine:
                 reply = p.Ok()
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
-        return None if reply is None else [p.encode(reply)]
+        if reply is None:
+            return None
+        return [_OK if type(reply) is p.Ok else p.encode(reply)]
 
     # -- handshake and registration -------------------------------------------------------------
 
@@ -458,7 +462,7 @@ class Engine:
             self._ending.discard(request_id)
 
     def _on_session_destroyed(self, session: Session) -> None:
-        with self._lock:
+        with self._lock.hold("session ended"):
             job = self._lookups.pop(session.request_id, None)
             if job is not None and not job.done:
                 job.done = True  # its loads finish, but nothing is pinned for it any more
@@ -699,7 +703,7 @@ class Engine:
         self.l1.acquire(key)
 
         def done() -> None:
-            with self._lock:
+            with self._lock.hold("L2 written"):
                 self.l1.release(key)
 
         return Shard(key.shard(worker_id), self.arena.view(offset, size), layout, done)
@@ -763,7 +767,7 @@ class Engine:
 
     def reap(self) -> ThreadRunSummary:
         """Reclaim what dead or slow clients hold: staging slots, retrieve leases, pins."""
-        with self._lock:
+        with self._lock.hold("reap"):
             expired = self.leases.sweep(self.config.client_timeout)
             for client_id in expired.dead_clients:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
@@ -812,7 +816,7 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """The JSON-safe picture of the server the admin API and metrics read."""
         now = self.clock()
-        with self._lock:
+        with self._lock.hold("status"):
             l1 = self.l1.stats()
             clients = [
                 {
