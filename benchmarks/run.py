@@ -23,6 +23,7 @@ MODULES = [
     "benchmarks.bench_concurrency",
     "benchmarks.bench_copy",
     "benchmarks.bench_tiers",
+    "benchmarks.bench_cluster",
     "benchmarks.bench_transformers",
 ]
 

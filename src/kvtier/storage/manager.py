@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
+import msgspec
+
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers.base import L2Tier
 
@@ -275,8 +277,8 @@ class TierManager:
             policy=self.policy,
             batch_size=self.batch_size,
         )
-        for tier in self._tiers:
-            out[tier.name] = tier.stats()
+        for tier in self._tiers:  # typed TierStats as plain values until ops reads the Structs
+            out[tier.name] = msgspec.to_builtins(tier.stats())
         return out
 
     #: the per-tier numbers the server's status reports (0 where a tier does not track one)
