@@ -22,6 +22,7 @@ import numpy.typing as npt
 import zmq
 
 from kvtier import protocol as p
+from kvtier.client_keys import KeyRetrievedSlots, KeyStoreSlots
 from kvtier.errors import (
     BadArrayError,
     ErrorCode,
@@ -30,6 +31,7 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.hashing import TokenHasher, TokenIds, token_bytes
+from kvtier.names import ChunkName, check_names
 from kvtier.storage.arena import Arena
 
 __all__ = ["Client"]
@@ -431,6 +433,139 @@ class Client:
             "cache_salt": cache_salt,
         }
         return rows, fields
+
+    # -- key-addressed chunks (named by the caller, e.g. SGLang's page hashes) ---------------------
+
+    def exists_keys(
+        self, names: Sequence[ChunkName], *, model: str, world_size: int = 1, cache_salt: str = ""
+    ) -> int:
+        """How many leading named chunks every rank has stored (L2 hits are loaded into L1)."""
+        reply, _ = self._call(p.ExistsKeys(check_names(names), model, world_size, cache_salt))
+        assert isinstance(reply, p.ExistsReply)
+        return reply.num_chunks
+
+    def store_key_slots(
+        self,
+        names: Sequence[ChunkName],
+        *,
+        model: str,
+        worker_id: int = 0,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> KeyStoreSlots:
+        """Slots to write this rank's named chunks into; `with` commits them (see KeyStoreSlots)."""
+        fields = self._key_fields(
+            names, model, worker_id, chunk_shape, dtype, cache_salt, world_size
+        )
+        return KeyStoreSlots(self._call, fields, self._arena_bytes)
+
+    def retrieve_key_slots(
+        self,
+        names: Sequence[ChunkName],
+        *,
+        model: str,
+        worker_id: int = 0,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> KeyRetrievedSlots:
+        """Read-only views of this rank's leading stored named chunks (see KeyRetrievedSlots)."""
+        fields = self._key_fields(
+            names, model, worker_id, chunk_shape, dtype, cache_salt, world_size
+        )
+        return KeyRetrievedSlots(self._call, fields, self._arena_bytes)
+
+    def put_keys(
+        self,
+        names: Sequence[ChunkName],
+        chunks: Any,
+        *,
+        model: str,
+        worker_id: int = 0,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> int:
+        """Store this rank's named chunks from `chunks` (len(names), *chunk_shape).
+
+        Returns how many of them are now stored (written now or already present).
+        """
+        rows, shape, dtype = _chunk_rows(chunks, "chunks", writable=False)
+        if rows.shape[0] != len(names):
+            raise BadArrayError(f"{len(names)} names but {rows.shape[0]} chunks in the array")
+        if self._arena_bytes is None:  # inline: send the rows themselves, no staging copy
+            fields = self._key_fields(names, model, worker_id, shape, dtype, cache_salt, world_size)
+            reply, _ = self._call(p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))])
+            assert isinstance(reply, p.StoreReply)
+            return reply.stored_chunks
+        slots = self.store_key_slots(
+            names,
+            model=model,
+            worker_id=worker_id,
+            chunk_shape=shape,
+            dtype=dtype,
+            cache_salt=cache_salt,
+            world_size=world_size,
+        )
+        with slots:
+            for i, view in slots.targets():
+                view[:] = rows[i]
+        return slots.stored_chunks
+
+    def get_keys(
+        self,
+        names: Sequence[ChunkName],
+        out: Any,
+        *,
+        model: str,
+        worker_id: int = 0,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> int:
+        """Copy this rank's leading stored named chunks into `out` (>= len(names), *chunk_shape).
+
+        Returns how many leading names were copied: it stops at the first one not stored.
+        """
+        rows, shape, dtype = _chunk_rows(out, "out", writable=True)
+        if rows.shape[0] < len(names):
+            raise BadArrayError(f"out holds {rows.shape[0]} chunks, fewer than {len(names)} names")
+        with self.retrieve_key_slots(
+            names,
+            model=model,
+            worker_id=worker_id,
+            chunk_shape=shape,
+            dtype=dtype,
+            cache_salt=cache_salt,
+            world_size=world_size,
+        ) as got:
+            for i, view in enumerate(got.views):
+                rows[i] = view
+            return got.num_chunks
+
+    def _key_fields(
+        self,
+        names: Sequence[ChunkName],
+        model: str,
+        worker_id: int,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str,
+        world_size: int | None,
+    ) -> dict[str, Any]:
+        """The fields of a KeyRequest, names validated here before anything is sent."""
+        checked = check_names(names)
+        return {
+            "names": checked,
+            "model": model,
+            "world_size": world_size or self._world_sizes.get(model, 1),
+            "worker_id": worker_id,
+            "chunk_shape": [int(d) for d in chunk_shape],
+            "dtype": str(dtype).removeprefix("torch."),
+            "num_chunks": len(checked),
+            "cache_salt": cache_salt,
+        }
 
     def release(self, request_id: str) -> None:
         """Drop the request's lookup pins (the engine computed those chunks itself)."""

@@ -38,6 +38,7 @@ from kvtier.errors import (
 from kvtier.hashing import TokenHasher
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
+from kvtier.names import named_chunk_keys
 from kvtier.periodic import (
     PeriodicThread,
     PeriodicThreadRegistry,
@@ -186,6 +187,14 @@ class Engine:
                 self._require_session(req.request_id)
                 self._remove_session(req.request_id)
                 reply = p.Ok()
+            case p.ExistsKeys():
+                reply = self._exists_keys(req)
+            case p.ReserveKeys():
+                reply = self._reserve(client_id, req)
+            case p.StoreKeysInline():
+                reply = self._store_inline(client_id, req, payloads)
+            case p.RetrieveKeys():
+                return self._retrieve(client_id, req)
         return [p.encode(reply)]
 
     # -- handshake and registration -------------------------------------------------------------
@@ -251,8 +260,16 @@ class Engine:
 
     def _range_keys(
         self,
-        req: p.RangeRequest,
+        req: p.RangeRequest | p.KeyRequest,
     ) -> list[ChunkKey]:
+        if isinstance(req, p.KeyRequest):  # named by the caller: no session, no token range
+            if req.num_chunks != len(req.names):
+                raise BadArrayError(
+                    f"the array holds {req.num_chunks} chunks but {len(req.names)} names came"
+                )
+            return named_chunk_keys(
+                req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
+            )
         cs = self.chunk_size
         if req.start % cs or req.end % cs or req.start < 0 or req.start > req.end:
             raise MisalignedRangeError(
@@ -372,9 +389,34 @@ class Engine:
                 )
         return hit
 
+    def _exists_keys(self, req: p.ExistsKeys) -> p.ExistsReply:
+        """Leading named chunks every rank has, loading the ones only L2 holds into L1.
+
+        Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
+        chunk evicted before the caller's get is a miss there, never wrong bytes.
+        """
+        keys = named_chunk_keys(
+            req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
+        )
+        hit = self.l1.count_prefix(keys)
+        layout = self.layouts.get(req.model, req.world_size)
+        if hit < len(keys) and self.tiers is not None and layout is not None:
+            with prefetch(
+                self.l1,
+                self.arena,
+                self.tiers,
+                keys[hit:],
+                nbytes=layout.nbytes,
+                layout=layout.text,
+                lease_s=self.config.staging_lease,
+            ) as loaded:
+                hit += len(loaded)
+        self.l1.touch(keys[:hit])
+        return p.ExistsReply(hit)
+
     # -- store ----------------------------------------------------------------------------------
 
-    def _reserve(self, client_id: str, req: p.RangeRequest) -> p.ReserveReply:
+    def _reserve(self, client_id: str, req: p.RangeRequest | p.KeyRequest) -> p.ReserveReply:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
@@ -438,7 +480,7 @@ class Engine:
         return p.Ok()
 
     def _store_inline(
-        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any]
+        self, client_id: str, req: p.StoreInline | p.StoreKeysInline, payloads: Sequence[Any]
     ) -> p.StoreReply:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
@@ -478,7 +520,7 @@ class Engine:
 
     # -- retrieve -------------------------------------------------------------------------------
 
-    def _retrieve(self, client_id: str, req: p.Retrieve) -> list[Any]:
+    def _retrieve(self, client_id: str, req: p.Retrieve | p.RetrieveKeys) -> list[Any]:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
