@@ -492,6 +492,7 @@ class Client:
 
         Returns how many of them are now stored (written now or already present).
         """
+        names = check_names(names)
         rows, shape, dtype = _chunk_rows(chunks, "chunks", writable=False)
         if rows.shape[0] != len(names):
             raise BadArrayError(f"{len(names)} names but {rows.shape[0]} chunks in the array")
@@ -528,6 +529,7 @@ class Client:
 
         Returns how many leading names were copied: it stops at the first one not stored.
         """
+        names = check_names(names)
         rows, shape, dtype = _chunk_rows(out, "out", writable=True)
         if rows.shape[0] < len(names):
             raise BadArrayError(f"out holds {rows.shape[0]} chunks, fewer than {len(names)} names")
