@@ -117,7 +117,11 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         super().register_mem_pool_host(mem_pool_host)
         self.geometry = self._geometry(mem_pool_host)
         if self._client is not None:
-            self._check_and_register(self._client)  # at start: a mismatch stops SGLang here
+            try:
+                self._check_and_register(self._client)  # at start: a mismatch stops SGLang here
+            except BaseException:
+                self.close()
+                raise
 
     def _geometry(self, pool: Any) -> PageGeometry:
         dtype = str(pool.dtype).removeprefix("torch.")
