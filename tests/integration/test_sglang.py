@@ -157,7 +157,7 @@ def test_two_tp_ranks_agree_and_keep_their_own_shards(server: ServerProcess) -> 
         assert [b.batch_exists(keys) for b in ranks] == [3, 3]
         fresh = [HostPoolStandIn(), HostPoolStandIn()]
         for rank in (0, 1):
-            ranks[rank].mem_pool_host = fresh[rank]  # read into other pages of an empty pool
+            ranks[rank].register_mem_pool_host(fresh[rank])  # read into an empty pool
             got = ranks[rank].batch_get_v1(keys[:3], fresh[rank].indices([5, 6, 7]))
             assert got == [True] * 3
             for i in range(3):

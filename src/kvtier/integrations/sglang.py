@@ -31,10 +31,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import zmq
 from sglang.srt.mem_cache.hicache_storage import (
@@ -44,6 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.client import Client, Transfer
+from kvtier.copying import copy_addresses
 from kvtier.errors import KVTierError
 from kvtier.server.layouts import DTYPE_SIZES
 
@@ -52,6 +55,8 @@ __all__ = ["KVTierHiCacheStorage", "PageGeometry"]
 logger = logging.getLogger(__name__)
 
 _FAILURES = (KVTierError, zmq.ZMQError, OSError)
+
+Bytes = npt.NDArray[np.uint8]
 
 
 @dataclass(frozen=True)
@@ -239,8 +244,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         try:
             pointers = self._page_pointers(keys, host_indices)
             with client.store_key_slots(keys, **self._layout_args(geometry)) as slots:
-                for i, view in slots.targets():
-                    _gather(view.ctypes.data, pointers[i], geometry.element_sizes)
+                copy_addresses(self._pieces(slots.targets(), pointers))
         except (*_FAILURES, ValueError) as exc:
             self._fail("batch_set_v1", exc)
             return [False] * len(keys)
@@ -260,8 +264,8 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         try:
             pointers = self._page_pointers(keys, host_indices)
             with client.retrieve_key_slots(keys, **self._layout_args(geometry)) as got:
-                for i, view in enumerate(got.views):
-                    _scatter(view.ctypes.data, pointers[i], geometry.element_sizes)
+                pieces = self._pieces(enumerate(got.views), pointers)
+                copy_addresses([(host, slot, n) for slot, host, n in pieces])
                 hit = got.num_chunks
         except (*_FAILURES, ValueError) as exc:  # a lapsed lease too: bytes not vouched for
             self._fail("batch_get_v1", exc)
@@ -280,6 +284,23 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
         ptrs, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
         return [list(ptrs[i * per_page : (i + 1) * per_page]) for i in range(len(keys))]
+
+    def _pieces(
+        self, slots: Iterable[tuple[int, Bytes]], pointers: list[list[int]]
+    ) -> list[tuple[int, int, int]]:
+        """(slot address, host address, size) of every piece of every page listed.
+
+        A slot holds its page's pieces one after the other, in the pool's order.
+        """
+        assert self.geometry is not None
+        sizes = self.geometry.element_sizes
+        pieces: list[tuple[int, int, int]] = []
+        for i, slot in slots:
+            at = int(slot.ctypes.data)
+            for ptr, size in zip(pointers[i], sizes, strict=True):
+                pieces.append((at, ptr, size))
+                at += size
+        return pieces
 
     def _layout_args(self, geometry: PageGeometry) -> dict[str, Any]:
         return {
@@ -378,20 +399,6 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if self._client is not None:
             self._client.close()
             self._client = None
-
-
-def _gather(dst: int, pointers: Sequence[int], sizes: Sequence[int]) -> None:
-    """Copy a page's pieces, one after the other, into the slot at `dst`."""
-    for ptr, size in zip(pointers, sizes, strict=True):
-        ctypes.memmove(dst, ptr, size)
-        dst += size
-
-
-def _scatter(src: int, pointers: Sequence[int], sizes: Sequence[int]) -> None:
-    """Copy the slot at `src` back into a page's pieces."""
-    for ptr, size in zip(pointers, sizes, strict=True):
-        ctypes.memmove(ptr, src, size)
-        src += size
 
 
 def _flat_bytes(tensor: torch.Tensor, nbytes: int) -> int | None:
