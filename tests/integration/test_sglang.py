@@ -291,3 +291,43 @@ def test_a_server_that_dies_mid_run_gives_misses(
         assert time.monotonic() - t0 < 5  # one timeout, then the client fails fast
     finally:
         backend.close()
+
+
+def test_a_server_started_after_sglang_is_used_once_it_answers(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pool = HostPoolStandIn()
+    pool.fill_random(70)
+    backend = make_backend(address, pool)  # nothing there yet: SGLang starts anyway
+    try:
+        keys = keys_for("late-", 2)
+        assert backend.batch_set_v1(keys, pool.indices([0, 1])) == [False] * 2
+        server_factory("--chunk-size", str(PAGE), address=address)
+        deadline = time.monotonic() + 15
+        while not all(backend.batch_set_v1(keys, pool.indices([0, 1]))):
+            assert time.monotonic() < deadline, backend.last_error
+            time.sleep(0.2)
+        assert backend.batch_get_v1(keys, pool.indices([4, 5])) == [True] * 2
+        assert pool.page_bytes(4 * PAGE) == pool.page_bytes(0)
+    finally:
+        backend.close()
+
+
+def test_a_late_server_with_another_chunk_size_disables_the_backend(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pool = HostPoolStandIn()
+    backend = make_backend(address, pool)
+    try:
+        server_factory("--chunk-size", "16", address=address)
+        deadline = time.monotonic() + 15
+        while backend._disabled is None:
+            assert time.monotonic() < deadline, backend.last_error
+            assert backend.batch_exists(keys_for("x-", 1)) == 0
+            time.sleep(0.2)
+        assert "--chunk-size 64" in backend._disabled
+        assert backend.batch_set_v1(keys_for("x-", 1), pool.indices([0])) == [False]
+    finally:
+        backend.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.client import Client, Transfer
 from kvtier.copying import copy_addresses
-from kvtier.errors import KVTierError
+from kvtier.errors import BadArrayError, KVTierError, LayoutMismatchError
 from kvtier.server.layouts import DTYPE_SIZES
 
 __all__ = ["KVTierHiCacheStorage", "PageGeometry"]
@@ -110,6 +111,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.geometry: PageGeometry | None = None
         self.last_error: BaseException | None = None
         self._client: Client | None = None
+        self._connect_lock = threading.Lock()  # SGLang calls from its prefetch and backup threads
         self._next_attempt = 0.0
         self._failing = False
         self._disabled: str | None = None  # a configuration error found after start
@@ -166,25 +168,35 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """The client, connecting at most every `retry_interval` while the server is away."""
         if self._client is not None or self._disabled:
             return self._client
-        now = time.monotonic()
-        if now < self._next_attempt:
-            return None
-        self._next_attempt = now + self.retry_interval
-        try:
-            client = Client(self.address, timeout=self.timeout, transfer=self.transfer)
-        except _FAILURES as exc:
-            self._fail("connect", exc)
-            return None
-        if self.geometry is not None:
+        with self._connect_lock:
+            now = time.monotonic()
+            if self._client is not None or now < self._next_attempt:
+                return self._client
+            self._next_attempt = now + self.retry_interval
             try:
-                self._check_and_register(client)
-            except (ValueError, KVTierError) as exc:
-                client.close()
-                self._disabled = str(exc)  # after start: log it and serve misses
-                logger.error("kvtier storage disabled: %s", exc)
+                client = Client(
+                    self.address,
+                    timeout=self.timeout,
+                    connect_timeout=min(self.timeout, 2.0),
+                    transfer=self.transfer,
+                )
+            except _FAILURES as exc:
+                self._fail("connect", exc)
                 return None
-        self._client = client
-        return client
+            if self.geometry is not None:
+                try:
+                    self._check_and_register(client)
+                except (ValueError, BadArrayError, LayoutMismatchError) as exc:
+                    client.close()
+                    self._disabled = str(exc)  # a setting to fix, found after start: misses
+                    logger.error("kvtier storage disabled: %s", exc)
+                    return None
+                except _FAILURES as exc:
+                    client.close()
+                    self._fail("connect", exc)
+                    return None
+            self._client = client
+            return client
 
     def _fail(self, operation: str, exc: BaseException) -> None:
         """A failed operation costs a miss; the first of a run is a warning, the rest debug."""
