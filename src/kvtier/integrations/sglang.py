@@ -56,6 +56,8 @@ __all__ = ["KVTierHiCacheStorage", "PageGeometry"]
 logger = logging.getLogger(__name__)
 
 _FAILURES = (KVTierError, zmq.ZMQError, OSError)
+#: settings that do not fit the server: fixed by the operator, not by waiting
+_MISFITS = (ValueError, BadArrayError, LayoutMismatchError)
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -120,15 +122,24 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # -- set-up ----------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Learn the page geometry and check it against the server (raises when they differ)."""
+        """Learn the page geometry and check it against the server.
+
+        A setting that does not fit (the page size) raises, so SGLang stops at start with the
+        message; a server that is away is checked when it answers.
+        """
         super().register_mem_pool_host(mem_pool_host)
         self.geometry = self._geometry(mem_pool_host)
-        if self._client is not None:
-            try:
-                self._check_and_register(self._client)  # at start: a mismatch stops SGLang here
-            except BaseException:
-                self.close()
-                raise
+        client = self._client
+        if client is None:
+            return
+        try:
+            self._check_and_register(client)
+        except _MISFITS:
+            self.close()
+            raise
+        except _FAILURES as exc:
+            self.close()  # connect again later, checking again then
+            self._fail("register", exc)
 
     def _geometry(self, pool: Any) -> PageGeometry:
         dtype = str(pool.dtype).removeprefix("torch.")
@@ -186,7 +197,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if self.geometry is not None:
                 try:
                     self._check_and_register(client)
-                except (ValueError, BadArrayError, LayoutMismatchError) as exc:
+                except _MISFITS as exc:
                     client.close()
                     self._disabled = str(exc)  # a setting to fix, found after start: misses
                     logger.error("kvtier storage disabled: %s", exc)
