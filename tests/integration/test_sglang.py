@@ -331,3 +331,26 @@ def test_a_late_server_with_another_chunk_size_disables_the_backend(
         assert backend.batch_set_v1(keys_for("x-", 1), pool.indices([0])) == [False]
     finally:
         backend.close()
+
+
+def test_layouts_kvtier_cannot_store_are_refused_at_start() -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvtier.integrations.sglang import KVTierHiCacheStorage
+
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="m",
+        should_split_heads=True,
+        extra_config={"address": "ipc:///tmp/kvtier-never.sock"},
+    )
+    with pytest.raises(ValueError, match="split-head"):
+        KVTierHiCacheStorage(config, {})

@@ -96,6 +96,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
         settings: dict[str, Any] = {**(storage_config.extra_config or {}), **(kwargs or {})}
+        if storage_config.should_split_heads or storage_config.dcp_size > 1:
+            raise ValueError(
+                "the kvtier HiCache backend does not support split-head (heterogeneous TP) or "
+                "decode-context-parallel storage layouts yet: launch SGLang without them, or "
+                "use another --hicache-storage-backend"
+            )
         self.storage_config = storage_config
         self.address = str(settings.get("address", "ipc:///tmp/kvtier.sock"))
         self.model_name = str(settings.get("model") or storage_config.model_name or "sglang")
