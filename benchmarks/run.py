@@ -25,6 +25,7 @@ MODULES = [
     "benchmarks.bench_tiers",
     "benchmarks.bench_cluster",
     "benchmarks.bench_transformers",
+    "benchmarks.bench_sglang",
 ]
 
 

@@ -32,6 +32,7 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.hashing import TokenHasher, TokenIds, token_bytes
+from kvtier.names import ChunkName, check_names
 from kvtier.slots import RetrievedSlots, StoreSlots
 from kvtier.storage.arena import Arena
 
@@ -579,6 +580,143 @@ class Client:
             "chunk_shape": [int(d) for d in chunk_shape],
             "dtype": str(dtype).removeprefix("torch."),
             "num_chunks": num_chunks,
+            "cache_salt": cache_salt,
+        }
+
+    # -- key-addressed chunks (named by the caller, e.g. SGLang's page hashes) ---------------------
+
+    def exists_keys(
+        self, names: Sequence[ChunkName], *, model: str, world_size: int = 1, cache_salt: str = ""
+    ) -> int:
+        """How many leading named chunks every rank has stored (L2 hits are loaded into L1)."""
+        reply, _ = self._call(p.ExistsKeys(check_names(names), model, world_size, cache_salt))
+        assert isinstance(reply, p.ExistsReply)
+        return reply.num_chunks
+
+    def store_key_slots(
+        self,
+        names: Sequence[ChunkName],
+        *,
+        model: str,
+        worker_id: int = 0,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> StoreSlots:
+        """Slots to write this rank's named chunks into; `with` commits them.
+
+        As `store_slots`, with `targets()` indexing into `names` and `stored_chunks` counting
+        the named chunks stored after the commit.
+        """
+        fields = self._key_fields(
+            names, model, worker_id, chunk_shape, dtype, cache_salt, world_size
+        )
+        return StoreSlots(self, fields, reserve=p.ReserveKeys, store_inline=p.StoreKeysInline)
+
+    def retrieve_key_slots(
+        self,
+        names: Sequence[ChunkName],
+        *,
+        model: str,
+        worker_id: int = 0,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> RetrievedSlots:
+        """Read-only views of this rank's leading stored named chunks (as `retrieve_slots`)."""
+        fields = self._key_fields(
+            names, model, worker_id, chunk_shape, dtype, cache_salt, world_size
+        )
+        return RetrievedSlots(self, fields, retrieve=p.RetrieveKeys)
+
+    def put_keys(
+        self,
+        names: Sequence[ChunkName],
+        chunks: Any,
+        *,
+        model: str,
+        worker_id: int = 0,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> int:
+        """Store this rank's named chunks from `chunks` (len(names), *chunk_shape).
+
+        Returns how many of them are now stored (written now or already present).
+        """
+        names = check_names(names)
+        rows, shape, dtype = _chunk_rows(chunks, "chunks", writable=False)
+        if rows.shape[0] != len(names):
+            raise BadArrayError(f"{len(names)} names but {rows.shape[0]} chunks in the array")
+        if self._arena_bytes is None:  # inline: send the rows themselves, no staging copy
+            fields = self._key_fields(names, model, worker_id, shape, dtype, cache_salt, world_size)
+            reply, _ = self._call(p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))])
+            assert isinstance(reply, p.StoreReply)
+            return reply.stored_chunks
+        slots = self.store_key_slots(
+            names,
+            model=model,
+            worker_id=worker_id,
+            chunk_shape=shape,
+            dtype=dtype,
+            cache_salt=cache_salt,
+            world_size=world_size,
+        )
+        with slots:
+            copy_pairs([(view, rows[i]) for i, view in slots.targets()])
+        return slots.stored_chunks
+
+    def get_keys(
+        self,
+        names: Sequence[ChunkName],
+        out: Any,
+        *,
+        model: str,
+        worker_id: int = 0,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> int:
+        """Copy this rank's leading stored named chunks into `out` (>= len(names), *chunk_shape).
+
+        Returns how many leading names were copied: it stops at the first one not stored.
+        """
+        names = check_names(names)
+        rows, shape, dtype = _chunk_rows(out, "out", writable=True)
+        if rows.shape[0] < len(names):
+            raise BadArrayError(f"out holds {rows.shape[0]} chunks, fewer than {len(names)} names")
+        with self.retrieve_key_slots(
+            names,
+            model=model,
+            worker_id=worker_id,
+            chunk_shape=shape,
+            dtype=dtype,
+            cache_salt=cache_salt,
+            world_size=world_size,
+        ) as got:
+            copy_pairs([(rows[i], view) for i, view in enumerate(got.views)])
+        return got.num_chunks
+
+    def _key_fields(
+        self,
+        names: Sequence[ChunkName],
+        model: str,
+        worker_id: int,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str,
+        world_size: int | None,
+    ) -> dict[str, Any]:
+        """The fields of a KeyRequest, names validated here before anything is sent."""
+        checked = check_names(names)
+        return {
+            "names": checked,
+            "model": model,
+            "world_size": world_size or self._world_sizes.get(model, 1),
+            "worker_id": worker_id,
+            "chunk_shape": [int(d) for d in chunk_shape],
+            "dtype": str(dtype).removeprefix("torch."),
+            "num_chunks": len(checked),
             "cache_salt": cache_salt,
         }
 

@@ -8,6 +8,7 @@ on the caller's thread: handing them to a pool would cost more than the copy.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["copy_pairs", "copy_threads"]
+__all__ = ["copy_addresses", "copy_pairs", "copy_threads"]
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -67,5 +68,29 @@ def copy_pairs(pairs: Sequence[tuple[Bytes, Bytes]], *, threads: int | None = No
     pool = _get_pool()
     futures = [pool.submit(_copy_all, share) for share in shares[1:] if share]
     _copy_all(shares[0])  # the caller's thread takes a share too
+    for future in futures:
+        future.result()
+
+
+def _memmove_all(copies: Sequence[tuple[int, int, int]]) -> None:
+    for dst, src, size in copies:
+        ctypes.memmove(dst, src, size)  # a ctypes foreign call: it releases the GIL
+
+
+def copy_addresses(copies: Sequence[tuple[int, int, int]], *, threads: int | None = None) -> None:
+    """Copy each `(dst address, src address, size)`, in parallel when large.
+
+    For memory known only by address (an engine's host KV pool lists its pages as pointers): one
+    memmove per piece costs far less than wrapping each piece as an array first.
+    """
+    total = sum(size for _, _, size in copies)
+    threads = copy_threads() if threads is None else threads
+    if threads <= 1 or total < PARALLEL_MIN_BYTES:
+        _memmove_all(copies)
+        return
+    shares = [copies[i::threads] for i in range(threads)]
+    pool = _get_pool()
+    futures = [pool.submit(_memmove_all, share) for share in shares[1:] if share]
+    _memmove_all(shares[0])
     for future in futures:
         future.result()

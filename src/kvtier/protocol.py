@@ -155,6 +155,48 @@ class Goodbye(_Msg):
     """The client closes on purpose: the server forgets it and reclaims what it still holds."""
 
 
+class KeyRequest(_Msg):
+    """The fields of every request that moves one rank's chunks named by the caller.
+
+    `names` are the caller's chunk names in chain order (validated by `kvtier.names`);
+    `chunk_shape`, `dtype` and `num_chunks` describe the caller's array as in RangeRequest.
+    `request_id` only labels the retrieve lease (named chunks have no session).
+    """
+
+    names: list[bytes]
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_shape: list[int]
+    dtype: str
+    num_chunks: int
+    cache_salt: str = ""
+    request_id: str = ""
+
+
+class ExistsKeys(_Msg):
+    """How many leading named chunks are stored for every rank (L2 hits are loaded into L1)."""
+
+    names: list[bytes]
+    model: str
+    world_size: int = 1
+    cache_salt: str = ""
+
+
+class ReserveKeys(KeyRequest):
+    """Store named chunks, step 1: staging slots (then Commit, as for Reserve)."""
+
+
+class StoreKeysInline(KeyRequest):
+    """Store named chunks for a client without the arena: one payload frame per chunk."""
+
+
+class RetrieveKeys(KeyRequest):
+    """Slots (or, `inline`, the bytes) of this rank's shards of the leading stored names."""
+
+    inline: bool = False
+
+
 Request = (
     Hello
     | Heartbeat
@@ -170,6 +212,10 @@ Request = (
     | Release
     | EndSession
     | Goodbye
+    | ExistsKeys
+    | ReserveKeys
+    | StoreKeysInline
+    | RetrieveKeys
 )
 
 REQUEST_TAGS = frozenset(t.__name__ for t in Request.__args__)  # type: ignore[attr-defined]
@@ -224,12 +270,27 @@ class RetrieveReply(_Msg):
     chunk_nbytes: int
 
 
+class ExistsReply(_Msg):
+    """Leading named chunks stored for every rank."""
+
+    num_chunks: int
+
+
 class ErrorReply(_Msg):
     code: int
     message: str
 
 
-Reply = HelloReply | Ok | LookupReply | ReserveReply | StoreReply | RetrieveReply | ErrorReply
+Reply = (
+    HelloReply
+    | Ok
+    | LookupReply
+    | ReserveReply
+    | StoreReply
+    | RetrieveReply
+    | ErrorReply
+    | ExistsReply
+)
 
 
 # -- codec -------------------------------------------------------------------------------------

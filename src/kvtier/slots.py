@@ -35,10 +35,20 @@ class StoreSlots:
     `with` block commits, unless an exception leaves it: then the slots are given back.
     """
 
-    def __init__(self, client: Client, fields: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        client: Client,
+        fields: dict[str, Any],
+        *,
+        reserve: type[p.Reserve | p.ReserveKeys] = p.Reserve,
+        store_inline: type[p.StoreInline | p.StoreKeysInline] = p.StoreInline,
+    ) -> None:
+        """`reserve` / `store_inline`: the key-addressed requests for chunks named by the caller."""
         self._client = client
         self._fields = fields
+        self._store_inline = store_inline
         self.num_chunks: int = fields["num_chunks"]
+        self.stored_chunks = 0  # chunks stored once committed (written now or already there)
         self._done = False
         self._stored_tokens = 0
         self._reservation_id = 0
@@ -52,7 +62,7 @@ class StoreSlots:
             ]
             self._targets = list(enumerate(self._inline))
             return
-        reply, _ = client._call(p.Reserve(**fields))
+        reply, _ = client._call(reserve(**fields))
         assert isinstance(reply, p.ReserveReply)
         arena = client._arena_bytes  # again: the call may have re-joined a restarted server
         assert arena is not None
@@ -60,7 +70,8 @@ class StoreSlots:
         self._reservation_id = reply.reservation_id
         if not reply.reservation_id:  # every chunk is stored already
             self._done = True
-            self._stored_tokens = len(reply.offsets) * client.chunk_size
+            self.stored_chunks = len(reply.offsets)
+            self._stored_tokens = self.stored_chunks * client.chunk_size
             return
         self._targets = [
             (i, arena[offset : offset + nbytes])
@@ -87,10 +98,11 @@ class StoreSlots:
         self._done = True
         client = self._client
         if self._inline is not None:
-            reply, _ = client._call(p.StoreInline(**self._fields), self._inline)
+            reply, _ = client._call(self._store_inline(**self._fields), self._inline)
         else:
             reply, _ = client._call(p.Commit(self._reservation_id))
         assert isinstance(reply, p.StoreReply)
+        self.stored_chunks = reply.stored_chunks
         self._stored_tokens = reply.stored_chunks * client.chunk_size
         return self._stored_tokens
 
@@ -128,10 +140,17 @@ class RetrievedSlots:
     cannot be vouched for and must be discarded.
     """
 
-    def __init__(self, client: Client, fields: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        client: Client,
+        fields: dict[str, Any],
+        *,
+        retrieve: type[p.Retrieve | p.RetrieveKeys] = p.Retrieve,
+    ) -> None:
+        """`retrieve`: the key-addressed request for chunks named by the caller."""
         self._client = client
         inline = client._arena_bytes is None
-        reply, frames = client._call(p.Retrieve(**fields, inline=inline))
+        reply, frames = client._call(retrieve(**fields, inline=inline))
         assert isinstance(reply, p.RetrieveReply)
         self.num_chunks: int = reply.num_chunks
         self.chunk_nbytes: int = reply.chunk_nbytes

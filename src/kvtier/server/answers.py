@@ -56,6 +56,8 @@ class Answer:
 
 #: prompts at least this long are hashed and named on a handler thread, not the transport's
 _OFFLOAD_TOKEN_BYTES = 4096 * 4
+#: key-addressed requests with at least this many names (about 1 ms of name hashing) likewise
+_OFFLOAD_NAMES = 256
 
 
 def offloaded(req: p.Request) -> bool:
@@ -67,5 +69,11 @@ def offloaded(req: p.Request) -> bool:
             return req.inline or len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
         case p.Lookup() | p.Reserve():
             return len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+        case p.StoreKeysInline():
+            return True
+        case p.RetrieveKeys():
+            return req.inline or len(req.names) >= _OFFLOAD_NAMES
+        case p.ExistsKeys() | p.ReserveKeys():
+            return len(req.names) >= _OFFLOAD_NAMES
         case _:
             return False

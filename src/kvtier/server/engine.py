@@ -43,6 +43,7 @@ from kvtier.errors import (
 from kvtier.hashing import TokenHasher
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
+from kvtier.names import named_chunk_keys
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.server import naming
 from kvtier.server.answers import Answer, Respond, offloaded
@@ -250,6 +251,14 @@ class Engine:
                 with self._lock.hold(op):
                     self._goodbye(client_id)
                 reply = p.Ok()
+            case p.ExistsKeys():
+                reply = self._exists_keys(req, answer)
+            case p.ReserveKeys():
+                reply = self._reserve(client_id, req, self._range_keys(req))
+            case p.StoreKeysInline():
+                reply = self._store_inline(client_id, req, payloads, answer)
+            case p.RetrieveKeys():
+                return self._retrieve(client_id, req)
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
         if reply is None:
@@ -316,7 +325,15 @@ class Engine:
     def _session(self, request_id: str, tokens: bytes) -> Session:
         return naming.session_for(self.sessions, request_id, tokens)
 
-    def _range_keys(self, req: p.RangeRequest) -> list[ChunkKey]:
+    def _range_keys(self, req: p.RangeRequest | p.KeyRequest) -> list[ChunkKey]:
+        if isinstance(req, p.KeyRequest):  # named by the caller: no session, no token range
+            if req.num_chunks != len(req.names):
+                raise BadArrayError(
+                    f"the array holds {req.num_chunks} chunks but {len(req.names)} names came"
+                )
+            return named_chunk_keys(
+                req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
+            )
         return naming.range_keys(self.sessions, self.chunk_size, req)
 
     _keys = staticmethod(naming.chunk_keys)
@@ -359,9 +376,41 @@ class Engine:
         with self._lock.hold(answer.operation):
             return self.lookups.lookup(req, keys, num_tokens, layout, answer)
 
+    def _exists_keys(self, req: p.ExistsKeys, answer: Answer) -> p.ExistsReply | None:
+        """Leading named chunks every rank has; the ones only L2 holds are loaded into L1 first
+        (a prefetch job; the answer comes when it ends, or at once from L1 when none can start).
+
+        Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
+        chunk evicted before the caller's get is a miss there, never wrong bytes.
+        """
+        keys = named_chunk_keys(
+            req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
+        )
+        layout = self.layouts.get(req.model, req.world_size)
+
+        def count(_loaded: object = None) -> p.ExistsReply:  # under the lock
+            hit = self.l1.count_prefix(keys)
+            self.l1.touch(keys[:hit])
+            return p.ExistsReply(hit)
+
+        with self._lock.hold(answer.operation):
+            hit = self.l1.count_prefix(keys)
+            if hit < len(keys) and layout is not None and self.tiers.tiers:
+                started = self.prefetcher.submit(
+                    keys[hit:],
+                    nbytes=layout.nbytes,
+                    layout=layout.text,
+                    on_done=lambda loaded: answer.reply(count(loaded)),
+                )
+                if started:
+                    return None
+            return count()
+
     # -- store ----------------------------------------------------------------------------------
 
-    def _reserve(self, client_id: str, req: p.RangeRequest, keys: list[ChunkKey]) -> p.ReserveReply:
+    def _reserve(
+        self, client_id: str, req: p.RangeRequest | p.KeyRequest, keys: list[ChunkKey]
+    ) -> p.ReserveReply:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
@@ -450,7 +499,11 @@ class Engine:
         return p.Ok()
 
     def _store_inline(
-        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any], answer: Answer
+        self,
+        client_id: str,
+        req: p.StoreInline | p.StoreKeysInline,
+        payloads: Sequence[Any],
+        answer: Answer,
     ) -> p.StoreReply | None:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
@@ -491,7 +544,7 @@ class Engine:
 
     # -- retrieve -------------------------------------------------------------------------------
 
-    def _retrieve(self, client_id: str, req: p.Retrieve) -> list[Any]:
+    def _retrieve(self, client_id: str, req: p.Retrieve | p.RetrieveKeys) -> list[Any]:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )

@@ -1,0 +1,356 @@
+"""KVTierHiCacheStorage through SGLang's real storage interface and backend factory.
+
+SGLang 0.5.23's `hicache_storage` and `backend_factory` are the real modules (imported without
+its CUDA stack, see kvtier.integrations.sglang_cpu); the host pool is a stand-in with real page
+buffers (sglang_pool.py). Servers are real `kvtier serve` processes.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ..conftest import ServerProcess, free_port
+from .sglang_pool import HostPoolStandIn, sglang_api
+from .test_serve import status
+
+PAGE = 64  # SGLang's default page size
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sglang() -> None:
+    sglang_api()
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
+    return server_factory("--chunk-size", str(PAGE), "--l1-size", "64MiB", "--client-timeout", "3")
+
+
+def make_backend(
+    address: str,
+    pool: HostPoolStandIn,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    v1: bool = True,
+    **extra: Any,
+) -> Any:
+    """Build the backend as SGLang does: the factory's "dynamic" path, then the pool."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvtier.integrations.sglang import KVTierHiCacheStorage
+
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=pool.layout == "page_first",
+        model_name="test-model",
+        extra_config={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KVTierHiCacheStorage",
+            "interface_v1": int(v1),
+            "address": address,
+            "timeout": 2,
+            "retry_interval": 0.2,
+            **extra,
+        },
+    )
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    assert isinstance(backend, KVTierHiCacheStorage)
+    backend.register_mem_pool_host(pool)  # what cache_controller does right after
+    return backend
+
+
+def keys_for(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:060d}" for i in range(n)]  # SGLang's keys are 64 hex characters
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("transfer", ["auto", "inline"])
+def test_v1_round_trip_is_byte_exact(server: ServerProcess, layout: str, transfer: str) -> None:
+    src = HostPoolStandIn(layout=layout)
+    src.fill_random(1)
+    dst = HostPoolStandIn(layout=layout)
+    writer = make_backend(server.address, src, transfer=transfer)
+    reader = make_backend(server.address, dst, transfer=transfer)
+    try:
+        keys = keys_for(f"{layout}-{transfer}-", 5)
+        assert writer.batch_set_v1(keys, src.indices([3, 0, 7, 1, 2])) == [True] * 5
+        assert reader.batch_exists(keys) == 5
+        assert reader.batch_get_v1(keys, dst.indices([10, 11, 12, 13, 14])) == [True] * 5
+        for s, d in zip([3, 0, 7, 1, 2], [10, 11, 12, 13, 14], strict=True):
+            assert dst.page_bytes(d * PAGE) == src.page_bytes(s * PAGE)
+        assert not dst.get_data_page(0).view(torch.uint8).any()  # untouched pages stay zero
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_plain_path_round_trip_is_byte_exact(server: ServerProcess) -> None:
+    src = HostPoolStandIn(layout="layer_first")
+    src.fill_random(2)
+    dst = HostPoolStandIn(layout="layer_first")
+    writer = make_backend(server.address, src, v1=False)
+    reader = make_backend(server.address, dst, v1=False)
+    try:
+        keys = keys_for("plain-", 4)
+        # as SGLang's _generic_page_set / _generic_page_get do
+        assert writer.batch_set(keys[:3], [src.get_data_page(p * PAGE) for p in range(3)])
+        assert writer.set(keys[3], src.get_data_page(3 * PAGE))
+        assert reader.exists(keys[3]) and reader.batch_exists(keys) == 4
+        pages = reader.batch_get(keys, [dst.get_dummy_flat_data_page() for _ in keys])
+        for i, page in enumerate(pages):
+            assert page is not None
+            dst.set_from_flat_data_page((8 + i) * PAGE, page)
+            assert dst.page_bytes((8 + i) * PAGE) == src.page_bytes(i * PAGE)
+        single = reader.get(keys[2])
+        assert single is not None
+        assert bytes(single.view(torch.uint8).numpy()) == src.page_bytes(2 * PAGE)
+        assert reader.get(keys_for("never-", 1)[0]) is None
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_batch_exists_counts_the_leading_present_pages(server: ServerProcess) -> None:
+    pool = HostPoolStandIn()
+    pool.fill_random(3)
+    backend = make_backend(server.address, pool)
+    try:
+        keys = keys_for("prefix-", 6)
+        assert backend.batch_exists(keys) == 0
+        assert all(backend.batch_set_v1([keys[i]], pool.indices([i])) for i in (0, 1, 2, 4))
+        assert backend.batch_exists(keys) == 3
+        assert backend.batch_exists(keys[3:]) == 0
+        assert backend.batch_exists(keys[4:]) == 1
+        assert backend.batch_exists([]) == 0
+        assert backend.batch_get_v1(keys, pool.indices(list(range(6)))) == [True] * 3 + [False] * 3
+    finally:
+        backend.close()
+
+
+def test_two_tp_ranks_agree_and_keep_their_own_shards(server: ServerProcess) -> None:
+    pools = [HostPoolStandIn(), HostPoolStandIn()]
+    for rank, pool in enumerate(pools):
+        pool.fill_random(10 + rank)
+    ranks = [make_backend(server.address, pools[r], tp_rank=r, tp_size=2) for r in (0, 1)]
+    try:
+        keys = keys_for("tp-", 4)
+        assert ranks[0].batch_set_v1(keys, pools[0].indices([0, 1, 2, 3])) == [True] * 4
+        assert [b.batch_exists(keys) for b in ranks] == [0, 0]  # rank 1's shards are missing
+        assert ranks[1].batch_set_v1(keys[:3], pools[1].indices([0, 1, 2])) == [True] * 3
+        assert [b.batch_exists(keys) for b in ranks] == [3, 3]
+        fresh = [HostPoolStandIn(), HostPoolStandIn()]
+        for rank in (0, 1):
+            ranks[rank].register_mem_pool_host(fresh[rank])  # read into an empty pool
+            got = ranks[rank].batch_get_v1(keys[:3], fresh[rank].indices([5, 6, 7]))
+            assert got == [True] * 3
+            for i in range(3):
+                assert fresh[rank].page_bytes((5 + i) * PAGE) == pools[rank].page_bytes(i * PAGE)
+    finally:
+        for b in ranks:
+            b.close()
+
+
+def test_mla_ranks_share_one_copy_written_by_the_storage_writer(server: ServerProcess) -> None:
+    pools = [HostPoolStandIn(mla=True), HostPoolStandIn(mla=True)]
+    pools[0].fill_random(20)
+    pools[1].fill_random(21)  # rank 1's pages differ: they must never be stored
+    ranks = [make_backend(server.address, pools[r], tp_rank=r, tp_size=2, mla=True) for r in (0, 1)]
+    try:
+        keys = keys_for("mla-", 3)
+        assert ranks[1].batch_set_v1(keys, pools[1].indices([0, 1, 2])) == [True] * 3
+        assert ranks[1].batch_exists(keys) == 0  # not the writer: nothing stored
+        assert ranks[0].batch_set_v1(keys, pools[0].indices([0, 1, 2])) == [True] * 3
+        assert [b.batch_exists(keys) for b in ranks] == [3, 3]
+        assert ranks[1].batch_get_v1(keys, pools[1].indices([4, 5, 6])) == [True] * 3
+        for i in range(3):
+            assert pools[1].page_bytes((4 + i) * PAGE) == pools[0].page_bytes(i * PAGE)
+    finally:
+        for b in ranks:
+            b.close()
+
+
+def test_the_page_size_must_equal_the_chunk_size(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    server = server_factory("--chunk-size", "256")
+    with pytest.raises(ValueError, match="kvtier serve --chunk-size 64"):
+        make_backend(server.address, HostPoolStandIn())
+
+
+def test_a_server_restart_costs_misses_then_serves_again(
+    server_factory: Callable[..., ServerProcess], tmp_path: object
+) -> None:
+    args = ("--chunk-size", str(PAGE), "--l1-size", "32MiB", "--l2", f"disk://{tmp_path}")
+    first = server_factory(*args)
+    pool = HostPoolStandIn()
+    pool.fill_random(30)
+    backend = make_backend(first.address, pool)
+    try:
+        keys = keys_for("restart-", 4)
+        assert backend.batch_set_v1(keys, pool.indices([0, 1, 2, 3])) == [True] * 4
+        deadline = time.monotonic() + 15
+        while status(first)["l2"]["written"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first.stop(signal.SIGKILL)  # a crash
+        assert backend.batch_exists(keys) == 0  # a miss, not an exception
+        assert backend.batch_get_v1(keys, pool.indices([8, 9, 10, 11])) == [False] * 4
+        server_factory(*args, address=first.address)
+        deadline = time.monotonic() + 20
+        while backend.batch_exists(keys) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the client re-joins once a heartbeat gets through
+        assert backend.batch_exists(keys) == 4  # from the disk tier, into the new L1
+        assert backend.batch_get_v1(keys, pool.indices([8, 9, 10, 11])) == [True] * 4
+        for i in range(4):
+            assert pool.page_bytes((8 + i) * PAGE) == pool.page_bytes(i * PAGE)
+    finally:
+        backend.close()
+
+
+def test_pages_come_back_through_the_disk_tier(
+    server_factory: Callable[..., ServerProcess], tmp_path: object
+) -> None:
+    server = server_factory(
+        "--chunk-size", str(PAGE), "--l1-size", "2MiB", "--l2", f"disk://{tmp_path}?size=64MiB"
+    )
+    # 256 KiB per page: 2 MiB of L1 holds fewer than 8 of the 32 pages
+    pool = HostPoolStandIn(num_pages=40, layer_num=8, head_num=4, head_dim=32)
+    pool.fill_random(40)
+    backend = make_backend(server.address, pool)
+    try:
+        keys = keys_for("disk-", 32)
+        for start in range(0, 32, 4):
+            batch = list(range(start, start + 4))
+            assert backend.batch_set_v1(keys[start : start + 4], pool.indices(batch)) == [True] * 4
+            deadline = time.monotonic() + 15
+            while status(server)["l2"]["written"] < start + 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert status(server)["l1"]["ready_groups"] < 32  # the first pages left L1
+        assert backend.batch_exists(keys[:4]) == 4
+        assert backend.batch_get_v1(keys[:4], pool.indices([32, 33, 34, 35])) == [True] * 4
+        for i in range(4):
+            assert pool.page_bytes((32 + i) * PAGE) == pool.page_bytes(i * PAGE)
+    finally:
+        backend.close()
+
+
+def test_an_unreachable_server_gives_misses_never_exceptions() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    pool = HostPoolStandIn()
+    pool.fill_random(50)
+    t0 = time.monotonic()
+    backend = make_backend(address, pool, timeout=0.5, retry_interval=60)
+    try:
+        keys = keys_for("down-", 3)
+        assert backend.batch_exists(keys) == 0
+        assert backend.exists(keys[0]) is False
+        assert backend.batch_set_v1(keys, pool.indices([0, 1, 2])) == [False] * 3
+        assert backend.batch_get_v1(keys, pool.indices([0, 1, 2])) == [False] * 3
+        assert backend.batch_get(keys) == [None] * 3
+        assert backend.get(keys[0]) is None
+        assert backend.set(keys[0], pool.get_data_page(0)) is False
+        assert backend.last_error is not None
+        # one failed connection attempt, then misses at once until retry_interval has passed
+        assert time.monotonic() - t0 < 5
+    finally:
+        backend.close()
+
+
+def test_a_server_that_dies_mid_run_gives_misses(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    server = server_factory("--chunk-size", str(PAGE))
+    pool = HostPoolStandIn()
+    pool.fill_random(60)
+    backend = make_backend(server.address, pool, timeout=1)
+    try:
+        keys = keys_for("dies-", 2)
+        assert backend.batch_set_v1(keys, pool.indices([0, 1])) == [True] * 2
+        server.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert backend.batch_exists(keys) == 0
+            assert backend.batch_get_v1(keys, pool.indices([2, 3])) == [False] * 2
+            assert backend.batch_set_v1(keys, pool.indices([2, 3])) == [False] * 2
+        assert time.monotonic() - t0 < 5  # one timeout, then the client fails fast
+    finally:
+        backend.close()
+
+
+def test_a_server_started_after_sglang_is_used_once_it_answers(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pool = HostPoolStandIn()
+    pool.fill_random(70)
+    backend = make_backend(address, pool)  # nothing there yet: SGLang starts anyway
+    try:
+        keys = keys_for("late-", 2)
+        assert backend.batch_set_v1(keys, pool.indices([0, 1])) == [False] * 2
+        server_factory("--chunk-size", str(PAGE), address=address)
+        deadline = time.monotonic() + 15
+        while not all(backend.batch_set_v1(keys, pool.indices([0, 1]))):
+            assert time.monotonic() < deadline, backend.last_error
+            time.sleep(0.2)
+        assert backend.batch_get_v1(keys, pool.indices([4, 5])) == [True] * 2
+        assert pool.page_bytes(4 * PAGE) == pool.page_bytes(0)
+    finally:
+        backend.close()
+
+
+def test_a_late_server_with_another_chunk_size_disables_the_backend(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pool = HostPoolStandIn()
+    backend = make_backend(address, pool)
+    try:
+        server_factory("--chunk-size", "16", address=address)
+        deadline = time.monotonic() + 15
+        while backend._disabled is None:
+            assert time.monotonic() < deadline, backend.last_error
+            assert backend.batch_exists(keys_for("x-", 1)) == 0
+            time.sleep(0.2)
+        assert "--chunk-size 64" in backend._disabled
+        assert backend.batch_set_v1(keys_for("x-", 1), pool.indices([0])) == [False]
+    finally:
+        backend.close()
+
+
+def test_layouts_kvtier_cannot_store_are_refused_at_start() -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvtier.integrations.sglang import KVTierHiCacheStorage
+
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="m",
+        should_split_heads=True,
+        extra_config={"address": "ipc:///tmp/kvtier-never.sock"},
+    )
+    with pytest.raises(ValueError, match="split-head"):
+        KVTierHiCacheStorage(config, {})
