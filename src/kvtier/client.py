@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from kvtier import protocol as p
 from kvtier.errors import (
     BadArrayError,
     ErrorCode,
+    InvalidArgumentError,
     KVTierError,
     NotConnectedError,
     error_from_code,
@@ -40,8 +42,25 @@ Transfer = Literal["auto", "shm", "inline"]
 
 
 def _tokens(tokens: TokenIds) -> bytes:
-    raw = token_bytes(tokens)
+    try:
+        raw = token_bytes(tokens)
+    except KVTierError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(
+            f"tokens must be ints in [0, 2**32), a numpy integer array or packed uint32 "
+            f"bytes: {exc}"
+        ) from None
     return raw if isinstance(raw, bytes) else bytes(raw)
+
+
+def _encode(msg: Any) -> bytes:
+    """The request header; a value msgpack cannot carry (an int past 64 bits, a string with
+    lone surrogates) is the caller's error, raised as kvtier's typed error."""
+    try:
+        return p.encode(msg)
+    except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
+        raise InvalidArgumentError(f"{type(msg).__name__} cannot be sent: {exc}") from None
 
 
 def _chunk_rows(
@@ -58,6 +77,11 @@ def _chunk_rows(
             )
         if not array.flags.c_contiguous:
             raise BadArrayError(f"{what} must be C-contiguous (use np.ascontiguousarray)")
+        if not array.dtype.isnative:
+            raise BadArrayError(
+                f"{what} has byte order {array.dtype.str!r}, not this machine's: convert it "
+                "(array.astype(array.dtype.newbyteorder('=')))"
+            )
         if writable and not array.flags.writeable:
             raise BadArrayError(f"{what} is read-only; retrieve writes into it")
         rows = array.reshape(array.shape[0], math.prod(array.shape[1:])).view(np.uint8)
@@ -102,9 +126,14 @@ class Client:
         transfer: Transfer = "auto",
         heartbeat_interval: float = 1.0,
         client_id: str | None = None,
+        token: str = "",
     ) -> None:
+        """`token`: a credential from the server's --auth-tokens-file, when it has one."""
         if transfer not in ("auto", "shm", "inline"):
-            raise ValueError(f"transfer must be 'auto', 'shm' or 'inline', got {transfer!r}")
+            raise InvalidArgumentError(
+                f"transfer must be 'auto', 'shm' or 'inline', got {transfer!r}"
+            )
+        self._token = token
         self.address = address
         self.timeout = timeout
         self.hasher = hasher
@@ -120,7 +149,6 @@ class Client:
         self._transfer = transfer
         self._arena: Arena | None = None
         self._arena_bytes: npt.NDArray[np.uint8] | None = None
-        self._retired_arenas: list[Arena] = []  # mappings of a server that restarted
         self._rejoin_lock = threading.Lock()
         self._unreachable_since: float | None = None  # monotonic time of the first missed reply
         try:
@@ -195,6 +223,8 @@ class Client:
             contract=self.hasher.contract() if self.hasher else None,
             contract_info=dict(self.hasher.contract_info()) if self.hasher else {},
             host_id=p.local_host_id(),
+            pid=os.getpid(),  # the server fences our arena slots by this process
+            token=self._token,
         )
         reply, _ = self._call_on(sock, hello)
         assert isinstance(reply, p.HelloReply)
@@ -233,8 +263,10 @@ class Client:
     def _rejoin(self, sock: zmq.Socket[bytes]) -> None:
         """Hello again on `sock`; if the server is a new one, map its arena and re-register.
 
-        The old mapping is retired, not closed: another thread may still be copying through it
-        (its store's commit will then be refused, since the new server never reserved it).
+        The old mapping is closed at once: a thread still copying through it holds its own
+        reference, which keeps those pages mapped until the copy ends (its store's commit is then
+        refused, since the new server never reserved it). So no restart leaves a whole old L1
+        mapped in a long-lived client.
         """
         with self._rejoin_lock:
             hello = self._hello_on(sock)
@@ -243,8 +275,8 @@ class Client:
             logger.info("kvtier at %s restarted: re-joining", self.address)
             self.server = hello
             if self._arena is not None:
-                self._retired_arenas.append(self._arena)
-                self._arena, self._arena_bytes = None, None
+                old, self._arena, self._arena_bytes = self._arena, None, None
+                old.close()
             if self._transfer != "inline":
                 self._attach_arena(self._transfer)
             for register in self._registrations.values():
@@ -259,7 +291,7 @@ class Client:
     ) -> tuple[p.Reply, list[zmq.Frame]]:
         timeout = self.timeout if timeout is None else timeout
         seq = next(self._seq).to_bytes(8, "little")
-        sock.send_multipart([seq, p.encode(msg), *payloads], copy=False)
+        sock.send_multipart([seq, _encode(msg), *payloads], copy=False)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -346,8 +378,12 @@ class Client:
             return reply.stored_chunks * self.chunk_size
         reserved, _ = self._call(p.Reserve(**fields))
         assert isinstance(reserved, p.ReserveReply)
-        if not reserved.reservation_id:
-            return len(reserved.offsets) * self.chunk_size  # everything was already stored
+        if not reserved.reservation_id:  # nothing to write: stored already, or being stored
+            stored = next(
+                (i for i, off in enumerate(reserved.offsets) if off == p.IN_FLIGHT),
+                len(reserved.offsets),
+            )
+            return stored * self.chunk_size
         nbytes, arena = reserved.chunk_nbytes, self._arena_bytes
         try:
             for i, offset in enumerate(reserved.offsets):
@@ -432,13 +468,15 @@ class Client:
         }
         return rows, fields
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, *, cache_salt: str = "") -> None:
         """Drop the request's lookup pins (the engine computed those chunks itself)."""
-        self._call(p.Release(request_id))
+        self._call(p.Release(request_id, cache_salt))
 
-    def end_session(self, request_id: str) -> None:
-        """The request is finished: the server forgets its session and releases its pins."""
-        self._call(p.EndSession(request_id))
+    def end_session(self, request_id: str, *, cache_salt: str = "") -> None:
+        """The request is finished: the server forgets its session and releases its pins.
+
+        Without a credential, sessions are scoped by cache salt: pass the request's salt."""
+        self._call(p.EndSession(request_id, cache_salt))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -452,10 +490,9 @@ class Client:
             self._heartbeat.join(timeout=2)
         self._ctx.destroy(linger=0)
         self._arena_bytes = None
-        for arena in [*self._retired_arenas, self._arena]:
-            if arena is not None:
-                arena.close()
-        self._arena, self._retired_arenas = None, []
+        if self._arena is not None:
+            self._arena.close()
+        self._arena = None
 
     def __enter__(self) -> Client:
         return self

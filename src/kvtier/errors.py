@@ -26,6 +26,8 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_RESERVATION = 11
     INVALID_ARGUMENT = 12
     NOT_CONNECTED = 13
+    LEASE_EXPIRED = 14
+    UNAUTHORIZED = 15
     INTERNAL = 99
 
 
@@ -120,6 +122,19 @@ class NotConnectedError(KVTierError):
     code = ErrorCode.NOT_CONNECTED
 
 
+class LeaseExpiredError(KVTierError):
+    """A commit or retrieve-done after its lease lapsed: nothing of the store is stored, and
+    bytes copied out of a retrieve's slots cannot be vouched for (discard them, recompute)."""
+
+    code = ErrorCode.LEASE_EXPIRED
+
+
+class UnauthorizedError(KVTierError):
+    """A request without a valid credential, or outside what its credential allows."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+
 class InternalError(KVTierError):
     """A bug in kvtier: the handler failed in a way it did not anticipate."""
 
@@ -142,6 +157,8 @@ _BY_CODE: dict[int, type[KVTierError]] = {
         UnknownReservationError,
         InvalidArgumentError,
         NotConnectedError,
+        LeaseExpiredError,
+        UnauthorizedError,
         InternalError,
     )
 }

@@ -304,7 +304,7 @@ def test_metrics_and_sessions_follow_a_client_workload(server: ServerProcess) ->
             k: status["lookup"][k] - before["lookup"][k] for k in ("requested_tokens", "hit_tokens")
         }
         assert lookup_delta == {"requested_tokens": requested, "hit_tokens": sum(hits)}
-        me = [c for c in status["clients"] if c["client_id"] == client.client_id]
+        me = [c for c in status["clients"] if c["client_id"] == client.client_id[:8]]
         assert me and me[0]["registrations"][0]["model"] == model
 
         page = get(server, "/sessions", params={"limit": 1000}).json()

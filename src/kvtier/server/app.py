@@ -10,6 +10,7 @@ from types import FrameType
 
 from kvtier.config import ServerConfig, format_size
 from kvtier.server.admin import AdminServer, start_admin_server
+from kvtier.server.auth import Authenticator, is_local_address, redact
 from kvtier.server.engine import Engine
 from kvtier.server.transport import Transport
 from kvtier.storage.arena import default_arena_name
@@ -31,6 +32,13 @@ class KVTierServer:
         self.admin: AdminServer | None = None
         self.transport: Transport | None = None
         self.admin_error = ""
+        auth = Authenticator.from_file(config.auth_tokens_file)
+        exposed = [a for a in config.address if not is_local_address(a)]
+        if exposed and not auth.required:
+            raise ValueError(
+                f"{', '.join(exposed)} is reachable from other machines: give "
+                "--auth-tokens-file so that only clients with a credential get in"
+            )
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         l2_urls = config.l2_urls(config.arena_name)
         if l2_urls:
@@ -45,7 +53,7 @@ class KVTierServer:
             )
             self.tiers.start()
         try:
-            self.engine = Engine(config, tiers=self.tiers)
+            self.engine = Engine(config, tiers=self.tiers, auth=auth)
         except BaseException:
             if self.tiers is not None:
                 self.tiers.close()
@@ -53,7 +61,9 @@ class KVTierServer:
         try:
             if config.admin_port >= 0:
                 self.admin = self._start_admin()
-            self.transport = Transport(self.engine, config.address)
+            self.transport = Transport(
+                self.engine, config.address, max_frame_bytes=config.max_frame_bytes
+            )
         except BaseException:
             self.close()
             raise
@@ -76,7 +86,7 @@ class KVTierServer:
             signal.signal(signum, self._on_signal)
         assert self.transport is not None
         cfg = self.config
-        l2 = ", ".join(cfg.l2_urls(self.engine.arena.name)) or "none"
+        l2 = ", ".join(map(redact, cfg.l2_urls(self.engine.arena.name))) or "none"
         print(f"kvtier: listening on {', '.join(self.transport.addresses)}", flush=True)
         print(
             f"kvtier: L1 {format_size(self.engine.arena.size)} in /dev/shm/{self.engine.arena.name}"

@@ -17,7 +17,9 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 import kvtier
 from kvtier import protocol as p
@@ -28,10 +30,11 @@ from kvtier.errors import (
     InternalError,
     InvalidArgumentError,
     KVTierError,
+    LeaseExpiredError,
     MisalignedRangeError,
-    NoSpaceError,
     NotConnectedError,
     ProtocolVersionError,
+    UnknownRequestError,
     UnknownReservationError,
     UnknownSessionError,
 )
@@ -45,8 +48,11 @@ from kvtier.periodic import (
     ThreadRunSummary,
     create_periodic_thread,
 )
+from kvtier.server.auth import Authenticator, redact, scoped
+from kvtier.server.fencing import watch_process
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Peer, Reservation, RetrieveLease
+from kvtier.server.limits import Limits
 from kvtier.session import Session, SessionManager
 from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
@@ -58,6 +64,8 @@ __all__ = ["Engine"]
 logger = logging.getLogger(__name__)
 
 _instances = itertools.count()
+
+_Scoped = TypeVar("_Scoped", p.Lookup, p.Reserve, p.StoreInline, p.Retrieve)
 
 
 class Engine:
@@ -71,8 +79,10 @@ class Engine:
         registry: PeriodicThreadRegistry | None = None,
         tiers: TierManager | None = None,
         start_threads: bool = True,
+        auth: Authenticator | None = None,
     ) -> None:
         self.config = config
+        self.auth = auth or Authenticator.from_file(config.auth_tokens_file)
         self.clock = clock
         self.started_at = time.time()
         self.hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
@@ -84,6 +94,26 @@ class Engine:
             config.arena_name or default_arena_name(config.address[0]),
             config.l1_size,
             prefault=config.prefault,
+        )
+        try:
+            self._init_state(config, clock, registry, tiers, start_threads)
+        except BaseException:  # a server that fails at start leaves no segment in /dev/shm
+            self.arena.close()
+            raise
+
+    def _init_state(
+        self,
+        config: ServerConfig,
+        clock: Callable[[], float],
+        registry: PeriodicThreadRegistry | None,
+        tiers: TierManager | None,
+        start_threads: bool,
+    ) -> None:
+        self.limits = Limits(
+            chunk_size=config.chunk_size,
+            max_request_tokens=config.max_request_tokens,
+            max_world_size=config.max_world_size,
+            max_chunk_bytes=self.arena.size,
         )
         self.l1 = L1Store(self.arena.size, clock=clock)
         self.tiers = tiers
@@ -104,6 +134,9 @@ class Engine:
         self._orphaned = 0  # expired sessions that still held pins
         self._lookup_requested = 0
         self._lookup_hit = 0
+        self._session_tokens = 0  # tokens held by all sessions together
+        self._shed_sessions = 0  # ended early to keep within --max-sessions/--max-session-tokens
+        self._lease_expired_count = 0  # commits and retrieve-dones answered LEASE_EXPIRED
         self._closed = False
         self._reaper: PeriodicThread | None = None
         if start_threads:
@@ -128,6 +161,7 @@ class Engine:
         try:
             request = p.decode_request(header)
             operation = type(request).__name__
+            self.limits.check(request)  # every count and size, before any work
             with self._lock:
                 frames = self._dispatch(identity, request, payloads)
         except KVTierError as exc:
@@ -148,7 +182,7 @@ class Engine:
                 "time": time.time(),
                 "operation": operation,
                 "code": exc.code.name,
-                "message": exc.message,
+                "message": redact(exc.message),
             }
         )
 
@@ -165,28 +199,68 @@ class Engine:
             case p.Register():
                 reply = self._register(client, req)
             case p.Lookup():
-                reply = self._lookup(req)
+                reply = self._lookup(self._scope(client, req))
             case p.Reserve():
-                reply = self._reserve(client_id, req)
+                self._require_watch(client, "Reserve")
+                reply = self._reserve(client_id, self._scope(client, req))
             case p.Commit():
                 reply = self._commit(client_id, req.reservation_id)
             case p.Abort():
                 reply = self._abort(client_id, req.reservation_id)
             case p.StoreInline():
-                reply = self._store_inline(client_id, req, payloads)
+                reply = self._store_inline(client_id, self._scope(client, req), payloads)
             case p.Retrieve():
-                return self._retrieve(client_id, req)
+                if not req.inline:
+                    self._require_watch(client, "Retrieve")
+                return self._retrieve(client_id, self._scope(client, req))
             case p.RetrieveDone():
                 reply = self._retrieve_done(client_id, req.lease_id)
             case p.Release():
-                self._require_session(req.request_id)
-                self.l1.unpin(req.request_id)
+                request_id = self._session_id(client, req.request_id, req.cache_salt)
+                self._require_session(request_id)
+                self.l1.unpin(request_id)
                 reply = p.Ok()
             case p.EndSession():
-                self._require_session(req.request_id)
-                self._remove_session(req.request_id)
+                request_id = self._session_id(client, req.request_id, req.cache_salt)
+                self._require_session(request_id)
+                self._remove_session(request_id)
                 reply = p.Ok()
+            case _:  # a request type decoded but not handled: a bug, never a silent timeout
+                raise UnknownRequestError(f"{type(req).__name__} has no handler")
         return [p.encode(reply)]
+
+    # -- tenants ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _session_id(client: Peer, request_id: str, cache_salt: str) -> str:
+        """Sessions and pins are scoped per tenant: its credential's, or with none its salt, so
+        one tenant reusing another's request id neither sees nor ends the other's session."""
+        return scoped(client.tenant or cache_salt, request_id)
+
+    def _scope(self, client: Peer, req: _Scoped) -> _Scoped:
+        """The request as the engine handles it: session id, model and salt in the client's
+        tenant's namespace (the anonymous tenant's names are unchanged), after checking that its
+        credential may use the salt."""
+        client.credential.check_salt(req.cache_salt)
+        request_id = self._session_id(client, req.request_id, req.cache_salt)
+        if not client.tenant:
+            if request_id == req.request_id:
+                return req
+            return msgspec.structs.replace(req, request_id=request_id)
+        return msgspec.structs.replace(
+            req,
+            request_id=request_id,
+            model=scoped(client.tenant, req.model),
+            cache_salt=scoped(client.tenant, req.cache_salt),
+        )
+
+    def _require_watch(self, client: Peer, what: str) -> None:
+        if client.watch is None:
+            raise InvalidArgumentError(
+                f"{what} hands out arena slots, which only a client on this machine whose "
+                "process the server can watch may use (name its pid at Hello); move the bytes "
+                "inline instead (StoreInline, Retrieve with inline=True)"
+            )
 
     # -- handshake and registration -------------------------------------------------------------
 
@@ -210,7 +284,10 @@ class Engine:
                 f"{detail}. Chunk names would differ; use the server's settings "
                 "(--chunk-size, --hash-algorithm, --hash-seed)"
             )
-        self.leases.connect(identity, req.client_id)
+        credential = self.auth.authenticate(req.token)
+        # Only a process on this machine can touch the arena; the pidfd is what fences it.
+        watch = watch_process(req.pid) if req.host_id == self.host_id else None
+        self.leases.connect(identity, req.client_id, credential=credential, watch=watch)
         return p.HelloReply(
             server_version=kvtier.__version__,
             protocol_version=p.PROTOCOL_VERSION,
@@ -224,8 +301,14 @@ class Engine:
         )
 
     def _register(self, client: Peer, req: p.Register) -> p.Ok:
+        # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
+        # the same model name first cannot lock this tenant's workers out.
         layout = self.layouts.register(
-            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+            scoped(client.tenant, req.model),
+            req.world_size,
+            req.worker_id,
+            req.chunk_shape,
+            req.dtype,
         )
         registration = {
             "model": req.model,
@@ -246,8 +329,28 @@ class Engine:
                 f"tokens must be packed uint32: {len(tokens)} bytes is not a multiple of 4"
             )
         session = self.sessions.get_or_create(request_id)
+        before = session.num_tokens
         session.set_tokens(tokens)
+        self._session_tokens += session.num_tokens - before
+        if (
+            self.sessions.active_count() > self.config.max_sessions
+            or self._session_tokens > self.config.max_session_tokens
+        ):
+            self._shed_sessions_for(session)
         return session
+
+    def _shed_sessions_for(self, keep: Session) -> None:
+        """End the longest-idle sessions until both session bounds hold with 10% to spare (so
+        a server at its bound does not sort its sessions on every request); counted."""
+        max_sessions = self.config.max_sessions * 9 // 10
+        max_tokens = self.config.max_session_tokens * 9 // 10
+        for session in self.sessions.sessions():  # least recently used first
+            if self.sessions.active_count() <= max_sessions and self._session_tokens <= max_tokens:
+                break
+            if session is keep:
+                continue
+            self._shed_sessions += 1
+            self._remove_session(session.request_id)
 
     def _range_keys(
         self,
@@ -309,6 +412,7 @@ class Engine:
 
     def _on_session_destroyed(self, session: Session) -> None:
         with self._lock:
+            self._session_tokens -= session.num_tokens
             held_pins = self.l1.unpin(session.request_id)
             if held_pins and session.request_id not in self._ending:
                 self._orphaned += 1  # the engine abandoned it mid-flight, holding cache
@@ -383,6 +487,11 @@ class Engine:
         reserved: list[ChunkKey] = []
         try:
             for key in keys:
+                if self.l1.is_busy(key, req.worker_id):
+                    # Another client is storing it right now: this store cannot call it stored
+                    # (that client may still abort or die).
+                    offsets.append(p.IN_FLIGHT)
+                    continue
                 offset = self.l1.reserve(
                     key,
                     req.worker_id,
@@ -391,15 +500,17 @@ class Engine:
                     lease_s=self.config.staging_lease,
                     layout=layout.text,
                 )
-                offsets.append(-1 if offset is None else offset)
+                offsets.append(p.STORED if offset is None else offset)
                 if offset is not None:
                     reserved.append(key)
-        except NoSpaceError:
+        except BaseException:  # NoSpaceError or a bug: never leak the slots taken so far
             for key in reserved:
                 self.l1.abort(key, req.worker_id, owner=client_id)
             raise
         reservation_id = 0
         if reserved:
+            peer = self.leases.peers.get(client_id)
+            watch = peer.watch.retain() if peer is not None and peer.watch is not None else None
             reservation_id = self.leases.add_reservation(
                 Reservation(
                     client_id,
@@ -408,12 +519,55 @@ class Engine:
                     reserved,
                     layout.nbytes,
                     self.clock() + self.config.staging_lease,
+                    watch=watch,
                 )
             )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
 
+    def _stored_prefix(self, keys: list[ChunkKey], worker_id: int) -> int:
+        """How many leading chunks of `keys` are READY for this rank: what a store reports."""
+        n = 0
+        for key in keys:
+            if self.l1.get_shard(key, worker_id) is None:
+                break
+            n += 1
+        return n
+
+    def _end_reservation(self, res: Reservation) -> None:
+        """Free what an ended reservation still holds: its staging or quarantined slots."""
+        if res.lapsed:
+            for offset, nbytes in res.fenced:
+                self.l1.unfence(offset, nbytes)
+            res.fenced.clear()
+        else:
+            for key in res.reserved:
+                with contextlib.suppress(UnknownReservationError):  # committed meanwhile
+                    self.l1.abort(key, res.worker_id, owner=res.owner)
+        if res.watch is not None:
+            res.watch.release()
+            res.watch = None
+
+    def _fence(self, res: Reservation) -> None:
+        """Quarantine a lapsed reservation's staging slots: its writer may still be copying."""
+        for key in res.reserved:
+            with contextlib.suppress(UnknownReservationError):
+                res.fenced.append(self.l1.fence(key, res.worker_id, owner=res.owner))
+
+    def _lease_expired(self, what: str, lease_s: float) -> LeaseExpiredError:
+        self._lease_expired_count += 1
+        return LeaseExpiredError(
+            f"{what} lapsed before it was acknowledged (--staging-lease {lease_s:g}s): "
+            "nothing of it counts; recompute"
+        )
+
     def _commit(self, client_id: str, reservation_id: int) -> p.StoreReply:
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
+        if res.lapsed:
+            self._end_reservation(res)
+            raise self._lease_expired("the store's staging lease", self.config.staging_lease)
+        if res.watch is not None:
+            res.watch.release()
+            res.watch = None
         lost = 0
         for key in res.reserved:
             try:
@@ -429,12 +583,11 @@ class Engine:
                 f"{lost} of {len(res.reserved)} staging slots expired before the commit "
                 f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not stored"
             )
-        return p.StoreReply(len(res.keys))
+        return p.StoreReply(self._stored_prefix(res.keys, res.worker_id))
 
     def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
-        for key in res.reserved:
-            self.l1.abort(key, res.worker_id, owner=client_id)
+        self._end_reservation(res)
         return p.Ok()
 
     def _store_inline(
@@ -454,12 +607,17 @@ class Engine:
                     f"{layout.nbytes}"
                 )
         reply = self._reserve(client_id, req)
-        for offset, frame in zip(reply.offsets, payloads, strict=True):
-            if offset >= 0:  # a remote client's bytes have to land in the arena somehow
-                self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
+        try:
+            for offset, frame in zip(reply.offsets, payloads, strict=True):
+                if offset >= 0:  # a remote client's bytes have to land in the arena somehow
+                    self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
+        except BaseException:
+            if reply.reservation_id:
+                self._abort(client_id, reply.reservation_id)
+            raise
         if reply.reservation_id:
             return self._commit(client_id, reply.reservation_id)
-        return p.StoreReply(req.num_chunks)
+        return p.StoreReply(self._stored_prefix(self._range_keys(req), req.worker_id))
 
     def _write_through(self, key: ChunkKey, worker_id: int) -> None:
         """Queue a newly committed shard for the L2 tiers; its slot stays held until written."""
@@ -505,6 +663,8 @@ class Engine:
         if found:
             for key in found:
                 self.l1.acquire(key)
+            peer = self.leases.peers.get(client_id)
+            watch = peer.watch.retain() if peer is not None and peer.watch is not None else None
             lease_id = self.leases.add_lease(
                 RetrieveLease(
                     client_id,
@@ -513,6 +673,7 @@ class Engine:
                     found,
                     layout.nbytes,
                     self.clock() + self.config.staging_lease,
+                    watch=watch,
                 )
             )
         return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
@@ -520,6 +681,8 @@ class Engine:
     def _retrieve_done(self, client_id: str, lease_id: int) -> p.Ok:
         lease = self.leases.take_lease(client_id, lease_id)
         self._end_lease(lease)
+        if lease.lapsed:  # the slots were kept, but the client's copy was not vouched for
+            raise self._lease_expired("the retrieve's lease", self.config.staging_lease)
         self.l1.mark_retrieved(lease.request_id, lease.worker_id)
         self.metrics.add_retrieved_bytes(len(lease.keys) * lease.nbytes)
         return p.Ok()
@@ -527,23 +690,28 @@ class Engine:
     def _end_lease(self, lease: RetrieveLease) -> None:
         for key in lease.keys:
             self.l1.release(key)
+        if lease.watch is not None:
+            lease.watch.release()
+            lease.watch = None
 
     # -- background -----------------------------------------------------------------------------
 
     def reap(self) -> ThreadRunSummary:
         """Reclaim what dead or slow clients hold: staging slots, retrieve leases, pins."""
         with self._lock:
+            # Staging slots are reclaimed only through the lease book: a slot whose writer may
+            # still be copying is fenced (quarantined), never freed, until the writer
+            # acknowledges or its process exits.
             expired = self.leases.sweep(self.config.client_timeout)
             for client_id in expired.dead_clients:
-                logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
-                self.l1.reclaim_staging(owner=client_id)
+                logger.info("client %s stopped heartbeating: reclaiming its leases", client_id[:8])
+            for res in expired.fenced:
+                self._fence(res)
             for res in expired.reservations:
-                for key in res.reserved:
-                    with contextlib.suppress(UnknownReservationError):  # reclaimed just above
-                        self.l1.abort(key, res.worker_id, owner=res.owner)
+                self._end_reservation(res)
             for lease in expired.leases:
                 self._end_lease(lease)
-            staging = self.l1.reclaim_staging()
+            staging = len(expired.reservations) + len(expired.fenced)
             pins = self.l1.reclaim_pins()
         return ThreadRunSummary(
             success=True,
@@ -556,6 +724,7 @@ class Engine:
                 "staging": staging,
                 "pins": pins,
                 "leases": len(expired.leases),
+                "fenced": len(expired.fenced) + len(expired.held),
             },
         )
 
@@ -571,7 +740,8 @@ class Engine:
             l1 = self.l1.stats()
             clients = [
                 {
-                    "client_id": c.client_id,
+                    # A prefix only: a client id is the capability its leases are held by.
+                    "client_id": c.client_id[:8],
                     "connected_s": now - c.connected_at,
                     "last_seen_s": now - c.last_seen,
                     "registrations": list(c.registrations),
@@ -608,6 +778,14 @@ class Engine:
                 # orphaned: those of them that still held pinned chunks when they expired
                 "expired": self.sessions.orphaned_count,
                 "orphaned": self._orphaned,
+                "tokens": self._session_tokens,
+                "shed": self._shed_sessions,
+            },
+            "fencing": {
+                "lapsed": self.leases.num_lapsed,
+                "fenced_slots": l1["fenced_slots"],
+                "fenced_bytes": l1["fenced_bytes"],
+                "lease_expired": self._lease_expired_count,
             },
             "lookup": {"requested_tokens": self._lookup_requested, "hit_tokens": self._lookup_hit},
             "recent_errors": recent,
