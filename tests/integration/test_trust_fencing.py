@@ -7,6 +7,7 @@ being granted a slot and touching it, and another client filling the L1 meanwhil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable
@@ -68,10 +69,8 @@ def _fill_and_check(c: Client, server: ServerProcess) -> list[int]:
     freed is reused), returns the prompts it can still retrieve."""
     register(c)
     for n in range(1, 5):
-        try:
+        with contextlib.suppress(KVTierError):
             c.store(f"b{n}", prompt(n), kv_for(n), model="m")
-        except KVTierError:
-            pass
     return [n for n in range(1, 5) if c.lookup(f"probe{n}", prompt(n), model="m")]
 
 
