@@ -123,8 +123,8 @@ class NotConnectedError(KVTierError):
 
 
 class LeaseExpiredError(KVTierError):
-    """A commit or retrieve-done after its lease lapsed: nothing of the store is stored, and
-    bytes copied out of a retrieve's slots cannot be vouched for (discard them, recompute)."""
+    """A staging or retrieve lease lapsed before the client finished with its slots: a store's
+    chunks were not stored, a retrieve's copied bytes cannot be vouched for (discard them)."""
 
     code = ErrorCode.LEASE_EXPIRED
 

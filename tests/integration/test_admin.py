@@ -86,7 +86,7 @@ def test_status_shape(server: ServerProcess) -> None:
         "evicted_bytes",
     }
     assert set(status["l2"]) >= {"queue_depth", "queue_capacity", "policy", "tiers"}
-    assert set(status["sessions"]) == {"active", "created", "expired", "orphaned"}
+    assert set(status["sessions"]) == {"active", "created", "expired", "orphaned", "tokens", "shed"}
     assert set(status["lookup"]) == {"requested_tokens", "hit_tokens"}
     assert isinstance(status["clients"], list) and isinstance(status["recent_errors"], list)
 

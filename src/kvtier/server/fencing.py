@@ -21,8 +21,41 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+from typing import Protocol
 
-__all__ = ["ProcessWatch", "watch_process"]
+__all__ = ["CopyGuard", "ProcessWatch", "Watch", "watch_process"]
+
+
+class Watch(Protocol):
+    """Whoever may touch a reservation's or lease's slots: alive while it still may."""
+
+    def alive(self) -> bool: ...
+
+    def retain(self) -> Watch: ...
+
+    def release(self) -> None: ...
+
+
+class CopyGuard:
+    """The server's own copy into or out of slots (inline clients), outside its lock: the
+    slots are fenced, should their lease lapse meanwhile, until `finish`."""
+
+    __slots__ = ("_copying",)
+
+    def __init__(self) -> None:
+        self._copying = True
+
+    def alive(self) -> bool:
+        return self._copying
+
+    def finish(self) -> None:
+        self._copying = False
+
+    def retain(self) -> CopyGuard:
+        return self
+
+    def release(self) -> None:
+        pass
 
 
 class ProcessWatch:

@@ -16,16 +16,17 @@ reservation of the new server.
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import UnauthorizedError, UnknownReservationError
+from kvtier.errors import LeaseExpiredError, UnauthorizedError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.auth import ANONYMOUS, Credential
-from kvtier.server.fencing import ProcessWatch
+from kvtier.server.fencing import ProcessWatch, Watch
 
-__all__ = ["LeaseBook", "Peer", "Reservation", "RetrieveLease"]
+__all__ = ["Expired", "LeaseBook", "Peer", "Reservation", "RetrieveLease"]
 
 
 @dataclass(slots=True)
@@ -55,7 +56,7 @@ class Reservation:
     reserved: list[ChunkKey]  # the ones that got a staging slot
     nbytes: int
     deadline: float
-    watch: ProcessWatch | None = None  # the owner's process, while its slots may be touched
+    watch: Watch | None = None  # whoever copies, while it may still touch the slots
     lapsed: bool = False  # the lease ran out before the owner acknowledged
     fenced: list[tuple[int, int]] = field(default_factory=list)  # quarantined (offset, nbytes)
 
@@ -70,7 +71,7 @@ class RetrieveLease:
     keys: list[ChunkKey]
     nbytes: int
     deadline: float
-    watch: ProcessWatch | None = None
+    watch: Watch | None = None
     lapsed: bool = False
 
 
@@ -105,6 +106,25 @@ class LeaseBook:
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, RetrieveLease] = {}
         self._lapsed: dict[int, Reservation | RetrieveLease] = {}  # quarantined, by id
+        # ids a sweep ended outright (the owner's process is gone), so a late Commit or
+        # RetrieveDone still hears "lease expired" rather than "unknown"
+        self._expired_ids: set[int] = set()
+        self._expired_order: deque[int] = deque()
+
+    _EXPIRED_MEMORY = 65536  # expired ids remembered (oldest forgotten first)
+
+    def _remember_expired(self, ids: list[int]) -> None:
+        for i in ids:
+            self._expired_ids.add(i)
+            self._expired_order.append(i)
+        while len(self._expired_order) > self._EXPIRED_MEMORY:
+            self._expired_ids.discard(self._expired_order.popleft())
+
+    def _ended(self, what: str, id_: int, knob: str) -> LeaseExpiredError | None:
+        if id_ not in self._expired_ids:
+            return None
+        self._expired_ids.discard(id_)
+        return LeaseExpiredError(f"{what} {id_} expired before this request ({knob})")
 
     # -- clients ----------------------------------------------------------------------------------
 
@@ -174,6 +194,11 @@ class LeaseBook:
         if isinstance(lapsed, Reservation) and lapsed.owner == client_id:
             del self._lapsed[reservation_id]
             return lapsed
+        ended = self._ended(
+            "staging lease of reservation", reservation_id, f"--staging-lease {staging_lease:g}s"
+        )
+        if ended is not None:
+            raise ended
         raise UnknownReservationError(
             f"no reservation {reservation_id} held by this client: it was committed, "
             f"aborted, or expired (--staging-lease {staging_lease:g}s)"
@@ -195,6 +220,9 @@ class LeaseBook:
         if isinstance(lapsed, RetrieveLease) and lapsed.owner == client_id:
             del self._lapsed[lease_id]
             return lapsed
+        ended = self._ended("retrieve lease", lease_id, "--staging-lease, --client-timeout")
+        if ended is not None:
+            raise ended
         raise UnknownReservationError(
             f"no retrieve lease {lease_id} held by this client: already done or expired"
         )
@@ -203,6 +231,26 @@ class LeaseBook:
     def num_lapsed(self) -> int:
         """Reservations and leases quarantined until their owner acknowledges or exits."""
         return len(self._lapsed)
+
+    def disconnect(self, client_id: str) -> Expired:
+        """The client said goodbye: take it out with everything it holds. Goodbye is its
+        acknowledgement that it touches none of its slots any more, quarantined ones included."""
+        peer = self.peers.pop(client_id, None)
+        if peer is not None and peer.watch is not None:
+            peer.watch.release()
+        self._connections = {i: c for i, c in self._connections.items() if c != client_id}
+        out = Expired(dead_clients=[client_id])
+        for rid in [r for r, res in self._reservations.items() if res.owner == client_id]:
+            out.reservations.append(self._reservations.pop(rid))
+        for lid in [i for i, lease in self._leases.items() if lease.owner == client_id]:
+            out.leases.append(self._leases.pop(lid))
+        for xid in [i for i, x in self._lapsed.items() if x.owner == client_id]:
+            item = self._lapsed.pop(xid)
+            if isinstance(item, Reservation):
+                out.reservations.append(item)
+            else:
+                out.leases.append(item)
+        return out
 
     # -- expiry -----------------------------------------------------------------------------------
 
@@ -232,6 +280,7 @@ class LeaseBook:
                 out.fenced.append(res)
             else:
                 out.reservations.append(res)
+                self._remember_expired([rid])
         for lid in [
             i for i, lease in self._leases.items() if lease.owner in dead or lease.deadline < now
         ]:
@@ -242,6 +291,7 @@ class LeaseBook:
                 out.held.append(lease)
             else:
                 out.leases.append(lease)
+                self._remember_expired([lid])
         fresh = {id(x) for x in (*out.fenced, *out.held)}
         for xid in [i for i, x in self._lapsed.items() if id(x) not in fresh and not _may_touch(x)]:
             item = self._lapsed.pop(xid)
@@ -249,4 +299,5 @@ class LeaseBook:
                 out.reservations.append(item)
             else:
                 out.leases.append(item)
+            self._remember_expired([xid])
         return out
