@@ -415,7 +415,11 @@ class Client:
     ) -> None:
         """Tell the server this worker's KV layout: one chunk of its shard is `chunk_shape`."""
         dtype = str(dtype).removeprefix("torch.")
-        register = p.Register(model, world_size, worker_id, [int(d) for d in chunk_shape], dtype)
+        try:
+            shape = [int(d) for d in chunk_shape]
+        except (TypeError, ValueError) as exc:
+            raise BadArrayError(f"chunk_shape {chunk_shape!r} must be a sequence of ints") from exc
+        register = p.Register(model, world_size, worker_id, shape, dtype)
         self._call(register)
         self._registrations[model, world_size, worker_id] = register  # replayed on a rejoin
         self._world_sizes[model] = world_size
