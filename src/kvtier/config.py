@@ -97,6 +97,9 @@ class ServerConfig:
     max_prefetch_jobs: int = _opt(
         8, "Lookups loading from L2 at once; more are answered from L1 alone (like LMCache)"
     )
+    handler_threads: int = _opt(
+        4, "Threads that handle requests with long prompts or inline bytes, off the I/O thread"
+    )
     admin_host: str = _opt(
         "127.0.0.1", "Admin HTTP host; any non-loopback host requires --admin-token"
     )
@@ -135,6 +138,8 @@ class ServerConfig:
             raise ValueError(f"--chunk-size must be positive, got {self.chunk_size}")
         if self.max_prefetch_jobs < 1:
             raise ValueError(f"--max-prefetch-jobs must be >= 1, got {self.max_prefetch_jobs}")
+        if self.handler_threads < 1:
+            raise ValueError(f"--handler-threads must be >= 1, got {self.handler_threads}")
         if not self.address:
             raise ValueError("at least one --address is required")
         self.max_frame_bytes = parse_size(self.max_frame_bytes)

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -57,6 +58,7 @@ from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
 from kvtier.server.limits import Limits
 from kvtier.server.locking import HoldStats, TimedLock
+from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
 from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
@@ -114,6 +116,31 @@ class _LookupJob:
     done: bool = False
     hit_tokens: int = 0
     waiters: list[_Answer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Committed:
+    """A commit's outcome and the shards it hands to the L2 write-through."""
+
+    result: p.StoreReply | KVTierError
+    shards: list[Shard]
+
+
+#: prompts at least this long are hashed and named on a handler thread, not the transport's
+_OFFLOAD_TOKEN_BYTES = 4096 * 4
+
+
+def _offloaded(req: p.Request) -> bool:
+    """Whether a request is long work: a big prompt to hash, or KV bytes to move inline."""
+    match req:
+        case p.StoreInline():
+            return True
+        case p.Retrieve():
+            return req.inline or len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+        case p.Lookup() | p.Reserve():
+            return len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+        case _:
+            return False
 
 
 class Engine:
@@ -180,6 +207,12 @@ class Engine:
             lease_s=config.staging_lease,
         )
         self._lookups: dict[str, _LookupJob] = {}
+        self._write_through = WriteThrough(self.tiers)
+        # Requests with big prompts or inline bytes run here, so the transport thread only
+        # decodes, routes and replies (see `_offloaded`).
+        self._handlers = ThreadPoolExecutor(
+            max_workers=config.handler_threads, thread_name_prefix="kvtier-handler"
+        )
         self._registry = registry or PeriodicThreadRegistry.get_instance()
         self.sessions = SessionManager(
             self.hasher,
@@ -226,6 +259,21 @@ class Engine:
             request = p.decode_request(header)
             answer.operation = type(request).__name__
             self.limits.check(request)  # every count and size, before any work
+        except Exception as exc:
+            answer.error(exc)
+            return
+        if _offloaded(request):
+            try:
+                self._handlers.submit(self._run, identity, request, payloads, answer)
+                return
+            except RuntimeError:  # the pool is shut down: the server is closing
+                pass
+        self._run(identity, request, payloads, answer)
+
+    def _run(
+        self, identity: bytes, request: p.Request, payloads: Sequence[Any], answer: _Answer
+    ) -> None:
+        try:
             frames = self._dispatch(identity, request, payloads, answer)
         except Exception as exc:
             answer.error(exc)
@@ -291,12 +339,13 @@ class Engine:
                 reply = self._reserve(client_id, req, self._range_keys(req), client.watch)
             case p.Commit():
                 with self._lock.hold(op):
-                    reply = self._commit(client_id, req.reservation_id)
+                    committed = self._commit(client_id, req.reservation_id)
+                reply = self._write_committed(committed, answer)
             case p.Abort():
                 with self._lock.hold(op):
                     reply = self._abort(client_id, req.reservation_id)
             case p.StoreInline():
-                reply = self._store_inline(client_id, self._scope(client, req), payloads)
+                reply = self._store_inline(client_id, self._scope(client, req), payloads, answer)
             case p.Retrieve():
                 if not req.inline:
                     self._require_watch(client, "Retrieve")
@@ -721,7 +770,8 @@ class Engine:
             f"{self.config.staging_lease:g}s): nothing of it counts; recompute"
         )
 
-    def _commit(self, client_id: str, reservation_id: int) -> p.StoreReply:
+    def _commit(self, client_id: str, reservation_id: int) -> _Committed:
+        """Make a reservation's slots ready (under the lock); what to write through to L2."""
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
         if res.lapsed:
             self._end_reservation(res)
@@ -730,21 +780,44 @@ class Engine:
             res.watch.release()
             res.watch = None
         lost = 0
+        shards: list[Shard] = []
         for key in res.reserved:
             try:
                 self.l1.commit(key, res.worker_id, owner=client_id)
             except UnknownReservationError:
                 lost += 1
                 continue
-            self._write_through(key, res.worker_id)
+            if self.tiers.tiers:
+                shards.append(self._write_through_shard(key, res.worker_id))
         self.l1.touch(res.keys)
         self.metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
         if lost:
-            raise LeaseExpiredError(
-                f"{lost} of {len(res.reserved)} staging slots expired before the commit "
-                f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not stored"
+            return _Committed(
+                LeaseExpiredError(
+                    f"{lost} of {len(res.reserved)} staging slots expired before the commit "
+                    f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not "
+                    "stored"
+                ),
+                shards,
             )
-        return p.StoreReply(self._stored_prefix(res.keys, res.worker_id))
+        return _Committed(p.StoreReply(self._stored_prefix(res.keys, res.worker_id)), shards)
+
+    def _write_committed(self, committed: _Committed, answer: _Answer) -> p.StoreReply | None:
+        """Queue the committed shards for L2 (no lock held); the reply, or None when the
+        queue is full under the block policy and the answer waits for room."""
+        result = committed.result
+
+        def then() -> None:
+            if isinstance(result, KVTierError):
+                answer.error(result)
+            else:
+                answer.reply(result)
+
+        if not self._write_through.write(committed.shards, then):
+            return None
+        if isinstance(result, KVTierError):
+            raise result
+        return result
 
     def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
@@ -752,8 +825,8 @@ class Engine:
         return p.Ok()
 
     def _store_inline(
-        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any]
-    ) -> p.StoreReply:
+        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any], answer: _Answer
+    ) -> p.StoreReply | None:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
@@ -783,15 +856,15 @@ class Engine:
             raise
         finally:
             guard.finish()
+        if reply.reservation_id:
+            with self._lock.hold("StoreInline"):
+                committed = self._commit(client_id, reply.reservation_id)
+            return self._write_committed(committed, answer)
         with self._lock.hold("StoreInline"):
-            if reply.reservation_id:
-                return self._commit(client_id, reply.reservation_id)
             return p.StoreReply(self._stored_prefix(keys, req.worker_id))
 
-    def _write_through(self, key: ChunkKey, worker_id: int) -> None:
-        """Queue a newly committed shard for the L2 tiers; its slot stays held until written."""
-        if not self.tiers.tiers:
-            return
+    def _write_through_shard(self, key: ChunkKey, worker_id: int) -> Shard:
+        """A newly committed shard for the L2 tiers; its group stays held until written."""
         shard = self.l1.get_shard(key, worker_id)
         assert shard is not None
         offset, size, layout = shard
@@ -801,7 +874,7 @@ class Engine:
             with self._lock:
                 self.l1.release(key)
 
-        self.tiers.submit(key.shard(worker_id), self.arena.view(offset, size), layout, done)
+        return Shard(key.shard(worker_id), self.arena.view(offset, size), layout, done)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -1010,7 +1083,9 @@ class Engine:
         if self._reaper is not None:
             self._reaper.stop()
             self._registry.unregister(self._reaper.name)
+        self._handlers.shutdown(wait=True, cancel_futures=True)
         self.prefetcher.close()
+        self._write_through.close()
         self.sessions.close()
         self.tiers.close()
         self.arena.close()
