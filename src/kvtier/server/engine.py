@@ -126,6 +126,8 @@ class _Committed:
     shards: list[Shard]
 
 
+_OK = p.encode(p.Ok())
+
 #: prompts at least this long are hashed and named on a handler thread, not the transport's
 _OFFLOAD_TOKEN_BYTES = 4096 * 4
 
@@ -202,7 +204,7 @@ class Engine:
             self.l1,
             self.arena,
             self.tiers,
-            self._lock,
+            lambda: self._lock.hold("L2 prefetch"),
             max_jobs=config.max_prefetch_jobs,
             lease_s=config.staging_lease,
         )
@@ -371,7 +373,9 @@ class Engine:
                 reply = p.Ok()
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
-        return None if reply is None else [p.encode(reply)]
+        if reply is None:
+            return None
+        return [_OK if type(reply) is p.Ok else p.encode(reply)]
 
     # -- tenants ----------------------------------------------------------------------------------
 
@@ -563,7 +567,7 @@ class Engine:
             self._ending.discard(request_id)
 
     def _on_session_destroyed(self, session: Session) -> None:
-        with self._lock:
+        with self._lock.hold("session ended"):
             self._session_tokens -= session.num_tokens
             job = self._lookups.pop(session.request_id, None)
             if job is not None and not job.done:
@@ -871,7 +875,7 @@ class Engine:
         self.l1.acquire(key)
 
         def done() -> None:
-            with self._lock:
+            with self._lock.hold("L2 written"):
                 self.l1.release(key)
 
         return Shard(key.shard(worker_id), self.arena.view(offset, size), layout, done)
@@ -951,7 +955,7 @@ class Engine:
         # Staging slots are reclaimed only through the lease book, never by an L1 deadline: a
         # slot whose writer may still be copying (a paused client, a slow L2 read of a
         # prefetch) is fenced, not freed, until the writer acknowledges or its process exits.
-        with self._lock:
+        with self._lock.hold("reap"):
             expired = self.leases.sweep(self.config.client_timeout)
             for client_id in expired.dead_clients:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
@@ -995,7 +999,7 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """The JSON-safe picture of the server the admin API and metrics read."""
         now = self.clock()
-        with self._lock:
+        with self._lock.hold("status"):
             l1 = self.l1.stats()
             clients = [
                 {
