@@ -53,10 +53,10 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 from kvtier.server.auth import Authenticator, redact, scoped
-from kvtier.server.fencing import CopyGuard, Watch, watch_process
+from kvtier.server.fencing import CopyGuard, FencingStats, Watch, watch_process
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
-from kvtier.server.limits import Limits
+from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
@@ -1027,15 +1027,9 @@ class Engine:
                 # orphaned: those of them that still held pins when they expired
                 "expired": self.sessions.orphaned_count,
                 "orphaned": self._orphaned,
-                "tokens": self._session_tokens,
-                "shed": self._shed_sessions,
+                **msgspec.structs.asdict(self.session_bounds()),
             },
-            "fencing": {
-                "lapsed": self.leases.num_lapsed,
-                "fenced_slots": l1["fenced_slots"],
-                "fenced_bytes": l1["fenced_bytes"],
-                "lease_expired": self._lease_expired_count,
-            },
+            "fencing": msgspec.structs.asdict(self.fencing_stats()),
             "lookup": {"requested_tokens": self._lookup_requested, "hit_tokens": self._lookup_hit},
             "prefetch": {
                 "in_flight": self.prefetcher.in_flight,
@@ -1049,6 +1043,21 @@ class Engine:
             },
             "recent_errors": recent,
         }
+
+    def fencing_stats(self) -> FencingStats:
+        """The quarantine of lapsed slots now (see `server/fencing.py`)."""
+        with self._lock.hold("status"):
+            l1 = self.l1.stats()
+            return FencingStats(
+                lapsed=self.leases.num_lapsed,
+                fenced_slots=l1["fenced_slots"],
+                fenced_bytes=l1["fenced_bytes"],
+                lease_expired=self._lease_expired_count,
+            )
+
+    def session_bounds(self) -> SessionBounds:
+        """Tokens held by sessions and sessions shed to stay within the bounds."""
+        return SessionBounds(tokens=self._session_tokens, shed=self._shed_sessions)
 
     def _session_dict(self, session: Session) -> dict[str, Any]:
         data = session.to_dict()

@@ -23,7 +23,18 @@ import os
 import select
 from typing import Protocol
 
-__all__ = ["CopyGuard", "ProcessWatch", "Watch", "watch_process"]
+import msgspec
+
+__all__ = ["CopyGuard", "FencingStats", "ProcessWatch", "Watch", "watch_process"]
+
+
+class FencingStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The quarantine at one instant, for status and metrics."""
+
+    lapsed: int  # reservations and retrieve leases waiting for their owner to ack or exit
+    fenced_slots: int  # staging slots quarantined (allocated, in no chunk)
+    fenced_bytes: int
+    lease_expired: int  # commits and retrieve-dones answered LEASE_EXPIRED since start
 
 
 class Watch(Protocol):

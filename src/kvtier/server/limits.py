@@ -13,10 +13,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import msgspec
+
 from kvtier import protocol as p
 from kvtier.errors import BadArrayError, InvalidArgumentError, MisalignedRangeError
 
-__all__ = ["Limits"]
+__all__ = ["Limits", "SessionBounds"]
+
+
+class SessionBounds(msgspec.Struct, frozen=True, kw_only=True):
+    """What the session bounds hold now and have shed, for status and metrics."""
+
+    tokens: int  # tokens held by all sessions together (--max-session-tokens)
+    shed: int  # sessions ended early, longest-idle first, to keep within the bounds
+
 
 #: longest accepted request id, model name, cache salt, client id or token (UTF-8 bytes)
 MAX_NAME_BYTES = 1024
