@@ -13,7 +13,6 @@ happen outside it. Its longest hold per operation is measured (`lock_stats()`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -45,13 +44,7 @@ from kvtier.errors import (
 from kvtier.hashing import TokenHasher
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
-from kvtier.periodic import (
-    PeriodicThread,
-    PeriodicThreadRegistry,
-    ThreadLevel,
-    ThreadRunSummary,
-    create_periodic_thread,
-)
+from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.server.auth import Authenticator, redact, scoped
 from kvtier.server.fencing import CopyGuard, FencingStats, Watch, watch_process
 from kvtier.server.layouts import LayoutRegistry
@@ -60,16 +53,14 @@ from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
-from kvtier.storage.arena import Arena, default_arena_name
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher
 
-__all__ = ["Engine", "Respond"]
+__all__ = ["Engine", "EngineParts", "Respond"]
 
 logger = logging.getLogger(__name__)
-
-_instances = itertools.count()
 
 _Scoped = TypeVar("_Scoped", p.Lookup, p.Reserve, p.StoreInline, p.Retrieve)
 
@@ -145,86 +136,67 @@ def _offloaded(req: p.Request) -> bool:
             return False
 
 
+@dataclass(slots=True)
+class EngineParts:
+    """What the engine works with, built by `server.app.build_engine` and handed over."""
+
+    hasher: TokenHasher
+    arena: Arena
+    l1: L1Store
+    tiers: TierManager
+    sessions: SessionManager
+    lock: TimedLock
+    prefetcher: Prefetcher
+    write_through: WriteThrough
+    handlers: ThreadPoolExecutor
+    metrics: Metrics
+    registry: PeriodicThreadRegistry
+    #: the credentials Hello checks; empty (everyone anonymous) without --auth-tokens-file
+    auth: Authenticator = field(default_factory=Authenticator)
+
+
 class Engine:
     """The server's state and request handlers (transport-agnostic)."""
 
     def __init__(
         self,
         config: ServerConfig,
+        parts: EngineParts,
         *,
         clock: Callable[[], float] = time.monotonic,
-        registry: PeriodicThreadRegistry | None = None,
-        tiers: TierManager | None = None,
-        start_threads: bool = True,
-        auth: Authenticator | None = None,
     ) -> None:
+        """Take the parts `server.app.build_engine` assembled; the engine owns them from now on
+        (`close()` stops and closes every one)."""
         self.config = config
-        self.auth = auth or Authenticator.from_file(config.auth_tokens_file)
         self.clock = clock
         self.started_at = time.time()
-        self.hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
+        self.hasher = parts.hasher
         self.chunk_size = config.chunk_size
         self.contract = self.hasher.contract()
         self.host_id = p.local_host_id()
         self.server_id = uuid.uuid4().hex
-        self.arena = Arena.create(
-            config.arena_name or default_arena_name(config.address[0]),
-            config.l1_size,
-            prefault=config.prefault,
-        )
-        try:
-            self._init_state(config, clock, registry, tiers, start_threads)
-        except BaseException:  # a server that fails at start leaves no segment in /dev/shm
-            self.arena.close()
-            raise
-
-    def _init_state(
-        self,
-        config: ServerConfig,
-        clock: Callable[[], float],
-        registry: PeriodicThreadRegistry | None,
-        tiers: TierManager | None,
-        start_threads: bool,
-    ) -> None:
+        self.arena = parts.arena
+        self.l1 = parts.l1
+        self.tiers = parts.tiers
+        self.metrics = parts.metrics
+        self._lock = parts.lock
+        self.prefetcher = parts.prefetcher
+        self._write_through = parts.write_through
+        self.auth = parts.auth
         self.limits = Limits(
             chunk_size=config.chunk_size,
             max_request_tokens=config.max_request_tokens,
             max_world_size=config.max_world_size,
             max_chunk_bytes=self.arena.size,
         )
-        self.l1 = L1Store(self.arena.size, clock=clock)
-        self.tiers = (
-            tiers
-            if tiers is not None
-            else TierManager([], policy="block" if config.l2_queue_policy == "block" else "drop")
-        )
-        self.metrics = Metrics()
-        self._lock = TimedLock()
-        self.prefetcher = Prefetcher(
-            self.l1,
-            self.arena,
-            self.tiers,
-            lambda: self._lock.hold("L2 prefetch"),
-            max_jobs=config.max_prefetch_jobs,
-            lease_s=config.staging_lease,
-        )
-        self._lookups: dict[str, _LookupJob] = {}
-        self._write_through = WriteThrough(self.tiers)
         # Requests with big prompts or inline bytes run here, so the transport thread only
         # decodes, routes and replies (see `_offloaded`).
-        self._handlers = ThreadPoolExecutor(
-            max_workers=config.handler_threads, thread_name_prefix="kvtier-handler"
-        )
-        self._registry = registry or PeriodicThreadRegistry.get_instance()
-        self.sessions = SessionManager(
-            self.hasher,
-            ttl=config.session_ttl,
-            cleanup_interval=config.session_cleanup_interval if start_threads else None,
-            registry=self._registry,
-        )
+        self._handlers = parts.handlers
+        self.sessions = parts.sessions
         self.sessions.destroy_listeners.append(self._on_session_destroyed)
         self.layouts = LayoutRegistry()
         self.leases = LeaseBook(clock)
+        self._lookups: dict[str, _LookupJob] = {}
         self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
         self._ending: set[str] = set()  # sessions being ended on purpose, not expired
         self._orphaned = 0  # expired sessions that still held pins
@@ -234,16 +206,9 @@ class Engine:
         self._shed_sessions = 0  # ended early to keep within --max-sessions/--max-session-tokens
         self._lease_expired_count = 0  # commits and retrieve-dones answered LEASE_EXPIRED
         self._closed = False
-        self._reaper: PeriodicThread | None = None
-        if start_threads:
-            self._reaper = create_periodic_thread(
-                f"lease-reaper-{next(_instances)}",
-                config.reap_interval,
-                self.reap,
-                ThreadLevel.CRITICAL,
-                registry=self._registry,
-                start=True,
-            )
+        #: periodic threads the assembler started for this engine (the lease reaper)
+        self.threads: list[PeriodicThread] = []
+        self._registry = parts.registry
         self.metrics.bind_state(self.status)
 
     # -- the one entry point --------------------------------------------------------------------
@@ -1093,9 +1058,9 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._reaper is not None:
-            self._reaper.stop()
-            self._registry.unregister(self._reaper.name)
+        for thread in self.threads:
+            thread.stop()
+            self._registry.unregister(thread.name)
         self._handlers.shutdown(wait=True, cancel_futures=True)
         self.prefetcher.close()
         self._write_through.close()
