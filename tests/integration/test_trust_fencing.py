@@ -183,56 +183,49 @@ def test_a_late_reader_copies_a_slot_that_was_not_reused_and_is_told_so(
 def test_retrieve_raises_instead_of_returning_bytes_it_cannot_vouch_for(
     server_factory: Callable[..., ServerProcess],
 ) -> None:
-    """The client API: retrieve() whose lease lapsed before RetrieveDone raises LeaseExpiredError.
-    SIGSTOP lands mid-copy of a large retrieve (many chunks) of a child process."""
-    server = server_factory(
-        "--l1-size", "8MiB", "--chunk-size", str(CS), "--staging-lease", "1",
-        "--reap-interval", "0.2", "--client-timeout", "30",
-    )  # fmt: skip
+    """The client API: a retrieve that is SIGSTOPped while it holds its slots, past its lease,
+    raises LeaseExpiredError when it leaves `retrieve_slots` (the bytes it copied are to be
+    discarded), and the slots it read were not reused meanwhile."""
+    server = server_factory(*SMALL, "--client-timeout", "30")
     with Client(server.address) as b:
         register(b)
-        tokens = prompt(7, 400)
-        assert b.store("big", tokens, kv_for(7, 400), model="m") == 400 * CS
-    queue = SPAWN.Queue()
-    r = SPAWN.Process(target=_retrieve_loop, args=(server.address, tokens, queue))
-    r.start()
-    try:
-        assert queue.get(timeout=60) == "ready"
-        outcomes: set[str] = set()
-        for _ in range(40):
+        b.store("p0", prompt(0), kv_for(0), model="m")
+        queue, go = SPAWN.Queue(), SPAWN.Event()
+        r = SPAWN.Process(target=_paused_retrieve, args=(server.address, queue, go))
+        r.start()
+        try:
+            assert queue.get(timeout=60) == "holding"
             os.kill(r.pid, signal.SIGSTOP)  # type: ignore[arg-type]
-            wait_for(lambda: False, timeout=1.6)  # past the 1 s lease
+            assert wait_for(lambda: _fencing(server)["lapsed"] == 1, timeout=20)
+            for n in range(1, 6):  # eviction pressure while it sleeps
+                b.store(f"b{n}", prompt(n), kv_for(n), model="m")
             os.kill(r.pid, signal.SIGCONT)  # type: ignore[arg-type]
-            while not queue.empty():
-                outcomes.add(queue.get())
-            if "LeaseExpiredError" in outcomes:
-                break
-        queue.put("stop")
-    finally:
-        os.kill(r.pid, signal.SIGCONT)  # type: ignore[arg-type]
-        r.kill()
-        r.join(10)
-    assert "wrong bytes" not in outcomes
-    assert "LeaseExpiredError" in outcomes
+            go.set()
+            assert queue.get(timeout=60) == ("LeaseExpiredError", True)
+        finally:
+            os.kill(r.pid, signal.SIGCONT)  # type: ignore[arg-type]
+            r.kill()
+            r.join(10)
 
 
-def _retrieve_loop(address: str, tokens: list[int], queue: Any) -> None:
-    expected = kv_for(7, 400)
-    with Client(address, timeout=30) as c:
+def _paused_retrieve(address: str, queue: Any, go: Any) -> None:
+    expected = kv_for(0)
+    out = np.zeros_like(expected)
+    with Client(address, timeout=10) as c:
         register(c)
-        queue.put("ready")
-        for i in range(100_000):
-            out = np.zeros_like(expected)
-            try:
-                got = c.retrieve(f"loop{i % 4}", tokens, out, model="m")
-            except LeaseExpiredError:
-                queue.put("LeaseExpiredError")
-                continue
-            except KVTierError as exc:
-                queue.put(type(exc).__name__)
-                continue
-            if got != 400 * CS or not np.array_equal(out, expected):
-                queue.put("wrong bytes")
+        try:
+            with c.retrieve_slots(
+                "r", prompt(0), model="m", end=CS, chunk_shape=list(expected.shape[1:]),
+                dtype="float16",
+            ) as got:  # fmt: skip
+                queue.put("holding")
+                go.wait(60)
+                out.reshape(1, -1).view(np.uint8)[0] = got.views[0]
+            queue.put(("returned", bool(np.array_equal(out, expected))))
+        except LeaseExpiredError:
+            queue.put(("LeaseExpiredError", bool(np.array_equal(out, expected))))
+        except Exception as exc:
+            queue.put(("error", repr(exc)))
 
 
 def test_reservation_ids_from_before_a_restart_name_nothing(
