@@ -15,7 +15,7 @@ import pytest
 
 from kvtier import protocol as p
 from kvtier.client import Client
-from kvtier.errors import BadArrayError, ErrorCode, KVTierError
+from kvtier.errors import BadArrayError, ErrorCode, KVTierError, NotConnectedError
 from kvtier.storage.arena import default_arena_name
 
 from ..conftest import REDIS_URL, ServerProcess, free_port, start_server
@@ -125,6 +125,14 @@ def test_bad_client_input_raises_kvtiers_typed_errors(server: ServerProcess) -> 
     assert "Traceback" not in server.output
 
 
+def _stored(c: Client, n: int) -> bool:
+    """Store prompt n; False while the client still fails fast after a server restart."""
+    try:
+        return c.store(f"s{n}", prompt(n), kv_for(n), model="m") == CS
+    except NotConnectedError:
+        return False
+
+
 def _mappings(name: str) -> int:
     with open("/proc/self/maps") as f:
         return sum(1 for line in f if name in line)
@@ -141,13 +149,13 @@ def test_a_long_lived_client_drops_old_arena_mappings_across_restarts(
         register(c)
         current = first
         for n in range(3):
-            assert c.store(f"s{n}", prompt(n), kv_for(n), model="m") == CS
+            assert wait_for(lambda n=n: _stored(c, n), timeout=20)  # once it has re-joined
             assert verify(c, n, n, f"v{n}") == 1
             current.stop(signal.SIGKILL if n % 2 else signal.SIGINT)
             current = server_factory(
                 "--l1-size", "4MiB", "--chunk-size", str(CS), address=first.address
             )
-        assert c.store("last", prompt(9), kv_for(9), model="m") == CS  # re-joins the 4th server
+        assert wait_for(lambda: _stored(c, 9), timeout=20)  # re-joins the 4th server
         gc.collect()
         assert _mappings(name) == 1
 
