@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser run test lint typecheck pytest bench demo clean
+.PHONY: install browser run test lint typecheck pytest bench demo soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench: install
 
 demo: install
 	$(BIN)/kvtier demo
+
+# A bounded chaos run (issue 10): verified load while clients, the server, Redis and the disk
+# misbehave. Minutes long and mounts a tmpfs (needs root), so not part of `make test`.
+soak: install
+	$(BIN)/python -m benchmarks.soak --duration 120 --json soak.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

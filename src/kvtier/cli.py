@@ -37,7 +37,9 @@ def _serve(**options: Any) -> None:
     try:
         server = KVTierServer(config)
     except (OSError, ValueError) as exc:
-        typer.echo(f"kvtier serve: {exc}", err=True)
+        from kvtier.server.auth import redact
+
+        typer.echo(f"kvtier serve: {redact(str(exc))}", err=True)
         raise typer.Exit(1) from exc
     server.run()
 

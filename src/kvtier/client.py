@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -44,8 +45,25 @@ Transfer = Literal["auto", "shm", "inline"]
 
 
 def _tokens(tokens: TokenIds) -> bytes:
-    raw = token_bytes(tokens)
+    try:
+        raw = token_bytes(tokens)
+    except KVTierError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(
+            f"tokens must be ints in [0, 2**32), a numpy integer array or packed uint32 "
+            f"bytes: {exc}"
+        ) from None
     return raw if isinstance(raw, bytes) else bytes(raw)
+
+
+def _encode(msg: Any) -> bytes:
+    """The request header; a value msgpack cannot carry (an int past 64 bits, a string with
+    lone surrogates) is the caller's error, raised as kvtier's typed error."""
+    try:
+        return p.encode(msg)
+    except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
+        raise InvalidArgumentError(f"{type(msg).__name__} cannot be sent: {exc}") from None
 
 
 def _chunk_rows(
@@ -62,6 +80,11 @@ def _chunk_rows(
             )
         if not array.flags.c_contiguous:
             raise BadArrayError(f"{what} must be C-contiguous (use np.ascontiguousarray)")
+        if not array.dtype.isnative:
+            raise BadArrayError(
+                f"{what} has byte order {array.dtype.str!r}, not this machine's: convert it "
+                "(array.astype(array.dtype.newbyteorder('=')))"
+            )
         if writable and not array.flags.writeable:
             raise BadArrayError(f"{what} is read-only; retrieve writes into it")
         rows = array.reshape(array.shape[0], math.prod(array.shape[1:])).view(np.uint8)
@@ -109,15 +132,19 @@ class LookupHandle:
 
     _BACKOFF_S = (0.0005, 0.001, 0.002, 0.005, 0.01)  # result()'s waits between polls
 
-    def __init__(self, client: Client, request_id: str, hit_tokens: int | None) -> None:
+    def __init__(
+        self, client: Client, request_id: str, hit_tokens: int | None, cache_salt: str = ""
+    ) -> None:
         self._client = client
         self.request_id = request_id
         self._hit_tokens = hit_tokens
+        self._cache_salt = cache_salt
 
     def poll(self) -> int | None:
         """The hit tokens once known, else None; one round trip at most."""
         if self._hit_tokens is None:
-            reply, _ = self._client._call(p.LookupPoll(self.request_id))
+            poll = p.LookupPoll(self.request_id, cache_salt=self._cache_salt)
+            reply, _ = self._client._call(poll)
             assert isinstance(reply, p.LookupReply)
             if not reply.pending:
                 self._hit_tokens = reply.hit_tokens
@@ -160,11 +187,14 @@ class Client:
         transfer: Transfer = "auto",
         heartbeat_interval: float = 1.0,
         client_id: str | None = None,
+        token: str = "",
     ) -> None:
+        """`token`: a credential from the server's --auth-tokens-file, when it has one."""
         if transfer not in ("auto", "shm", "inline"):
             raise InvalidArgumentError(
                 f"transfer must be 'auto', 'shm' or 'inline', got {transfer!r}"
             )
+        self._token = token
         _check_address(address)
         for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
             if not value > 0:
@@ -186,7 +216,6 @@ class Client:
         self._transfer = transfer
         self._arena: Arena | None = None
         self._arena_bytes: npt.NDArray[np.uint8] | None = None
-        self._retired_arenas: list[Arena] = []  # mappings of a server that restarted
         self._rejoin_lock = threading.Lock()
         self._unreachable_since: float | None = None  # monotonic time of the first missed reply
         try:
@@ -270,6 +299,8 @@ class Client:
             contract=self.hasher.contract() if self.hasher else None,
             contract_info=dict(self.hasher.contract_info()) if self.hasher else {},
             host_id=p.local_host_id(),
+            pid=os.getpid(),  # the server fences our arena slots by this process
+            token=self._token,
         )
         reply, _ = self._call_on(sock, hello, timeout=self._hello_timeout)
         assert isinstance(reply, p.HelloReply)
@@ -314,8 +345,10 @@ class Client:
     def _rejoin(self, sock: zmq.Socket[bytes]) -> None:
         """Hello again on `sock`; if the server is a new one, map its arena and re-register.
 
-        The old mapping is retired, not closed: another thread may still be copying through it
-        (its store's commit will then be refused, since the new server never reserved it).
+        The old mapping is closed at once: a thread still copying through it holds its own
+        reference, which keeps those pages mapped until the copy ends (its store's commit is then
+        refused, since the new server never reserved it). So no restart leaves a whole old L1
+        mapped in a long-lived client.
         """
         with self._rejoin_lock:
             hello = self._hello_on(sock)
@@ -324,8 +357,8 @@ class Client:
             logger.info("kvtier at %s restarted: re-joining", self.address)
             self.server = hello
             if self._arena is not None:
-                self._retired_arenas.append(self._arena)
-                self._arena, self._arena_bytes = None, None
+                old, self._arena, self._arena_bytes = self._arena, None, None
+                old.close()
             if self._transfer != "inline":
                 self._attach_arena(self._transfer)
             for register in self._registrations.values():
@@ -342,7 +375,7 @@ class Client:
         if self._closed:
             raise NotConnectedError("the client is closed")
         seq = next(self._seq).to_bytes(8, "little")
-        sock.send_multipart([seq, p.encode(msg), *payloads], copy=False)
+        sock.send_multipart([seq, _encode(msg), *payloads], copy=False)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -383,7 +416,11 @@ class Client:
     ) -> None:
         """Tell the server this worker's KV layout: one chunk of its shard is `chunk_shape`."""
         dtype = str(dtype).removeprefix("torch.")
-        register = p.Register(model, world_size, worker_id, [int(d) for d in chunk_shape], dtype)
+        try:
+            shape = [int(d) for d in chunk_shape]
+        except (TypeError, ValueError) as exc:
+            raise BadArrayError(f"chunk_shape {chunk_shape!r} must be a sequence of ints") from exc
+        register = p.Register(model, world_size, worker_id, shape, dtype)
         self._call(register)
         self._registrations[model, world_size, worker_id] = register  # replayed on a rejoin
         self._world_sizes[model] = world_size
@@ -432,7 +469,8 @@ class Client:
         assert isinstance(reply, p.LookupReply)
         if wait:
             return reply.hit_tokens
-        return LookupHandle(self, request_id, None if reply.pending else reply.hit_tokens)
+        hit = None if reply.pending else reply.hit_tokens
+        return LookupHandle(self, request_id, hit, cache_salt)
 
     def store_slots(
         self,
@@ -720,13 +758,15 @@ class Client:
             "cache_salt": cache_salt,
         }
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, *, cache_salt: str = "") -> None:
         """Drop the request's lookup pins (the engine computed those chunks itself)."""
-        self._call(p.Release(request_id))
+        self._call(p.Release(request_id, cache_salt))
 
-    def end_session(self, request_id: str) -> None:
-        """The request is finished: the server forgets its session and releases its pins."""
-        self._call(p.EndSession(request_id))
+    def end_session(self, request_id: str, *, cache_salt: str = "") -> None:
+        """The request is finished: the server forgets its session and releases its pins.
+
+        Without a credential, sessions are scoped by cache salt: pass the request's salt."""
+        self._call(p.EndSession(request_id, cache_salt))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -746,10 +786,9 @@ class Client:
         self._closed = True
         self._ctx.destroy(linger=0)
         self._arena_bytes = None
-        for arena in [*self._retired_arenas, self._arena]:
-            if arena is not None:
-                arena.close()
-        self._arena, self._retired_arenas = None, []
+        if self._arena is not None:
+            self._arena.close()
+        self._arena = None
 
     def __enter__(self) -> Client:
         return self

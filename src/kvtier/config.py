@@ -106,6 +106,29 @@ class ServerConfig:
     admin_port: int = _opt(8080, "Admin HTTP port (0 picks a free one; -1 disables the API)")
     admin_token: str | None = _opt(None, "Bearer token every admin endpoint then requires")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
+    max_frame_bytes: int = _opt(
+        256 * 1024**2,
+        "Largest ZMQ frame accepted (a header or one inline chunk); bigger ones are refused "
+        "before they are read",
+        kind="size",
+    )
+    max_request_tokens: int = _opt(
+        1 << 20, "Most tokens one request may carry (prompt length and range end)"
+    )
+    max_world_size: int = _opt(1024, "Largest tensor-parallel world size a request may name")
+    max_sessions: int = _opt(
+        65536, "Sessions held at once; beyond it the longest-idle ones are ended (and counted)"
+    )
+    max_session_tokens: int = _opt(
+        64 << 20,
+        "Tokens held by all sessions together; beyond it the longest-idle sessions are ended",
+    )
+    auth_tokens_file: str | None = _opt(
+        None,
+        "File of client credentials, one 'TOKEN TENANT [SALT ...]' per line: a client must "
+        "name a TOKEN at its handshake, its sessions are its TENANT's, and it may use only "
+        "the listed cache salts (none listed: any). Required for a tcp address off loopback",
+    )
 
     def __post_init__(self) -> None:
         self.l1_size = parse_size(self.l1_size)
@@ -119,6 +142,30 @@ class ServerConfig:
             raise ValueError(f"--handler-threads must be >= 1, got {self.handler_threads}")
         if not self.address:
             raise ValueError("at least one --address is required")
+        self.max_frame_bytes = parse_size(self.max_frame_bytes)
+        for name in (
+            "session_ttl",
+            "session_cleanup_interval",
+            "pin_lease",
+            "staging_lease",
+            "client_timeout",
+            "reap_interval",
+        ):
+            value = getattr(self, name)
+            if not value > 0:  # also refuses NaN
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
+        for name in (
+            "max_frame_bytes",
+            "max_request_tokens",
+            "max_world_size",
+            "max_sessions",
+            "max_session_tokens",
+            "l2_queue_size",
+        ):
+            if getattr(self, name) <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be positive, got {getattr(self, name)}")
         if self.l2_queue_policy not in ("drop", "block"):
             raise ValueError(
                 f"--l2-queue-policy must be 'drop' or 'block', got {self.l2_queue_policy!r}"
@@ -130,9 +177,12 @@ class ServerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe view, with the admin token masked."""
+        from kvtier.server.auth import redact  # the server package imports this module
+
         data = dataclasses.asdict(self)
         if data["admin_token"]:
             data["admin_token"] = "***"
+        data["l2"] = [redact(url) for url in self.l2]
         return data
 
     @staticmethod

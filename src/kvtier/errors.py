@@ -27,6 +27,7 @@ class ErrorCode(enum.IntEnum):
     INVALID_ARGUMENT = 12
     NOT_CONNECTED = 13
     LEASE_EXPIRED = 14
+    UNAUTHORIZED = 15
     INTERNAL = 99
 
 
@@ -128,6 +129,12 @@ class LeaseExpiredError(KVTierError):
     code = ErrorCode.LEASE_EXPIRED
 
 
+class UnauthorizedError(KVTierError):
+    """A request without a valid credential, or outside what its credential allows."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+
 class InternalError(KVTierError):
     """A bug in kvtier: the handler failed in a way it did not anticipate."""
 
@@ -151,6 +158,7 @@ _BY_CODE: dict[int, type[KVTierError]] = {
         InvalidArgumentError,
         NotConnectedError,
         LeaseExpiredError,
+        UnauthorizedError,
         InternalError,
     )
 }

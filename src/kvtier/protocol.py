@@ -48,7 +48,8 @@ class Hello(_Msg):
     contract: str | None = None
     contract_info: dict[str, Any] = {}
     host_id: str = ""
-    pid: int = 0
+    pid: int = 0  # a same-host client's process: the server fences its slots by it
+    token: str = ""  # a credential from the server's --auth-tokens-file (when it has one)
 
 
 class Heartbeat(_Msg):
@@ -85,6 +86,7 @@ class LookupPoll(_Msg):
 
     request_id: str
     wait: bool = False
+    cache_salt: str = ""  # the lookup's salt: without a credential, sessions are scoped by it
 
 
 class RangeRequest(_Msg):
@@ -143,12 +145,14 @@ class Release(_Msg):
     """Drop a request's lookup pins (the engine computed those chunks itself)."""
 
     request_id: str
+    cache_salt: str = ""  # without a credential, sessions are scoped by their salt
 
 
 class EndSession(_Msg):
     """The request is finished: remove its session and release its pins."""
 
     request_id: str
+    cache_salt: str = ""
 
 
 class Goodbye(_Msg):
@@ -247,8 +251,14 @@ class LookupReply(_Msg):
     pending: bool = False
 
 
+#: ReserveReply offsets that are not slots: the chunk is stored already; another client is
+#: storing it right now (so this store does not make it stored).
+STORED = -1
+IN_FLIGHT = -2
+
+
 class ReserveReply(_Msg):
-    """`offsets[i]` is the arena offset for chunk i, or -1 when it is already stored."""
+    """`offsets[i]` is the arena offset for chunk i, or STORED / IN_FLIGHT."""
 
     reservation_id: int
     offsets: list[int]
@@ -311,12 +321,14 @@ def decode_request(header: bytes | memoryview) -> Request:
         return _request_decoder.decode(header)
     except msgspec.DecodeError as exc:
         raise _classify(header, exc) from None
+    except RecursionError:  # msgpack nested deeper than the interpreter's stack
+        raise MalformedFrameError("request header is nested too deeply") from None
 
 
 def _classify(header: bytes | memoryview, exc: msgspec.DecodeError) -> KVTierError:
     try:
         raw = _raw_decoder.decode(header)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return MalformedFrameError(f"request header is not valid msgpack: {exc}")
     if isinstance(raw, list) and raw and isinstance(raw[0], str) and raw[0] not in REQUEST_TAGS:
         return UnknownRequestError(

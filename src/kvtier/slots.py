@@ -68,9 +68,14 @@ class StoreSlots:
         assert arena is not None
         self.chunk_nbytes = nbytes = reply.chunk_nbytes
         self._reservation_id = reply.reservation_id
-        if not reply.reservation_id:  # every chunk is stored already
+        if not reply.reservation_id:  # nothing to write: stored already, or being stored
             self._done = True
-            self.stored_chunks = len(reply.offsets)
+            # A chunk another client is storing right now (IN_FLIGHT) is not stored yet: it
+            # may still be aborted, so the stored prefix ends before it.
+            self.stored_chunks = next(
+                (i for i, off in enumerate(reply.offsets) if off == p.IN_FLIGHT),
+                len(reply.offsets),
+            )
             self._stored_tokens = self.stored_chunks * client.chunk_size
             return
         self._targets = [

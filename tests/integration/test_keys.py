@@ -106,8 +106,9 @@ def test_bad_names_are_refused_by_the_client_and_the_server(server: ServerProces
         assert raw.error(b"s2", p.encode(p.ExistsKeys([too_long_b], "m"))) == (
             InvalidArgumentError.code
         )
-        reserve = p.ReserveKeys([b"a", b"b"], "m", 1, 0, list(SHAPE), "float16", 3)
-        assert raw.error(b"s3", p.encode(reserve)) == BadArrayError.code
+        # (an inline store: slots go only to clients whose process the server watches)
+        store = p.StoreKeysInline([b"a", b"b"], "m", 1, 0, list(SHAPE), "float16", 3)
+        assert raw.error(b"s3", p.encode(store)) == BadArrayError.code
         assert raw.error(b"s4", p.encode(p.ExistsKeys([b"a"], "m", 0))) == (
             InvalidArgumentError.code
         )

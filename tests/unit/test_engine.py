@@ -53,7 +53,8 @@ def call(engine: Engine, msg: Any, payloads: list[bytes] | None = None, who: byt
 
 
 def connect(engine: Engine, who: bytes = CLIENT, client_id: str = "c1") -> None:
-    assert isinstance(call(engine, p.Hello(p.PROTOCOL_VERSION, client_id), who=who), p.HelloReply)
+    hello = p.Hello(p.PROTOCOL_VERSION, client_id, host_id=p.local_host_id(), pid=os.getpid())
+    assert isinstance(call(engine, hello, who=who), p.HelloReply)
     assert isinstance(call(engine, p.Register("m", 1, 0, SHAPE, "float32"), who=who), p.Ok)
 
 
@@ -125,13 +126,20 @@ def test_inline_frames_must_match_the_layout(engine: Engine) -> None:
 def test_a_silent_client_loses_its_staging_slots(engine: Engine, clock: FakeClock) -> None:
     connect(engine)
     tokens = tok(range(2 * CS))
-    call(engine, p.Reserve("r", tokens, "m", 1, 0, 0, 2 * CS, SHAPE, "float32", 2))
+    reserved = call(engine, p.Reserve("r", tokens, "m", 1, 0, 0, 2 * CS, SHAPE, "float32", 2))
     assert engine.l1.stats()["staging_shards"] == 2
     clock.now += 11  # past --client-timeout without a heartbeat
     summary = engine.reap()
     assert summary.extra_info["dead_clients"] == 1
-    assert engine.l1.stats()["staging_shards"] == 0 and engine.l1.used_bytes == 0
+    # Its process (this one) is alive, so it may still write: the slots are fenced, not freed.
+    stats = engine.l1.stats()
+    assert stats["staging_shards"] == 0 and stats["fenced_slots"] == 2
+    assert engine.l1.used_bytes == 8192
     assert call(engine, p.Heartbeat()).code == ErrorCode.NOT_CONNECTED  # it must say Hello again
+    connect(engine)
+    late = call(engine, p.Commit(reserved.reservation_id))
+    assert late.code == ErrorCode.LEASE_EXPIRED  # the acknowledgement frees them
+    assert engine.l1.used_bytes == 0 and engine.l1.stats()["fenced_slots"] == 0
 
 
 def test_expired_sessions_holding_pins_count_as_orphans(engine: Engine) -> None:

@@ -428,12 +428,22 @@ def test_clear_by_model_and_salt() -> None:
         store(l1, k)
     l1.pin("req", [groups[4]], ranks=[0], lease_s=30)
     l1.reserve(key(50, model="m1", salt="a"), 0, PAGE, owner="w", lease_s=30)
-    assert l1.clear(model="m1", cache_salt="a") == 1
-    assert not l1.is_complete(groups[0]) and l1.is_complete(groups[4])
+    # Idle, pinned and staging groups alike leave view at once (issue 10, finding 7).
+    assert l1.clear(model="m1", cache_salt="a") == 3
+    assert not l1.is_complete(groups[0]) and not l1.is_complete(groups[4])
+    assert l1.count_prefix([groups[4]]) == 0 and l1.get_shard(groups[4], 0) is None
     assert l1.clear(cache_salt="b") == 2
     assert l1.clear(model="m3") == 0
     assert l1.clear() == 1
-    assert [k for k, _, _ in l1.iter_groups()] == [groups[4], key(50, model="m1", salt="a")]
+    assert [k for k, _, _ in l1.iter_groups()] == []
+    # A cleared busy group keeps its slot until its hold ends, and its key cannot be stored
+    # again until then; the late commit of its staging shard does not make it visible.
+    assert l1.reserve(groups[4], 0, PAGE, owner="w2", lease_s=30) is None
+    l1.commit(key(50, model="m1", salt="a"), 0, owner="w")
+    assert not l1.is_complete(key(50, model="m1", salt="a"))
+    assert l1.used_bytes == PAGE
+    l1.unpin("req")
+    assert l1.used_bytes == 0 and l1.num_groups == 0 and l1.num_ready_groups == 0
 
 
 def test_stats_track_everything() -> None:
@@ -451,6 +461,8 @@ def test_stats_track_everything() -> None:
         "pinned_groups": 1,
         "evictions": 0,
         "evicted_bytes": 0,
+        "fenced_slots": 0,
+        "fenced_bytes": 0,
     }
     assert l1.capacity_bytes == 10 * PAGE and l1.used_bytes == 6 * PAGE
     assert l1.num_groups == 3 and l1.num_ready_groups == 2

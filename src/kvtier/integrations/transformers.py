@@ -299,7 +299,7 @@ class KVTierCache:
                     chunks_to_cache(chunks, cache)
                 del chunks
                 timings["copy"] = time.perf_counter() - t2
-            self._or_zero("release", self.client.release, request_id)
+            self._or_zero("release", self.client.release, request_id, cache_salt=self.cache_salt)
             t3 = time.perf_counter()
             logits = self.runner.forward(tokens[reuse:], reuse, cache)
             t4 = time.perf_counter()
@@ -309,7 +309,9 @@ class KVTierCache:
             self._store(request_id, tokens, cache, stored_from)
             timings["store"] = time.perf_counter() - t4
         finally:
-            self._or_zero("end_session", self.client.end_session, request_id)
+            self._or_zero(
+                "end_session", self.client.end_session, request_id, cache_salt=self.cache_salt
+            )
         timings["ttft"] = sum(timings[k] for k in ("lookup", "retrieve", "copy", "compute"))
         timings["total"] = timings["ttft"] + timings["store"]
         self.last_timings = timings
@@ -351,7 +353,9 @@ class KVTierCache:
         request_id = uuid.uuid4().hex
         stored = self._store(request_id, tokens, cache, start)
         if self._full_end(tokens, cache) > start:  # only a store call opens a session
-            self._or_zero("end_session", self.client.end_session, request_id)
+            self._or_zero(
+                "end_session", self.client.end_session, request_id, cache_salt=self.cache_salt
+            )
         return stored
 
     def _full_end(self, tokens: npt.NDArray[np.uint32], cache: Any) -> int:

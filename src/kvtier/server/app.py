@@ -23,6 +23,7 @@ from kvtier.hashing import TokenHasher
 from kvtier.metrics import Metrics
 from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic_thread
 from kvtier.server.admin import AdminServer, start_admin_server
+from kvtier.server.auth import Authenticator, is_local_address, redact
 from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.transport import Transport
@@ -61,6 +62,7 @@ def build_engine(
     clock: Callable[[], float] = time.monotonic,
     registry: PeriodicThreadRegistry | None = None,
     start_threads: bool = True,
+    auth: Authenticator | None = None,
 ) -> Engine:
     """Build every part of the engine and hand them over; `start_threads` False leaves out the
     lease reaper and session expiry threads (tests drive `reap()` and expiry by hand)."""
@@ -99,11 +101,12 @@ def build_engine(
             ),
             metrics=Metrics(),
             registry=registry,
+            auth=auth if auth is not None else Authenticator.from_file(config.auth_tokens_file),
         )
-    except BaseException:
+        engine = Engine(config, parts, clock=clock)
+    except BaseException:  # a server that fails at start leaves no segment in /dev/shm
         arena.close()
         raise
-    engine = Engine(config, parts, clock=clock)
     if start_threads:
         engine.threads.append(
             create_periodic_thread(
@@ -130,18 +133,27 @@ class KVTierServer:
         self.admin: AdminServer | None = None
         self.transport: Transport | None = None
         self.admin_error = ""
+        auth = Authenticator.from_file(config.auth_tokens_file)
+        exposed = [a for a in config.address if not is_local_address(a)]
+        if exposed and not auth.required:
+            raise ValueError(
+                f"{', '.join(exposed)} is reachable from other machines: give "
+                "--auth-tokens-file so that only clients with a credential get in"
+            )
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         self.tiers = build_tiers(config, config.arena_name)
         self.tiers.start()
         try:
-            self.engine = build_engine(config, tiers=self.tiers)
+            self.engine = build_engine(config, tiers=self.tiers, auth=auth)
         except BaseException:
             self.tiers.close()
             raise
         try:
             if config.admin_port >= 0:
                 self.admin = self._start_admin()
-            self.transport = Transport(self.engine, config.address)
+            self.transport = Transport(
+                self.engine, config.address, max_frame_bytes=config.max_frame_bytes
+            )
         except BaseException:
             self.close()
             raise
@@ -164,7 +176,7 @@ class KVTierServer:
             signal.signal(signum, self._on_signal)
         assert self.transport is not None
         cfg = self.config
-        l2 = ", ".join(cfg.l2_urls(self.engine.arena.name)) or "none"
+        l2 = ", ".join(map(redact, cfg.l2_urls(self.engine.arena.name))) or "none"
         print(f"kvtier: listening on {', '.join(self.transport.addresses)}", flush=True)
         print(
             f"kvtier: L1 {format_size(self.engine.arena.size)} in /dev/shm/{self.engine.arena.name}"

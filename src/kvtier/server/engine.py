@@ -21,8 +21,10 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
 
 from kvtier import protocol as p
 from kvtier._version import __version__
@@ -34,7 +36,6 @@ from kvtier.errors import (
     InvalidArgumentError,
     KVTierError,
     LeaseExpiredError,
-    NoSpaceError,
     NotConnectedError,
     ProtocolVersionError,
     UnknownReservationError,
@@ -47,8 +48,11 @@ from kvtier.names import named_chunk_keys
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.server import naming
 from kvtier.server.answers import Answer, Respond, offloaded
+from kvtier.server.auth import Authenticator, redact, scoped
+from kvtier.server.fencing import CopyGuard, FencingStats, Watch, watch_process
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
+from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.lookups import LookupBook
 from kvtier.server.writethrough import Shard, WriteThrough
@@ -61,6 +65,11 @@ from kvtier.storage.prefetch import Prefetcher
 __all__ = ["Engine", "EngineParts", "Respond"]
 
 logger = logging.getLogger(__name__)
+
+_Scoped = TypeVar("_Scoped", p.Lookup, p.Reserve, p.StoreInline, p.Retrieve)
+_ScopedNames = TypeVar(
+    "_ScopedNames", p.ExistsKeys, p.ReserveKeys, p.StoreKeysInline, p.RetrieveKeys
+)
 
 
 @dataclass(slots=True)
@@ -89,6 +98,8 @@ class EngineParts:
     handlers: ThreadPoolExecutor
     metrics: Metrics
     registry: PeriodicThreadRegistry
+    #: the credentials Hello checks; empty (everyone anonymous) without --auth-tokens-file
+    auth: Authenticator = field(default_factory=Authenticator)
 
 
 class Engine:
@@ -118,6 +129,13 @@ class Engine:
         self._lock = parts.lock
         self.prefetcher = parts.prefetcher
         self._write_through = parts.write_through
+        self.auth = parts.auth
+        self.limits = Limits(
+            chunk_size=config.chunk_size,
+            max_request_tokens=config.max_request_tokens,
+            max_world_size=config.max_world_size,
+            max_chunk_bytes=self.arena.size,
+        )
         # Requests with big prompts or inline bytes run here, so the transport thread only
         # decodes, routes and replies (see `_offloaded`).
         self._handlers = parts.handlers
@@ -129,6 +147,9 @@ class Engine:
         self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
         self._ending: set[str] = set()  # sessions being ended on purpose, not expired
         self._orphaned = 0  # expired sessions that still held pins
+        self._session_tokens = 0  # tokens held by all sessions together
+        self._shed_sessions = 0  # ended early to keep within --max-sessions/--max-session-tokens
+        self._lease_expired_count = 0  # commits and retrieve-dones answered LEASE_EXPIRED
         self._closed = False
         #: periodic threads the assembler started for this engine (the lease reaper)
         self.threads: list[PeriodicThread] = []
@@ -148,10 +169,11 @@ class Engine:
         answer = Answer(self.metrics, self._record_error, respond)
         try:
             request = p.decode_request(header)
+            answer.operation = type(request).__name__
+            self.limits.check(request)  # every count and size, before any work
         except Exception as exc:
             answer.error(exc)
             return
-        answer.operation = type(request).__name__
         if offloaded(request):
             try:
                 self._handlers.submit(self._run, identity, request, payloads, answer)
@@ -193,7 +215,7 @@ class Engine:
                 "time": time.time(),
                 "operation": operation,
                 "code": exc.code.name,
-                "message": exc.message,
+                "message": redact(exc.message),
             }
         )
 
@@ -217,12 +239,17 @@ class Engine:
                 with self._lock.hold(op):
                     reply = self._register(client, req)
             case p.Lookup():
-                reply = self._lookup(req, answer)
+                reply = self._lookup(self._scope(client, req), answer)
             case p.LookupPoll():
+                poll = msgspec.structs.replace(
+                    req, request_id=self._session_id(client, req.request_id, req.cache_salt)
+                )
                 with self._lock.hold(op):
-                    reply = self.lookups.poll(req, answer)
+                    reply = self.lookups.poll(poll, answer)
             case p.Reserve():
-                reply = self._reserve(client_id, req, self._range_keys(req))
+                self._require_watch(client, "Reserve")
+                req = self._scope(client, req)
+                reply = self._reserve(client_id, req, self._range_keys(req), client.watch)
             case p.Commit():
                 with self._lock.hold(op):
                     committed = self._commit(client_id, req.reservation_id)
@@ -231,39 +258,95 @@ class Engine:
                 with self._lock.hold(op):
                     reply = self._abort(client_id, req.reservation_id)
             case p.StoreInline():
-                reply = self._store_inline(client_id, req, payloads, answer)
+                reply = self._store_inline(client_id, self._scope(client, req), payloads, answer)
             case p.Retrieve():
-                return self._retrieve(client_id, req)
+                if not req.inline:
+                    self._require_watch(client, "Retrieve")
+                return self._retrieve(client_id, self._scope(client, req), client.watch)
             case p.RetrieveDone():
                 with self._lock.hold(op):
                     reply = self._retrieve_done(client_id, req.lease_id)
             case p.Release():
-                self._require_session(req.request_id)
+                request_id = self._session_id(client, req.request_id, req.cache_salt)
+                self._require_session(request_id)
                 with self._lock.hold(op):
-                    self.l1.unpin(req.request_id)
+                    self.l1.unpin(request_id)
                 reply = p.Ok()
             case p.EndSession():
-                self._require_session(req.request_id)
+                request_id = self._session_id(client, req.request_id, req.cache_salt)
+                self._require_session(request_id)
                 with self._lock.hold(op):
-                    self._remove_session(req.request_id)
+                    self._remove_session(request_id)
                 reply = p.Ok()
             case p.Goodbye():
                 with self._lock.hold(op):
                     self._goodbye(client_id)
                 reply = p.Ok()
             case p.ExistsKeys():
-                reply = self._exists_keys(req, answer)
+                reply = self._exists_keys(self._scope_names(client, req), answer)
             case p.ReserveKeys():
-                reply = self._reserve(client_id, req, self._range_keys(req))
+                self._require_watch(client, "ReserveKeys")
+                req = self._scope_names(client, req)
+                reply = self._reserve(client_id, req, self._range_keys(req), client.watch)
             case p.StoreKeysInline():
+                req = self._scope_names(client, req)
                 reply = self._store_inline(client_id, req, payloads, answer)
             case p.RetrieveKeys():
-                return self._retrieve(client_id, req)
+                if not req.inline:
+                    self._require_watch(client, "RetrieveKeys")
+                return self._retrieve(client_id, self._scope_names(client, req), client.watch)
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
         if reply is None:
             return None
         return [_OK if type(reply) is p.Ok else p.encode(reply)]
+
+    # -- tenants ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _session_id(client: Peer, request_id: str, cache_salt: str) -> str:
+        """Sessions and pins are scoped per tenant: its credential's, or with none its salt, so
+        one tenant reusing another's request id neither sees nor ends the other's session."""
+        return scoped(client.tenant or cache_salt, request_id)
+
+    def _scope(self, client: Peer, req: _Scoped) -> _Scoped:
+        """The request as the engine handles it: session id, model and salt in the client's
+        tenant's namespace (the anonymous tenant's names are unchanged), after checking that its
+        credential may use the salt."""
+        client.credential.check_salt(req.cache_salt)
+        request_id = self._session_id(client, req.request_id, req.cache_salt)
+        if not client.tenant:
+            if request_id == req.request_id:
+                return req
+            return msgspec.structs.replace(req, request_id=request_id)
+        return msgspec.structs.replace(
+            req,
+            request_id=request_id,
+            model=scoped(client.tenant, req.model),
+            cache_salt=scoped(client.tenant, req.cache_salt),
+        )
+
+    @staticmethod
+    def _scope_names(client: Peer, req: _ScopedNames) -> _ScopedNames:
+        """A key-addressed request in the client's tenant's namespace (model and salt), after
+        checking that its credential may use the salt. Named chunks have no session."""
+        client.credential.check_salt(req.cache_salt)
+        if not client.tenant:
+            return req
+        return msgspec.structs.replace(
+            req,
+            model=scoped(client.tenant, req.model),
+            cache_salt=scoped(client.tenant, req.cache_salt),
+        )
+
+    @staticmethod
+    def _require_watch(client: Peer, what: str) -> None:
+        if client.watch is None:
+            raise InvalidArgumentError(
+                f"{what} hands out arena slots, which only a client on this machine whose "
+                "process the server can watch may use (name its pid at Hello); move the bytes "
+                "inline instead (StoreInline, Retrieve with inline=True)"
+            )
 
     # -- handshake and registration -------------------------------------------------------------
 
@@ -287,7 +370,10 @@ class Engine:
                 f"{detail}. Chunk names would differ; use the server's settings "
                 "(--chunk-size, --hash-algorithm, --hash-seed)"
             )
-        self.leases.connect(identity, req.client_id)
+        credential = self.auth.authenticate(req.token)
+        # Only a process on this machine can touch the arena; the pidfd is what fences it.
+        watch = watch_process(req.pid) if req.host_id == self.host_id else None
+        self.leases.connect(identity, req.client_id, credential=credential, watch=watch)
         return p.HelloReply(
             server_version=__version__,
             protocol_version=p.PROTOCOL_VERSION,
@@ -301,8 +387,14 @@ class Engine:
         )
 
     def _register(self, client: Peer, req: p.Register) -> p.Ok:
+        # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
+        # the same model name first cannot lock this tenant's workers out.
         layout = self.layouts.register(
-            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+            scoped(client.tenant, req.model),
+            req.world_size,
+            req.worker_id,
+            req.chunk_shape,
+            req.dtype,
         )
         registration = {
             "model": req.model,
@@ -323,7 +415,37 @@ class Engine:
     # -- sessions and names (no engine lock: sessions guard themselves) -------------------------
 
     def _session(self, request_id: str, tokens: bytes) -> Session:
-        return naming.session_for(self.sessions, request_id, tokens)
+        before = self._held_tokens(request_id)
+        session = naming.session_for(self.sessions, request_id, tokens)
+        self._account(session, before)
+        return session
+
+    def _held_tokens(self, request_id: str) -> int:
+        session = self.sessions.peek(request_id)
+        return 0 if session is None else session.num_tokens
+
+    def _account(self, session: Session, before: int) -> None:
+        """Count the session's token change against --max-session-tokens; shed if over."""
+        with self._lock.hold("sessions"):
+            self._session_tokens += session.num_tokens - before
+            if (
+                self.sessions.active_count() > self.config.max_sessions
+                or self._session_tokens > self.config.max_session_tokens
+            ):
+                self._shed_sessions_for(session)
+
+    def _shed_sessions_for(self, keep: Session) -> None:
+        """End the longest-idle sessions until both session bounds hold with 10% to spare (so
+        a server at its bound does not sort its sessions on every request); counted."""
+        max_sessions = self.config.max_sessions * 9 // 10
+        max_tokens = self.config.max_session_tokens * 9 // 10
+        for session in self.sessions.sessions():  # least recently used first
+            if self.sessions.active_count() <= max_sessions and self._session_tokens <= max_tokens:
+                break
+            if session is keep:
+                continue
+            self._shed_sessions += 1
+            self._remove_session(session.request_id)
 
     def _range_keys(self, req: p.RangeRequest | p.KeyRequest) -> list[ChunkKey]:
         if isinstance(req, p.KeyRequest):  # named by the caller: no session, no token range
@@ -334,7 +456,12 @@ class Engine:
             return named_chunk_keys(
                 req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
             )
-        return naming.range_keys(self.sessions, self.chunk_size, req)
+        before = self._held_tokens(req.request_id)
+        keys = naming.range_keys(self.sessions, self.chunk_size, req)
+        session = self.sessions.peek(req.request_id)
+        if session is not None:
+            self._account(session, before)
+        return keys
 
     _keys = staticmethod(naming.chunk_keys)
 
@@ -357,6 +484,7 @@ class Engine:
 
     def _on_session_destroyed(self, session: Session) -> None:
         with self._lock.hold("session ended"):
+            self._session_tokens -= session.num_tokens
             self.lookups.forget(session.request_id)
             held_pins = self.l1.unpin(session.request_id)
             if held_pins and session.request_id not in self._ending:
@@ -409,8 +537,14 @@ class Engine:
     # -- store ----------------------------------------------------------------------------------
 
     def _reserve(
-        self, client_id: str, req: p.RangeRequest | p.KeyRequest, keys: list[ChunkKey]
+        self,
+        client_id: str,
+        req: p.RangeRequest | p.KeyRequest,
+        keys: list[ChunkKey],
+        watch: Watch | None,
     ) -> p.ReserveReply:
+        """Staging slots for `keys`; `watch` tells while whoever copies into them may still
+        touch them (the client's process, or the server's own inline copy)."""
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
@@ -419,6 +553,11 @@ class Engine:
         with self._lock.hold("Reserve"):
             try:
                 for key in keys:
+                    if self.l1.is_busy(key, req.worker_id):
+                        # Another client is storing it right now: this store cannot call it
+                        # stored (that client may still abort or die).
+                        offsets.append(p.IN_FLIGHT)
+                        continue
                     offset = self.l1.reserve(
                         key,
                         req.worker_id,
@@ -427,10 +566,10 @@ class Engine:
                         lease_s=self.config.staging_lease,
                         layout=layout.text,
                     )
-                    offsets.append(-1 if offset is None else offset)
+                    offsets.append(p.STORED if offset is None else offset)
                     if offset is not None:
                         reserved.append(key)
-            except NoSpaceError:
+            except BaseException:  # NoSpaceError or a bug: never leak the slots taken so far
                 for key in reserved:
                     self.l1.abort(key, req.worker_id, owner=client_id)
                 raise
@@ -444,13 +583,56 @@ class Engine:
                         reserved,
                         layout.nbytes,
                         self.clock() + self.config.staging_lease,
+                        watch=None if watch is None else watch.retain(),
                     )
                 )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
 
+    def _stored_prefix(self, keys: list[ChunkKey], worker_id: int) -> int:
+        """How many leading chunks of `keys` are READY for this rank: what a store reports."""
+        n = 0
+        for key in keys:
+            if self.l1.get_shard(key, worker_id) is None:
+                break
+            n += 1
+        return n
+
+    def _end_reservation(self, res: Reservation) -> None:
+        """Free what an ended reservation still holds: its staging or quarantined slots."""
+        if res.lapsed:
+            for offset, nbytes in res.fenced:
+                self.l1.unfence(offset, nbytes)
+            res.fenced.clear()
+        else:
+            for key in res.reserved:
+                with contextlib.suppress(UnknownReservationError):  # committed meanwhile
+                    self.l1.abort(key, res.worker_id, owner=res.owner)
+        if res.watch is not None:
+            res.watch.release()
+            res.watch = None
+
+    def _fence(self, res: Reservation) -> None:
+        """Quarantine a lapsed reservation's staging slots: its writer may still be copying."""
+        for key in res.reserved:
+            with contextlib.suppress(UnknownReservationError):
+                res.fenced.append(self.l1.fence(key, res.worker_id, owner=res.owner))
+
+    def _lease_expired(self, what: str) -> LeaseExpiredError:
+        self._lease_expired_count += 1
+        return LeaseExpiredError(
+            f"{what} expired before it was acknowledged (--staging-lease "
+            f"{self.config.staging_lease:g}s): nothing of it counts; recompute"
+        )
+
     def _commit(self, client_id: str, reservation_id: int) -> _Committed:
         """Make a reservation's slots ready (under the lock); what to write through to L2."""
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
+        if res.lapsed:
+            self._end_reservation(res)
+            raise self._lease_expired("the store's staging lease")
+        if res.watch is not None:
+            res.watch.release()
+            res.watch = None
         lost = 0
         shards: list[Shard] = []
         for key in res.reserved:
@@ -472,7 +654,7 @@ class Engine:
                 ),
                 shards,
             )
-        return _Committed(p.StoreReply(len(res.keys)), shards)
+        return _Committed(p.StoreReply(self._stored_prefix(res.keys, res.worker_id)), shards)
 
     def _write_committed(self, committed: _Committed, answer: Answer) -> p.StoreReply | None:
         """Queue the committed shards for L2 (no lock held); the reply, or None when the
@@ -493,9 +675,7 @@ class Engine:
 
     def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
-        for key in res.reserved:
-            with contextlib.suppress(UnknownReservationError):  # reclaimed already
-                self.l1.abort(key, res.worker_id, owner=client_id)
+        self._end_reservation(res)
         return p.Ok()
 
     def _store_inline(
@@ -518,16 +698,28 @@ class Engine:
                     f"chunk {i} carries {len(frame)} bytes; layout {layout.text} needs "
                     f"{layout.nbytes}"
                 )
-        reply = self._reserve(client_id, req, self._range_keys(req))
-        # The slots are this client's staging slots: the copy needs no lock.
-        for offset, frame in zip(reply.offsets, payloads, strict=True):
-            if offset >= 0:  # a remote client's bytes have to land in the arena somehow
-                self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
+        keys = self._range_keys(req)
+        # The server copies into the slots itself, outside the lock: the guard keeps them
+        # fenced, should the lease lapse, until that copy is over.
+        guard = CopyGuard()
+        reply = self._reserve(client_id, req, keys, guard)
+        try:
+            for offset, frame in zip(reply.offsets, payloads, strict=True):
+                if offset >= 0:  # a remote client's bytes have to land in the arena somehow
+                    self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
+        except BaseException:
+            if reply.reservation_id:
+                with self._lock.hold("StoreInline"):
+                    self._abort(client_id, reply.reservation_id)
+            raise
+        finally:
+            guard.finish()
         if reply.reservation_id:
             with self._lock.hold("StoreInline"):
                 committed = self._commit(client_id, reply.reservation_id)
             return self._write_committed(committed, answer)
-        return p.StoreReply(req.num_chunks)
+        with self._lock.hold("StoreInline"):
+            return p.StoreReply(self._stored_prefix(keys, req.worker_id))
 
     def _write_through_shard(self, key: ChunkKey, worker_id: int) -> Shard:
         """A newly committed shard for the L2 tiers; its group stays held until written."""
@@ -544,13 +736,20 @@ class Engine:
 
     # -- retrieve -------------------------------------------------------------------------------
 
-    def _retrieve(self, client_id: str, req: p.Retrieve | p.RetrieveKeys) -> list[Any]:
+    def _retrieve(
+        self, client_id: str, req: p.Retrieve | p.RetrieveKeys, watch: Watch | None
+    ) -> list[Any]:
+        """The leading chunks held for this rank: their slots under a lease (fenced by the
+        client's `watch` should it lapse), or, inline, their bytes copied by the server."""
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
         keys = self._range_keys(req)
         offsets: list[int] = []
         lease_id = 0
+        guard = CopyGuard() if req.inline else None
+        # Named chunks have no session: their retrieve neither renews nor releases any pin.
+        session_id = req.request_id if isinstance(req, p.Retrieve) else None
         with self._lock.hold("Retrieve"):
             for key in keys:
                 shard = self.l1.get_shard(key, req.worker_id)
@@ -560,53 +759,69 @@ class Engine:
             found = keys[: len(offsets)]
             if found:
                 self.l1.touch(found)
-                if self.l1.pinned_keys(req.request_id):  # the lookup's pins live while in use
-                    self.l1.renew(req.request_id, self.config.pin_lease)
+                if session_id is not None and self.l1.pinned_keys(session_id):
+                    self.l1.renew(session_id, self.config.pin_lease)  # pins live while in use
                 for key in found:
                     self.l1.acquire(key)  # held while the bytes are copied out
                 lease_id = self.leases.add_lease(
                     RetrieveLease(
                         client_id,
-                        req.request_id,
+                        session_id,
                         req.worker_id,
                         found,
                         layout.nbytes,
                         self.clock() + self.config.staging_lease,
+                        watch=guard if guard is not None else watch and watch.retain(),
                     )
                 )
         if not req.inline:
             return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
         # Inline: copy the held slots into frames outside the lock, then end the lease.
-        frames = [bytes(self.arena.view(off, layout.nbytes)) for off in offsets]
+        try:
+            frames = [bytes(self.arena.view(off, layout.nbytes)) for off in offsets]
+        finally:
+            assert guard is not None
+            guard.finish()
         if lease_id:
             with self._lock.hold("Retrieve"):
                 self._retrieve_done(client_id, lease_id)
-        else:
+        elif session_id is not None:
             with self._lock.hold("Retrieve"):
-                self.l1.mark_retrieved(req.request_id, req.worker_id)
+                self.l1.mark_retrieved(session_id, req.worker_id)
         return [p.encode(p.RetrieveReply(len(offsets), [], 0, layout.nbytes)), *frames]
 
     def _retrieve_done(self, client_id: str, lease_id: int) -> p.Ok:
         lease = self.leases.take_lease(client_id, lease_id)
         self._end_lease(lease)
-        self.l1.mark_retrieved(lease.request_id, lease.worker_id)
+        if lease.lapsed:  # the slots were kept, but the copy was not vouched for in time
+            raise self._lease_expired("the retrieve's lease")
+        if lease.request_id is not None:
+            self.l1.mark_retrieved(lease.request_id, lease.worker_id)
         self.metrics.add_retrieved_bytes(len(lease.keys) * lease.nbytes)
         return p.Ok()
 
     def _end_lease(self, lease: RetrieveLease) -> None:
         for key in lease.keys:
             self.l1.release(key)
+        if lease.watch is not None:
+            lease.watch.release()
+            lease.watch = None
 
     # -- background -----------------------------------------------------------------------------
 
     def reap(self) -> ThreadRunSummary:
         """Reclaim what dead or slow clients hold: staging slots, retrieve leases, pins."""
+        # Staging slots are reclaimed only through the lease book, never by an L1 deadline: a
+        # slot whose writer may still be copying (a paused client, a slow L2 read of a
+        # prefetch) is fenced, not freed, until the writer acknowledges or its process exits.
         with self._lock.hold("reap"):
             expired = self.leases.sweep(self.config.client_timeout)
             for client_id in expired.dead_clients:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
+            for res in expired.fenced:
+                self._fence(res)
             self._reclaim(expired)
-            staging = self.l1.reclaim_staging()
+            staging = len(expired.reservations) + len(expired.fenced)
             pins = self.l1.reclaim_pins()
         return ThreadRunSummary(
             success=True,
@@ -619,23 +834,16 @@ class Engine:
                 "staging": staging,
                 "pins": pins,
                 "leases": len(expired.leases),
+                "fenced": len(expired.fenced) + len(expired.held),
             },
         )
 
     def _reclaim(self, gone: Expired) -> None:
-        """Release what departed clients held (under the lock)."""
-        for client_id in gone.dead_clients:
-            self.l1.reclaim_staging(owner=client_id)
-        self._release_expired(gone.reservations, gone.leases)
-
-    def _release_expired(
-        self, reservations: list[Reservation], leases: list[RetrieveLease]
-    ) -> None:
-        for res in reservations:
-            for key in res.reserved:
-                with contextlib.suppress(UnknownReservationError):  # reclaimed already
-                    self.l1.abort(key, res.worker_id, owner=res.owner)
-        for lease in leases:
+        """Release what the book ended (under the lock): reservations and leases whose owner
+        can no longer touch their slots."""
+        for res in gone.reservations:
+            self._end_reservation(res)
+        for lease in gone.leases:
             self._end_lease(lease)
 
     # -- admin backend --------------------------------------------------------------------------
@@ -654,7 +862,8 @@ class Engine:
             l1 = self.l1.stats()
             clients = [
                 {
-                    "client_id": c.client_id,
+                    # A prefix only: a client id is the capability its leases are held by.
+                    "client_id": c.client_id[:8],
                     "connected_s": now - c.connected_at,
                     "last_seen_s": now - c.last_seen,
                     "registrations": list(c.registrations),
@@ -677,7 +886,9 @@ class Engine:
                 # orphaned: those of them that still held pins when they expired
                 "expired": self.sessions.orphaned_count,
                 "orphaned": self._orphaned,
+                **msgspec.structs.asdict(self.session_bounds()),
             },
+            "fencing": msgspec.structs.asdict(self.fencing_stats()),
             "lookup": {
                 "requested_tokens": self.lookups.requested_tokens,
                 "hit_tokens": self.lookups.hit_tokens,
@@ -694,6 +905,21 @@ class Engine:
             },
             "recent_errors": recent,
         }
+
+    def fencing_stats(self) -> FencingStats:
+        """The quarantine of lapsed slots now (see `server/fencing.py`)."""
+        with self._lock.hold("status"):
+            l1 = self.l1.stats()
+            return FencingStats(
+                lapsed=self.leases.num_lapsed,
+                fenced_slots=l1["fenced_slots"],
+                fenced_bytes=l1["fenced_bytes"],
+                lease_expired=self._lease_expired_count,
+            )
+
+    def session_bounds(self) -> SessionBounds:
+        """Tokens held by sessions and sessions shed to stay within the bounds."""
+        return SessionBounds(tokens=self._session_tokens, shed=self._shed_sessions)
 
     def _session_dict(self, session: Session) -> dict[str, Any]:
         data = session.to_dict()

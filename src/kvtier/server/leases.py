@@ -5,18 +5,26 @@ copying out between Retrieve and RetrieveDone (a `RetrieveLease`). Both end by t
 request, by their deadline, or when the client stops heartbeating. The book only records; the
 engine releases the L1 state of whatever the book hands back. Not thread-safe: the engine's lock
 guards it.
+
+A reservation or lease that lapses while its owner's process may still be copying is not ended
+but *lapsed* (see `fencing`): the engine quarantines its slots, and the book keeps it until the
+owner acknowledges (its Commit, Abort or RetrieveDone is answered LEASE_EXPIRED) or its process
+is gone. Ids are random 63-bit numbers, so an id from before a server restart never names a
+reservation of the new server.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import LeaseExpiredError, UnknownReservationError
+from kvtier.errors import LeaseExpiredError, UnauthorizedError, UnknownReservationError
 from kvtier.keys import ChunkKey
+from kvtier.server.auth import ANONYMOUS, Credential
+from kvtier.server.fencing import ProcessWatch, Watch
 
 __all__ = ["Expired", "LeaseBook", "Peer", "Reservation", "RetrieveLease"]
 
@@ -29,6 +37,13 @@ class Peer:
     connected_at: float
     last_seen: float
     registrations: list[dict[str, Any]] = field(default_factory=list)
+    credential: Credential = ANONYMOUS  # what its Hello's token allows
+    watch: ProcessWatch | None = None  # its process, when the server can watch it (same host)
+
+    @property
+    def tenant(self) -> str:
+        """The credential's tenant; "" without authentication."""
+        return self.credential.tenant
 
 
 @dataclass(slots=True)
@@ -41,6 +56,9 @@ class Reservation:
     reserved: list[ChunkKey]  # the ones that got a staging slot
     nbytes: int
     deadline: float
+    watch: Watch | None = None  # whoever copies, while it may still touch the slots
+    lapsed: bool = False  # the lease ran out before the owner acknowledged
+    fenced: list[tuple[int, int]] = field(default_factory=list)  # quarantined (offset, nbytes)
 
 
 @dataclass(slots=True)
@@ -48,20 +66,34 @@ class RetrieveLease:
     """Chunks a retrieve handed out; held (never evicted) until the client copied them."""
 
     owner: str
-    request_id: str
+    request_id: str | None  # the session whose pins the retrieve serves; None for named chunks
     worker_id: int
     keys: list[ChunkKey]
     nbytes: int
     deadline: float
+    watch: Watch | None = None
+    lapsed: bool = False
 
 
 @dataclass(slots=True)
 class Expired:
-    """What a sweep took out of the book; the caller releases it in L1."""
+    """What a sweep took out of the book or moved within it; the caller acts on it in L1.
+
+    `reservations` and `leases` are over: their owner can no longer touch their slots (free
+    them). `fenced` and `held` lapsed while the owner may still be copying: quarantine them
+    (fence the staging slots; keep the retrieve holds) until they come back in a later sweep's
+    `reservations`/`leases` or are acknowledged.
+    """
 
     dead_clients: list[str] = field(default_factory=list)
     reservations: list[Reservation] = field(default_factory=list)
     leases: list[RetrieveLease] = field(default_factory=list)
+    fenced: list[Reservation] = field(default_factory=list)
+    held: list[RetrieveLease] = field(default_factory=list)
+
+
+def _may_touch(item: Reservation | RetrieveLease) -> bool:
+    return item.watch is not None and item.watch.alive()
 
 
 class LeaseBook:
@@ -73,8 +105,9 @@ class LeaseBook:
         self._connections: dict[bytes, str] = {}  # ZMQ routing identity -> client id
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, RetrieveLease] = {}
-        self._ids = itertools.count(1)
-        # ids taken out by a sweep, so a late Commit or RetrieveDone hears "lease expired"
+        self._lapsed: dict[int, Reservation | RetrieveLease] = {}  # quarantined, by id
+        # ids a sweep ended outright (the owner's process is gone), so a late Commit or
+        # RetrieveDone still hears "lease expired" rather than "unknown"
         self._expired_ids: set[int] = set()
         self._expired_order: deque[int] = deque()
 
@@ -87,7 +120,7 @@ class LeaseBook:
         while len(self._expired_order) > self._EXPIRED_MEMORY:
             self._expired_ids.discard(self._expired_order.popleft())
 
-    def _lapsed(self, what: str, id_: int, knob: str) -> LeaseExpiredError | None:
+    def _ended(self, what: str, id_: int, knob: str) -> LeaseExpiredError | None:
         if id_ not in self._expired_ids:
             return None
         self._expired_ids.discard(id_)
@@ -95,13 +128,30 @@ class LeaseBook:
 
     # -- clients ----------------------------------------------------------------------------------
 
-    def connect(self, identity: bytes, client_id: str) -> Peer:
-        """A socket said Hello for `client_id`."""
+    def connect(
+        self,
+        identity: bytes,
+        client_id: str,
+        *,
+        credential: Credential = ANONYMOUS,
+        watch: ProcessWatch | None = None,
+    ) -> Peer:
+        """A socket said Hello for `client_id`; a client id stays with the tenant that made it."""
         now = self.clock()
-        self._connections[identity] = client_id
         peer = self.peers.get(client_id)
+        if peer is not None and peer.credential != credential:
+            if watch is not None:
+                watch.release()
+            raise UnauthorizedError(
+                "this client id belongs to another tenant's connection; use a fresh random id"
+            )
+        self._connections[identity] = client_id
         if peer is None:
-            peer = self.peers[client_id] = Peer(client_id, now, now)
+            peer = self.peers[client_id] = Peer(client_id, now, now, credential=credential)
+        if watch is not None:
+            if peer.watch is not None:
+                peer.watch.release()
+            peer.watch = watch
         peer.last_seen = now
         return peer
 
@@ -116,67 +166,99 @@ class LeaseBook:
 
     # -- reservations and leases ------------------------------------------------------------------
 
+    def _new_id(self) -> int:
+        """A random id in 1..2**63-1 not in use: ids of an earlier server lifetime (a client
+        that re-joined still holds them) name nothing here, except with odds of 2**-63."""
+        while True:
+            new_id = secrets.randbits(63)
+            if new_id and not (
+                new_id in self._reservations or new_id in self._leases or new_id in self._lapsed
+            ):
+                return new_id
+
     def add_reservation(self, reservation: Reservation) -> int:
-        reservation_id = next(self._ids)
+        reservation_id = self._new_id()
         self._reservations[reservation_id] = reservation
         return reservation_id
 
     def take_reservation(
         self, client_id: str, reservation_id: int, staging_lease: float
     ) -> Reservation:
-        """Remove and return a client's reservation (for Commit or Abort)."""
+        """Remove and return a client's reservation (for Commit or Abort); `lapsed` is set on
+        one whose lease ran out (its slots are quarantined, `fenced`)."""
         res = self._reservations.get(reservation_id)
-        if res is None and (
-            lapsed := self._lapsed(
-                "staging lease of reservation",
-                reservation_id,
-                f"--staging-lease {staging_lease:g}s",
-            )
-        ):
-            raise lapsed
-        if res is None or res.owner != client_id:
-            raise UnknownReservationError(
-                f"no reservation {reservation_id} held by this client: it was committed, "
-                f"aborted, or expired (--staging-lease {staging_lease:g}s)"
-            )
-        del self._reservations[reservation_id]
-        return res
+        if res is not None and res.owner == client_id:
+            del self._reservations[reservation_id]
+            return res
+        lapsed = self._lapsed.get(reservation_id)
+        if isinstance(lapsed, Reservation) and lapsed.owner == client_id:
+            del self._lapsed[reservation_id]
+            return lapsed
+        ended = self._ended(
+            "staging lease of reservation", reservation_id, f"--staging-lease {staging_lease:g}s"
+        )
+        if ended is not None:
+            raise ended
+        raise UnknownReservationError(
+            f"no reservation {reservation_id} held by this client: it was committed, "
+            f"aborted, or expired (--staging-lease {staging_lease:g}s)"
+        )
 
     def add_lease(self, lease: RetrieveLease) -> int:
-        lease_id = next(self._ids)
+        lease_id = self._new_id()
         self._leases[lease_id] = lease
         return lease_id
 
     def take_lease(self, client_id: str, lease_id: int) -> RetrieveLease:
-        """Remove and return a client's retrieve lease (for RetrieveDone)."""
+        """Remove and return a client's retrieve lease (for RetrieveDone); `lapsed` is set on
+        one whose lease ran out (its holds were kept while the owner might still copy)."""
         lease = self._leases.get(lease_id)
-        if lease is None and (
-            lapsed := self._lapsed("retrieve lease", lease_id, "--staging-lease, --client-timeout")
-        ):
-            raise lapsed
-        if lease is None or lease.owner != client_id:
-            raise UnknownReservationError(
-                f"no retrieve lease {lease_id} held by this client: already done or expired"
-            )
-        del self._leases[lease_id]
-        return lease
+        if lease is not None and lease.owner == client_id:
+            del self._leases[lease_id]
+            return lease
+        lapsed = self._lapsed.get(lease_id)
+        if isinstance(lapsed, RetrieveLease) and lapsed.owner == client_id:
+            del self._lapsed[lease_id]
+            return lapsed
+        ended = self._ended("retrieve lease", lease_id, "--staging-lease, --client-timeout")
+        if ended is not None:
+            raise ended
+        raise UnknownReservationError(
+            f"no retrieve lease {lease_id} held by this client: already done or expired"
+        )
+
+    @property
+    def num_lapsed(self) -> int:
+        """Reservations and leases quarantined until their owner acknowledges or exits."""
+        return len(self._lapsed)
 
     def disconnect(self, client_id: str) -> Expired:
-        """The client said goodbye: take it out with everything it holds."""
-        self.peers.pop(client_id, None)
+        """The client said goodbye: take it out with everything it holds. Goodbye is its
+        acknowledgement that it touches none of its slots any more, quarantined ones included."""
+        peer = self.peers.pop(client_id, None)
+        if peer is not None and peer.watch is not None:
+            peer.watch.release()
         self._connections = {i: c for i, c in self._connections.items() if c != client_id}
         out = Expired(dead_clients=[client_id])
         for rid in [r for r, res in self._reservations.items() if res.owner == client_id]:
             out.reservations.append(self._reservations.pop(rid))
         for lid in [i for i, lease in self._leases.items() if lease.owner == client_id]:
             out.leases.append(self._leases.pop(lid))
+        for xid in [i for i, x in self._lapsed.items() if x.owner == client_id]:
+            item = self._lapsed.pop(xid)
+            if isinstance(item, Reservation):
+                out.reservations.append(item)
+            else:
+                out.leases.append(item)
         return out
 
     # -- expiry -----------------------------------------------------------------------------------
 
     def sweep(self, client_timeout: float) -> Expired:
-        """Take out clients silent for longer than `client_timeout` with everything they hold,
-        and every reservation or lease past its deadline."""
+        """Take out clients silent for longer than `client_timeout`, and every reservation or
+        lease past its deadline or of a silent client: ended when its owner's process is gone,
+        lapsed (quarantined) while it may still touch the slots. Lapsed ones whose owner has
+        exited since come back as ended."""
         now = self.clock()
         out = Expired()
         out.dead_clients = [
@@ -184,17 +266,38 @@ class LeaseBook:
         ]
         dead = set(out.dead_clients)
         for client_id in dead:
-            del self.peers[client_id]
+            peer = self.peers.pop(client_id)
+            if peer.watch is not None:
+                peer.watch.release()
         self._connections = {i: c for i, c in self._connections.items() if c not in dead}
-        rids = [
+        for rid in [
             r for r, res in self._reservations.items() if res.owner in dead or res.deadline < now
-        ]
-        for rid in rids:
-            out.reservations.append(self._reservations.pop(rid))
-        lids = [
+        ]:
+            res = self._reservations.pop(rid)
+            if _may_touch(res):
+                res.lapsed = True
+                self._lapsed[rid] = res
+                out.fenced.append(res)
+            else:
+                out.reservations.append(res)
+                self._remember_expired([rid])
+        for lid in [
             i for i, lease in self._leases.items() if lease.owner in dead or lease.deadline < now
-        ]
-        for lid in lids:
-            out.leases.append(self._leases.pop(lid))
-        self._remember_expired(rids + lids)
+        ]:
+            lease = self._leases.pop(lid)
+            if _may_touch(lease):
+                lease.lapsed = True
+                self._lapsed[lid] = lease
+                out.held.append(lease)
+            else:
+                out.leases.append(lease)
+                self._remember_expired([lid])
+        fresh = {id(x) for x in (*out.fenced, *out.held)}
+        for xid in [i for i, x in self._lapsed.items() if id(x) not in fresh and not _may_touch(x)]:
+            item = self._lapsed.pop(xid)
+            if isinstance(item, Reservation):
+                out.reservations.append(item)
+            else:
+                out.leases.append(item)
+            self._remember_expired([xid])
         return out

@@ -31,6 +31,26 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 100  # how often the loop checks its stop event while idle
 
 
+_umask_lock = threading.Lock()
+
+
+def _bind_private(sock: zmq.Socket[bytes], address: str) -> None:
+    """Bind; an ipc:// socket file is created 0600 whatever the process umask, so only this
+    user can connect (the umask is process-wide: tightened just around the bind)."""
+    if not address.startswith("ipc://"):
+        sock.bind(address)
+        return
+    with _umask_lock:
+        old = os.umask(0o177)
+        try:
+            sock.bind(address)
+        finally:
+            os.umask(old)
+    path = sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("ipc://")
+    if not path.startswith("@"):  # an abstract socket has no file
+        os.chmod(path, 0o600)
+
+
 class Transport:
     """A ROUTER socket bound to every configured address, served by one thread."""
 
@@ -40,13 +60,17 @@ class Transport:
         addresses: Sequence[str],
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        max_frame_bytes: int = -1,
     ) -> None:
+        """`max_frame_bytes` becomes MAXMSGSIZE: ZMQ drops a peer that sends a bigger frame
+        before reading it into memory (-1: no limit)."""
         self.engine = engine
         self.context = context or zmq.Context.instance()
         self.socket: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.addresses: list[str] = []
         self._thread: threading.Thread | None = None  # the loop's thread while it serves
         self._closed = False
@@ -54,7 +78,7 @@ class Transport:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
             for address in addresses:
-                self.socket.bind(address)
+                _bind_private(self.socket, address)
                 self.addresses.append(self.socket.getsockopt_string(zmq.LAST_ENDPOINT))
         except zmq.ZMQError as exc:
             self.socket.close()

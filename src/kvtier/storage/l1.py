@@ -42,7 +42,7 @@ class _Shard:
 
 
 class _Group:
-    __slots__ = ("holds", "key", "missing", "nbytes", "refs", "shards", "staging")
+    __slots__ = ("doomed", "holds", "key", "missing", "nbytes", "refs", "shards", "staging")
 
     def __init__(self, key: ChunkKey) -> None:
         self.key = key
@@ -52,6 +52,9 @@ class _Group:
         self.holds = 0  # holder pins plus anonymous refs; > 0 means never evicted
         self.refs = 0  # anonymous refs alone, to check release() against acquire()
         self.nbytes = 0
+        # Cleared while busy: invisible at once, freed when the last hold or staging shard
+        # ends. Its key cannot be stored again until then (a reserve finds it busy).
+        self.doomed = False
 
 
 class _Pin:
@@ -93,6 +96,8 @@ class L1Store:
         self._held_groups = 0
         self._evictions = 0
         self._evicted_bytes = 0
+        self._fenced_slots = 0  # lapsed staging slots quarantined (see `fence`)
+        self._fenced_bytes = 0
 
     # ---------------------------------------------------------------- sizes and stats
 
@@ -123,6 +128,8 @@ class L1Store:
             "pinned_groups": self._held_groups,
             "evictions": self._evictions,
             "evicted_bytes": self._evicted_bytes,
+            "fenced_slots": self._fenced_slots,
+            "fenced_bytes": self._fenced_bytes,
         }
 
     # ---------------------------------------------------------------- write path
@@ -149,7 +156,7 @@ class L1Store:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         group = self._groups.get(key)
-        if group is not None and group.shards[worker_id] is not None:
+        if group is not None and (group.doomed or group.shards[worker_id] is not None):
             return None
         nbytes = self._alloc.rounded(size)
         offset = self._alloc.alloc(nbytes)
@@ -187,11 +194,10 @@ class L1Store:
         group = self._groups[key]
         group.staging -= 1
         group.missing -= 1
-        complete = group.missing == 0
+        complete = group.missing == 0 and not group.doomed
         if complete:
             self._ready_groups += 1
-        if group.staging == 0 and group.holds == 0:
-            self._lru_add(group)
+        self._settle(group)
         return complete
 
     def abort(self, key: ChunkKey, worker_id: int, *, owner: str) -> None:
@@ -200,6 +206,38 @@ class L1Store:
         if shard is None or shard.owner != owner:
             raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
         self._drop_staging(key, worker_id, shard)
+
+    def fence(self, key: ChunkKey, worker_id: int, *, owner: str) -> tuple[int, int]:
+        """Quarantine a lapsed staging shard whose writer may still be copying into it.
+
+        The shard leaves its group (the chunk is not stored; another client may store it into a
+        fresh slot), but its arena range stays allocated, so nothing else is placed where the
+        late writer's bytes may land. Returns (offset, nbytes) for `unfence`.
+        """
+        shard = self._staging.get((key, worker_id))
+        if shard is None or shard.owner != owner:
+            raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
+        self._detach_staging(key, worker_id, shard)
+        self._fenced_slots += 1
+        self._fenced_bytes += shard.nbytes
+        return shard.offset, shard.nbytes
+
+    def unfence(self, offset: int, nbytes: int) -> None:
+        """Free a quarantined slot: its writer acknowledged or its process is gone."""
+        self._alloc.free(offset, nbytes)
+        self._fenced_slots -= 1
+        self._fenced_bytes -= nbytes
+
+    def is_busy(self, key: ChunkKey, worker_id: int) -> bool:
+        """True while the shard is being written (staging), or its group was cleared while in
+        use: a store of it now would not make it stored."""
+        group = self._groups.get(key)
+        if group is None:
+            return False
+        if group.doomed:
+            return True
+        shard = group.shards[worker_id] if 0 <= worker_id < key.world_size else None
+        return shard is not None and shard.state is ShardState.STAGING
 
     def reclaim_staging(self, owner: str | None = None) -> int:
         """Drop staging shards: all of `owner`'s, or with owner None every expired one.
@@ -220,7 +258,7 @@ class L1Store:
     def is_complete(self, key: ChunkKey) -> bool:
         """True when every rank's shard of the group is READY."""
         group = self._groups.get(key)
-        return group is not None and group.missing == 0
+        return group is not None and group.missing == 0 and not group.doomed
 
     def count_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys of a hash chain are complete groups."""
@@ -228,7 +266,7 @@ class L1Store:
         n = 0
         for key in keys:
             group = get(key)
-            if group is None or group.missing:
+            if group is None or group.missing or group.doomed:
                 break
             n += 1
         return n
@@ -236,7 +274,7 @@ class L1Store:
     def get_shard(self, key: ChunkKey, worker_id: int) -> tuple[int, int, str] | None:
         """(offset, size, layout) of a READY shard, else None."""
         group = self._groups.get(key)
-        if group is None or not 0 <= worker_id < key.world_size:
+        if group is None or group.doomed or not 0 <= worker_id < key.world_size:
             return None
         shard = group.shards[worker_id]
         if shard is None or shard.state is not ShardState.READY:
@@ -269,7 +307,7 @@ class L1Store:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         pending = set(ranks)
         get = self._groups.get
-        groups = [g for g in map(get, keys) if g is not None]
+        groups = [g for g in map(get, keys) if g is not None and not g.doomed]
         old = self._pins.get(holder)
         if old is not None and old.groups == groups:
             # A repeated lookup of the same prompt (the common case): the same groups are held
@@ -354,21 +392,31 @@ class L1Store:
         return True
 
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        """Drop every evictable group of `model` and `cache_salt` (None: any); returns how many."""
+        """Remove every group of `model` and `cache_salt` (None: any) from view at once;
+        returns how many. An idle group is freed now; one that is pinned, being read or written
+        is invisible from now on and freed when the last of those ends (its slots stay put
+        until then, so no reader or writer ever sees them reused)."""
         doomed = [
             group
-            for key, group in self._lru.items()
-            if (model is None or key.model == model)
+            for key, group in self._groups.items()
+            if not group.doomed
+            and (model is None or key.model == model)
             and (cache_salt is None or key.cache_salt == cache_salt)
         ]
         for group in doomed:
-            self._lru_discard(group)
-            self._remove(group)
+            if self._lru_discard(group):
+                self._remove(group)
+                continue
+            if group.missing == 0:
+                self._ready_groups -= 1
+            group.doomed = True
         return len(doomed)
 
     def iter_groups(self) -> Iterator[tuple[ChunkKey, int, bool]]:
         """(key, READY shards, pinned) for every group, over a snapshot of the index."""
         for group in list(self._groups.values()):
+            if group.doomed:
+                continue
             yield group.key, group.key.world_size - group.missing, group.holds > 0
 
     # ---------------------------------------------------------------- internals
@@ -397,10 +445,15 @@ class L1Store:
         if group.holds:
             return
         self._held_groups -= 1
-        if group.staging:
+        self._settle(group)
+
+    def _settle(self, group: _Group) -> None:
+        """A group no longer held or staging goes back to the LRU order, or away when it has no
+        shard left (all aborted while it was held) or was cleared meanwhile."""
+        if group.staging or group.holds:
             return
-        if group.missing == group.key.world_size:
-            self._remove(group)  # every shard was aborted while it was held
+        if group.doomed or group.missing == group.key.world_size:
+            self._remove(group)
         else:
             self._lru_add(group)
 
@@ -410,16 +463,20 @@ class L1Store:
             self._unhold(group)
 
     def _drop_staging(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
+        self._detach_staging(key, worker_id, shard)
+        self._alloc.free(shard.offset, shard.nbytes)
+
+    def _detach_staging(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
+        """Take a staging shard out of its group (the caller frees or quarantines its range)."""
         del self._staging[key, worker_id]
         group = self._groups[key]
         group.shards[worker_id] = None
         group.staging -= 1
         group.nbytes -= shard.nbytes
-        self._alloc.free(shard.offset, shard.nbytes)
         if group.staging or group.holds:
             return
-        if group.missing == key.world_size:
-            del self._groups[key]
+        if group.doomed or group.missing == key.world_size:
+            self._remove(group)
         else:
             # Ready shards without this rank's cannot be hit until it is stored again.
             self._lru_add(group, most_recent=False)
@@ -431,7 +488,7 @@ class L1Store:
         """
         assert group.staging == 0 and group.holds == 0, "removing a busy group"
         del self._groups[group.key]
-        if group.missing == 0:
+        if group.missing == 0 and not group.doomed:
             self._ready_groups -= 1
         largest = 0
         for shard in group.shards:

@@ -1,0 +1,503 @@
+"""A bounded chaos run (`make soak`): verified load while clients, the server, Redis and the
+disk misbehave. Not a benchmark and not part of `make test`: it takes minutes and mounts a tmpfs.
+
+Client processes loop over lookups, stores and retrieves of a fixed set of prompts whose KV
+bytes are a pure function of the prompt, so every byte any client retrieves is checked against
+what it must be. Meanwhile a chaos loop, one action every couple of seconds:
+
+- pauses a client (SIGSTOP for 1-5 s, past the 2 s staging lease, then SIGCONT),
+- kills a client (SIGKILL) and starts a fresh one,
+- kills the server (SIGKILL) and restarts it on the same address and the same disk tier,
+- stops its private Redis (SIGKILL) and starts it again a few seconds later,
+- fills the disk tier's filesystem (a small tmpfs) with a filler file, and frees it later.
+
+Server kills stop at 60% of the run, so the last server lives long enough to measure drift.
+It prints operations, bytes verified, wrong bytes, acknowledged chunks lost (a store said
+"stored" but a lookup right after it, on the same server, missed them), L2 drops, and the RSS
+and fd drift of the last server and of the clients that lived through the run.
+
+    python -m benchmarks.soak --duration 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CS = 16
+SHAPE = (8, 2, CS, 4, 8)  # 16 KiB per chunk in float16
+CHUNK_BYTES = 2 * int(np.prod(SHAPE))
+NUM_PROMPTS = 96
+SPAWN = mp.get_context("spawn")
+
+
+def expected(n: int) -> np.ndarray:
+    """The KV bytes of prompt n: a pure function of n, so any process can check any retrieve."""
+    chunks = 1 + n % 4
+    raw = np.random.default_rng(n).bytes(chunks * CHUNK_BYTES)
+    return np.frombuffer(raw, dtype=np.float16).reshape(chunks, *SHAPE).copy()
+
+
+def tokens_of(n: int) -> list[int]:
+    return list(range(n * 10_000, n * 10_000 + (1 + n % 4) * CS))
+
+
+# -- client processes -----------------------------------------------------------------------------
+
+
+def worker(address: str, wid: int, seed: int, out: Any, stop: Any) -> None:
+    """One client process: verified lookups, retrieves and stores until `stop` is set."""
+    from kvtier.client import Client
+    from kvtier.errors import KVTierError
+
+    rng = random.Random(seed)
+    cache = {n: expected(n) for n in range(NUM_PROMPTS)}
+    c: Any = None
+    counts: Counter[str] = Counter()
+    last_report = 0.0
+    while not stop.is_set():
+        if time.monotonic() - last_report > 0.5:
+            out.put((wid, os.getpid(), dict(counts)))
+            last_report = time.monotonic()
+        try:
+            if c is None:
+                c = Client(address, timeout=5, connect_timeout=2)
+                c.register(model="soak", chunk_shape=SHAPE, dtype="float16")
+            _one_op(c, rng, cache, counts)
+        except KVTierError as exc:
+            counts[f"error:{type(exc).__name__}"] += 1
+            time.sleep(0.05)
+    out.put((wid, os.getpid(), dict(counts)))
+    if c is not None:
+        c.close()
+
+
+def _one_op(c: Any, rng: random.Random, cache: dict[int, np.ndarray], counts: Counter[str]) -> None:
+    n = rng.randrange(NUM_PROMPTS)
+    kv, tokens = cache[n], tokens_of(n)
+    rid = uuid.uuid4().hex
+    counts["ops"] += 1
+    # A third of the copies go through the slot API with a pause between being granted the
+    # slots and touching them, so a SIGSTOP often lands while a client holds slots.
+    slow = rng.random() < 0.33
+    try:
+        if rng.random() < 0.35:
+            epoch = c.server.server_id
+            if slow:
+                stored = _slow_store(c, rid, tokens, kv, rng)
+            else:
+                stored = c.store(rid, tokens, kv, model="soak")
+            counts["stores"] += 1
+            counts["acked_chunks"] += stored // CS
+            if stored:
+                hit = c.lookup(rid + "-check", tokens, model="soak")
+                c.end_session(rid + "-check")
+                if c.server.server_id == epoch and hit < stored:
+                    counts["acked_lost"] += (stored - hit) // CS
+            return
+        hit = c.lookup(rid, tokens, model="soak")
+        counts["lookups"] += 1
+        if not hit:
+            return
+        out = np.zeros_like(kv)
+        if slow:
+            got = _slow_retrieve(c, rid, tokens, out, hit, rng, kv, counts)
+        else:
+            got = c.retrieve(rid, tokens, out, model="soak", end=hit)
+        counts["retrieves"] += 1
+        k = got // CS
+        a, b = out[:k].view(np.uint8), kv[:k].view(np.uint8)
+        counts["bytes_verified"] += a.size
+        counts["wrong_bytes"] += int(np.count_nonzero(a != b))
+    finally:
+        with contextlib.suppress(Exception):
+            c.end_session(rid)
+
+
+def _slow_store(c: Any, rid: str, tokens: list[int], kv: np.ndarray, rng: random.Random) -> int:
+    rows = kv.reshape(kv.shape[0], -1).view(np.uint8)
+    end = kv.shape[0] * CS
+    with c.store_slots(
+        rid, tokens, model="soak", end=end, chunk_shape=SHAPE, dtype="float16"
+    ) as slots:
+        time.sleep(rng.uniform(0, 0.03))
+        for i, view in slots.targets():
+            view[:] = rows[i]
+    return int(slots.stored_tokens)
+
+
+def _slow_retrieve(
+    c: Any,
+    rid: str,
+    tokens: list[int],
+    out: np.ndarray,
+    hit: int,
+    rng: random.Random,
+    kv: np.ndarray,
+    counts: Counter[str],
+) -> int:
+    """Copy out through retrieve_slots after a pause. When done() says LEASE_EXPIRED the copy is
+    discarded, as an engine must; it is still compared, to count wrong bytes in what kvtier
+    refused to vouch for (the quarantine should make that 0 as well)."""
+    from kvtier.errors import LeaseExpiredError
+
+    rows = out.reshape(out.shape[0], -1).view(np.uint8)
+    got = c.retrieve_slots(rid, tokens, model="soak", end=hit, chunk_shape=SHAPE, dtype="float16")
+    try:
+        time.sleep(rng.uniform(0, 0.03))
+        for i, view in enumerate(got.views):
+            rows[i] = view
+    finally:
+        try:
+            got.done()
+        except LeaseExpiredError:
+            k = got.num_chunks
+            a, b = out[:k].view(np.uint8), kv[:k].view(np.uint8)
+            counts["discarded_bytes"] += a.size
+            counts["discarded_wrong_bytes"] += int(np.count_nonzero(a != b))
+            raise
+    return int(got.num_chunks * CS)
+
+
+# -- the parts: Redis, the disk, the server -------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Parts:
+    """The processes and places one soak run owns; all removed at the end."""
+
+    root: Path
+    redis_port: int = field(default_factory=free_port)
+    redis: subprocess.Popen[bytes] | None = None
+    server: subprocess.Popen[str] | None = None
+    address: str = ""
+    admin: str = ""
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def disk(self) -> Path:
+        return self.root / "disk"
+
+    def start_redis(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            sys.exit("soak: redis-server is not on PATH (apt-get install redis-server)")
+        self.redis = subprocess.Popen(
+            [exe, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def stop_redis(self) -> None:
+        if self.redis is not None:
+            self.redis.kill()
+            self.redis.wait()
+            self.redis = None
+
+    def mount_disk(self, size: str) -> None:
+        self.disk.mkdir(parents=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.disk)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            sys.exit(
+                f"soak: cannot mount a {size} tmpfs for the disk tier ({done.stderr.strip()}); "
+                "run it as root (or with CAP_SYS_ADMIN)"
+            )
+
+    def start_server(self) -> None:
+        self.address = self.address or f"ipc://{self.root}/kvtier.sock"
+        argv = [
+            sys.executable, "-m", "kvtier.cli", "serve", "--address", self.address,
+            "--admin-port", "0", "--l1-size", "8MiB", "--chunk-size", str(CS),
+            "--staging-lease", "2", "--client-timeout", "3", "--reap-interval", "0.5",
+            "--l2", f"disk://{self.disk}?size=64MiB",
+            "--l2", f"redis://127.0.0.1:{self.redis_port}/0?timeout=0.5&connect_timeout=0.5",
+        ]  # fmt: skip
+        self.server = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert self.server.stdout is not None
+        for line in self.server.stdout:
+            self.log.append(line)
+            if line.startswith("admin: http"):
+                self.admin = line.split()[1]
+            if line.startswith("kvtier: ready"):
+                break
+        else:
+            sys.exit("soak: the server did not start:\n" + "".join(self.log[-30:]))
+        proc = self.server
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.log.append(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def kill_server(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+            self.server.wait()
+            self.server = None
+
+    def status(self) -> dict[str, Any]:
+        import httpx
+
+        return httpx.get(self.admin + "/status", timeout=5).json()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.send_signal(signal.SIGINT)
+            try:
+                self.server.wait(15)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+        self.stop_redis()
+        subprocess.run(["umount", "-l", str(self.disk)], capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def rss_and_fds(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    parts: Parts
+    duration: float
+    num_clients: int
+    rng: random.Random
+    out: Any = field(default_factory=lambda: SPAWN.Queue())
+    stop: Any = field(default_factory=lambda: SPAWN.Event())
+    clients: dict[int, Any] = field(default_factory=dict)
+    totals: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
+    chaos: Counter[str] = field(default_factory=Counter)
+    next_wid: int = 0
+    server_samples: list[tuple[float, int, int]] = field(default_factory=list)
+    # the last /status of each server incarnation (counters restart with the server)
+    statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
+    last_status_at: float = 0.0
+    client_samples: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def spawn_client(self) -> None:
+        wid = self.next_wid
+        self.next_wid += 1
+        proc = SPAWN.Process(
+            target=worker,
+            args=(self.parts.address, wid, self.rng.randrange(2**32), self.out, self.stop),
+        )
+        proc.start()
+        self.clients[wid] = proc
+
+    def drain(self) -> None:
+        while True:
+            try:
+                wid, pid, counts = self.out.get_nowait()
+            except Exception:
+                return
+            self.totals[wid, pid] = counts
+
+    def sample(self) -> None:
+        if self.parts.server is not None and time.monotonic() - self.last_status_at > 2:
+            self.last_status_at = time.monotonic()
+            with contextlib.suppress(Exception):
+                self.statuses[self.parts.server.pid] = self.parts.status()
+        if self.parts.server is not None:
+            with contextlib.suppress(OSError, StopIteration):
+                rss, fds = rss_and_fds(self.parts.server.pid)
+                self.server_samples.append((time.monotonic(), rss, fds))
+        for wid, proc in self.clients.items():
+            with contextlib.suppress(OSError, StopIteration):
+                self.client_samples.setdefault(wid, []).append(rss_and_fds(proc.pid))
+
+    def chaos_step(self, elapsed: float) -> None:
+        actions = ["pause", "pause", "kill_client", "redis", "disk"]
+        if elapsed < 0.6 * self.duration:
+            actions.append("kill_server")
+        action = self.rng.choice(actions)
+        self.chaos[action] += 1
+        if action == "pause":
+            wid = self.rng.choice(list(self.clients))
+            pid = self.clients[wid].pid
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(self.rng.uniform(1, 5), _cont, args=(pid,)).start()
+        elif action == "kill_client":
+            wid = self.rng.choice(list(self.clients))
+            self.clients.pop(wid).kill()
+            self.client_samples.pop(wid, None)
+            self.spawn_client()
+        elif action == "kill_server":
+            self.parts.kill_server()
+            time.sleep(self.rng.uniform(0.2, 1.5))
+            self.parts.start_server()
+            self.server_samples.clear()  # drift is measured over the last server's lifetime
+        elif action == "redis":
+            self.parts.stop_redis()
+            threading.Timer(self.rng.uniform(2, 6), self._restart_redis).start()
+        elif action == "disk":
+            filler = self.parts.disk / f"filler-{uuid.uuid4().hex}"
+            with contextlib.suppress(OSError), open(filler, "wb") as f:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+            free_later = threading.Timer(
+                self.rng.uniform(3, 8), filler.unlink, kwargs={"missing_ok": True}
+            )
+            free_later.start()
+
+    def _restart_redis(self) -> None:
+        if self.parts.redis is None:
+            self.parts.start_redis()
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def _drift(samples: list[tuple[int, int]]) -> tuple[float, int]:
+    """(RSS drift as a fraction, fd drift) from the first sample after warm-up to the last."""
+    if len(samples) < 3:
+        return 0.0, 0
+    first = samples[len(samples) // 5]  # skip the warm-up fifth
+    last = samples[-1]
+    return (last[0] - first[0]) / first[0], last[1] - first[1]
+
+
+def soak(duration: float, num_clients: int, seed: int, disk_size: str) -> dict[str, Any]:
+    parts = Parts(Path(tempfile.mkdtemp(prefix="kvtier-soak-")))
+    run = Run(parts, duration, num_clients, random.Random(seed))
+    try:
+        parts.mount_disk(disk_size)
+        parts.start_redis()
+        time.sleep(0.3)
+        parts.start_server()
+        for _ in range(num_clients):
+            run.spawn_client()
+        t0 = time.monotonic()
+        next_chaos = t0 + 3
+        while (elapsed := time.monotonic() - t0) < duration:
+            run.drain()
+            run.sample()
+            if time.monotonic() >= next_chaos and elapsed < duration - 5:
+                run.chaos_step(elapsed)
+                next_chaos = time.monotonic() + run.rng.uniform(1.5, 3.5)
+            time.sleep(0.5)
+        if parts.redis is None:
+            parts.start_redis()
+        for proc in run.clients.values():
+            _cont(proc.pid)  # a paused one must see the stop event too
+        time.sleep(3)
+        final_status = parts.status()
+        assert parts.server is not None
+        run.statuses[parts.server.pid] = final_status
+        run.stop.set()
+        for proc in run.clients.values():
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+        run.drain()
+    finally:
+        run.stop.set()
+        for proc in run.clients.values():
+            if proc.is_alive():
+                _cont(proc.pid)
+                proc.kill()
+        parts.close()
+    totals: Counter[str] = Counter()
+    for counts in run.totals.values():
+        totals.update(counts)
+    server_rss, server_fds = _drift([(r, f) for _, r, f in run.server_samples])
+    client_drifts = [_drift(s) for s in run.client_samples.values() if len(s) > 10]
+    summed: Counter[str] = Counter()
+    for st in run.statuses.values():
+        for section in ("l2", "fencing"):
+            for key, value in (st.get(section) or {}).items():
+                if isinstance(value, int) and key not in ("queue_capacity",):
+                    summed[f"{section}.{key}"] += value
+    return {
+        "duration_s": duration,
+        "clients": num_clients,
+        "operations": totals["ops"],
+        "lookups": totals["lookups"],
+        "retrieves": totals["retrieves"],
+        "stores": totals["stores"],
+        "bytes_verified": totals["bytes_verified"],
+        "wrong_bytes": totals["wrong_bytes"],
+        "acknowledged_chunks": totals["acked_chunks"],
+        "acknowledged_chunks_lost": totals["acked_lost"],
+        "discarded_bytes": totals["discarded_bytes"],
+        "discarded_wrong_bytes": totals["discarded_wrong_bytes"],
+        "client_errors": {k[6:]: v for k, v in sorted(totals.items()) if k.startswith("error:")},
+        "chaos": dict(run.chaos),
+        "server_incarnations": len(run.statuses),
+        "l2_submitted": summed["l2.submitted"],
+        "l2_written": summed["l2.written"],
+        "l2_dropped": summed["l2.dropped"],
+        "l2_write_errors": summed["l2.write_errors"],
+        "lease_expired_answers": summed["fencing.lease_expired"],
+        "server_rss_drift": round(server_rss, 4),
+        "server_fd_drift": server_fds,
+        "server_samples": len(run.server_samples),
+        "client_rss_drift_max": round(max((d[0] for d in client_drifts), default=0.0), 4),
+        "client_fd_drift_max": max((d[1] for d in client_drifts), default=0),
+        "traceback_in_server_log": any("Traceback" in line for line in parts.log),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of chaos")
+    parser.add_argument("--clients", type=int, default=4, help="client processes")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--disk-size", default="6m", help="size of the disk tier's tmpfs")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    result = soak(args.duration, args.clients, args.seed, args.disk_size)
+    for key, value in result.items():
+        print(f"{key:28} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    ok = (
+        result["wrong_bytes"] == 0
+        and result["acknowledged_chunks_lost"] == 0
+        and result["server_rss_drift"] <= 0.10
+    )
+    print("soak:", "PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Who may talk to the data port, and in whose name: credentials checked at the handshake.
+
+A tokens file lists one credential a line: `TOKEN TENANT [SALT ...]`. A client names its token
+in Hello; the connection then acts for TENANT: its sessions, layouts and chunk names live in
+that tenant's namespace (two tokens with the same TENANT share them: the scheduler and workers
+of one engine), and it may use only the listed cache salts (none listed: any). Without a tokens
+file every client is the anonymous tenant "", which the server allows only on ipc:// and
+loopback tcp, where the operating system already decides who can connect.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import UnauthorizedError
+
+__all__ = [
+    "ANONYMOUS",
+    "Authenticator",
+    "Credential",
+    "is_local_address",
+    "redact",
+    "scoped",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """What one token allows: acting for `tenant`, under `salts` (None: any salt)."""
+
+    tenant: str
+    salts: frozenset[str] | None = None
+
+    def check_salt(self, cache_salt: str) -> None:
+        if self.salts is not None and cache_salt not in self.salts:
+            raise UnauthorizedError(
+                f"cache_salt {cache_salt[:64]!r} is not allowed for tenant {self.tenant!r} "
+                "(see its line in --auth-tokens-file)"
+            )
+
+
+ANONYMOUS = Credential("")
+
+
+def scoped(tenant: str, name: str) -> str:
+    """`name` inside `tenant`'s namespace; the anonymous tenant keeps names as they are."""
+    return f"{tenant}\x00{name}" if tenant else name
+
+
+class Authenticator:
+    """The credentials a server accepts; empty means authentication is off."""
+
+    def __init__(self, credentials: dict[str, Credential] | None = None) -> None:
+        self._credentials = dict(credentials or {})
+
+    @property
+    def required(self) -> bool:
+        return bool(self._credentials)
+
+    @classmethod
+    def from_file(cls, path: str | None) -> Authenticator:
+        """Read a tokens file (see the module doc); ValueError names the line that is wrong."""
+        if not path:
+            return cls()
+        credentials: dict[str, Credential] = {}
+        text = Path(path).expanduser().read_text()
+        for n, line in enumerate(text.splitlines(), 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if len(words) < 2 or len(words[0]) < 16:
+                raise ValueError(
+                    f"{path}:{n}: expected 'TOKEN TENANT [SALT ...]' with a token of at least "
+                    "16 characters"
+                )
+            token, tenant, *salts = words
+            credentials[token] = Credential(tenant, frozenset(salts) if salts else None)
+        if not credentials:
+            raise ValueError(f"{path}: no credentials in the tokens file")
+        return cls(credentials)
+
+    def authenticate(self, token: str) -> Credential:
+        """The credential a Hello's token stands for; UnauthorizedError when none."""
+        if not self.required:
+            return ANONYMOUS
+        found: Credential | None = None
+        given = token.encode("utf-8", "surrogatepass")
+        for known, credential in self._credentials.items():  # constant time per candidate
+            if hmac.compare_digest(known.encode(), given):
+                found = credential
+        if found is None:
+            raise UnauthorizedError(
+                "this server requires a credential: pass Client(..., token=...) with a token "
+                "from its --auth-tokens-file" + (" (the one given is not known)" if token else "")
+            )
+        return found
+
+
+def is_local_address(address: str) -> bool:
+    """True for ipc:// and inproc:// addresses and tcp ones bound to a loopback interface."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "", "0.0.0.0", "::"):
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:  # a host name: loopback when every address it names is
+            infos = socket.getaddrinfo(host, None)
+        except OSError:
+            return False
+        return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+_URL_PASSWORD = re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", re.IGNORECASE)
+_SECRET_QUERY = re.compile(r"((?:password|passwd|token|secret)=)[^&\s]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` (a URL, or a message that quotes one) with URL passwords (`redis://:pw@host`)
+    and secret query parameters replaced by `***`, for logs, status and error messages."""
+    return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))

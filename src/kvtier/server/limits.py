@@ -1,0 +1,144 @@
+"""Bounds on every count and size a request carries, checked before the server does any work.
+
+A request is decoded by msgspec (types only), then `Limits.check` refuses any value that would
+make the server allocate or loop in proportion to a number the client chose: a world size of
+2**31, a range of 2**40 tokens, a chunk shape whose product exceeds the arena, a megabyte model
+name. Only then does a handler touch the L1, the sessions or the tiers. Frames themselves are
+bounded earlier, by ZMQ (`max_frame_bytes` becomes the socket's MAXMSGSIZE, so an oversized
+frame is refused before it is read into memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtier import protocol as p
+from kvtier.errors import BadArrayError, InvalidArgumentError, MisalignedRangeError
+
+__all__ = ["Limits", "SessionBounds"]
+
+
+class SessionBounds(msgspec.Struct, frozen=True, kw_only=True):
+    """What the session bounds hold now and have shed, for status and metrics."""
+
+    tokens: int  # tokens held by all sessions together (--max-session-tokens)
+    shed: int  # sessions ended early, longest-idle first, to keep within the bounds
+
+
+#: longest accepted request id, model name, cache salt, client id or token (UTF-8 bytes)
+MAX_NAME_BYTES = 1024
+#: most dimensions a chunk shape may have, and most entries in a Hello's contract_info
+MAX_DIMS = 16
+MAX_CONTRACT_FIELDS = 32
+
+
+def _name(field: str, value: str, limit: int = MAX_NAME_BYTES) -> None:
+    if len(value) > limit or len(value.encode("utf-8", "surrogatepass")) > limit:
+        raise InvalidArgumentError(f"{field} is longer than {limit} bytes ({value[:32]!r}...)")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The bounds one server enforces; built from its ServerConfig."""
+
+    chunk_size: int
+    max_request_tokens: int
+    max_world_size: int
+    max_chunk_bytes: int  # a chunk shard larger than this could never fit the arena anyway
+
+    @property
+    def max_request_chunks(self) -> int:
+        return self.max_request_tokens // self.chunk_size
+
+    def check(self, req: p.Request) -> None:
+        """Raise a typed error naming the value and the knob when `req` is out of bounds."""
+        match req:
+            case p.Hello():
+                _name("client_id", req.client_id, 128)
+                if len(req.contract_info) > MAX_CONTRACT_FIELDS:
+                    raise InvalidArgumentError(
+                        f"contract_info has {len(req.contract_info)} entries; at most "
+                        f"{MAX_CONTRACT_FIELDS}"
+                    )
+                if not 0 <= req.pid < 2**31:
+                    raise InvalidArgumentError(f"pid {req.pid} is not a process id")
+            case p.Register():
+                _name("model", req.model)
+                self._world(req.world_size, req.worker_id)
+                self._shape(req.chunk_shape, req.dtype)
+            case p.Lookup():
+                self._strings(req.request_id, req.model, req.cache_salt)
+                self._world(req.world_size, 0)
+                self._tokens(req.tokens)
+            case p.RangeRequest():
+                self._strings(req.request_id, req.model, req.cache_salt)
+                self._world(req.world_size, req.worker_id)
+                self._shape(req.chunk_shape, req.dtype)
+                self._tokens(req.tokens)
+                self._range(req.start, req.end, req.num_chunks)
+            case p.KeyRequest():
+                self._strings(req.request_id, req.model, req.cache_salt)
+                self._world(req.world_size, req.worker_id)
+                self._shape(req.chunk_shape, req.dtype)
+            case p.ExistsKeys():
+                self._strings("", req.model, req.cache_salt)
+                self._world(req.world_size, 0)
+            case p.Release() | p.EndSession():
+                _name("request_id", req.request_id)
+            case _:
+                pass  # ids and empty messages: nothing to bound
+
+    def _strings(self, request_id: str, model: str, cache_salt: str) -> None:
+        _name("request_id", request_id)
+        _name("model", model)
+        _name("cache_salt", cache_salt)
+
+    def _world(self, world_size: int, worker_id: int) -> None:
+        if not 1 <= world_size <= self.max_world_size:
+            raise InvalidArgumentError(
+                f"world_size {world_size} is outside 1..{self.max_world_size} (--max-world-size)"
+            )
+        if not 0 <= worker_id < world_size:
+            raise InvalidArgumentError(
+                f"worker_id {worker_id} is outside range(world_size={world_size})"
+            )
+
+    def _shape(self, chunk_shape: list[int], dtype: str) -> None:
+        _name("dtype", dtype, 32)
+        if not 0 < len(chunk_shape) <= MAX_DIMS:
+            raise BadArrayError(
+                f"chunk shape {chunk_shape[:MAX_DIMS]} must have 1..{MAX_DIMS} dimensions"
+            )
+        if any(d <= 0 for d in chunk_shape):
+            raise BadArrayError(f"chunk shape {chunk_shape} must be positive")
+        # The product may be astronomically large; math.prod of <= 16 ints is cheap regardless.
+        # Every dtype has at least one byte per element, so more elements than arena bytes
+        # can never be stored.
+        elements = math.prod(chunk_shape)
+        if elements > self.max_chunk_bytes:
+            raise BadArrayError(
+                f"a chunk of shape {chunk_shape} ({elements} elements) cannot fit the "
+                f"{self.max_chunk_bytes}-byte arena (--l1-size)"
+            )
+
+    def _tokens(self, tokens: bytes) -> None:
+        if len(tokens) > 4 * self.max_request_tokens:
+            raise InvalidArgumentError(
+                f"{len(tokens) // 4} tokens in one request; at most {self.max_request_tokens} "
+                "(--max-request-tokens)"
+            )
+
+    def _range(self, start: int, end: int, num_chunks: int) -> None:
+        if not 0 <= start <= end <= self.max_request_tokens:
+            raise MisalignedRangeError(
+                f"token range [{start}, {end}) must satisfy 0 <= start <= end <= "
+                f"{self.max_request_tokens} (--max-request-tokens)"
+            )
+        if not 0 <= num_chunks <= self.max_request_chunks:
+            raise BadArrayError(
+                f"{num_chunks} chunks in one request; at most {self.max_request_chunks} "
+                "(--max-request-tokens / --chunk-size)"
+            )
