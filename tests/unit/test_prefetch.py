@@ -40,8 +40,8 @@ def test_loads_leading_groups_complete_in_l2(arena: Arena, tmp_path: Path) -> No
     l1 = L1Store(arena.size)
     with prefetch(l1, arena, tiers, chain, nbytes=NBYTES, layout=LAYOUT, lease_s=5) as loaded:
         assert loaded == chain[:2]
-        assert l1.stats()["pinned_groups"] == 2  # held while the caller pins them
-    assert l1.stats()["pinned_groups"] == 0
+        assert l1.stats().pinned_groups == 2  # held while the caller pins them
+    assert l1.stats().pinned_groups == 0
     assert l1.count_prefix(chain) == 2
     offset, size, _ = l1.get_shard(chain[1], 1) or (0, 0, "")
     assert bytes(arena.view(offset, size)) == bytes([3]) * NBYTES
@@ -61,6 +61,6 @@ def test_a_corrupted_shard_ends_the_run_and_leaves_no_staging(arena: Arena, tmp_
     l1 = L1Store(arena.size)
     with prefetch(l1, arena, tiers, chain, nbytes=NBYTES, layout=LAYOUT, lease_s=5) as loaded:
         assert loaded == chain[:1]
-    assert l1.stats()["staging_shards"] == 0
+    assert l1.stats().staging_shards == 0
     assert disk.stats()["corrupt"] == 1
     tiers.close()

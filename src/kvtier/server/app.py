@@ -3,15 +3,25 @@ built from one ServerConfig, started in order and stopped in reverse."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
-from kvtier.config import ServerConfig, format_size
+from kvtier.config import ServerConfig, admin_token_file, format_size
+from kvtier.periodic import (
+    PeriodicThread,
+    PeriodicThreadRegistry,
+    ThreadLevel,
+    create_periodic_thread,
+)
 from kvtier.server.admin import AdminServer, start_admin_server
 from kvtier.server.engine import Engine
 from kvtier.server.transport import Transport
+from kvtier.server.views import AdminViews
 from kvtier.storage.arena import default_arena_name
 from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.base import open_tier
@@ -19,6 +29,9 @@ from kvtier.storage.tiers.base import open_tier
 __all__ = ["KVTierServer"]
 
 logger = logging.getLogger(__name__)
+
+#: seconds between looks at the L2 tiers' error counters (what makes /health say degraded)
+TIER_WATCH_INTERVAL_S = 2.0
 
 
 class KVTierServer:
@@ -31,6 +44,8 @@ class KVTierServer:
         self.admin: AdminServer | None = None
         self.transport: Transport | None = None
         self.admin_error = ""
+        self.token_file: Path | None = None
+        self._tier_watch: PeriodicThread | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         l2_urls = config.l2_urls(config.arena_name)
         if l2_urls:
@@ -50,6 +65,16 @@ class KVTierServer:
             if self.tiers is not None:
                 self.tiers.close()
             raise
+        self.views = AdminViews(self.engine)
+        if self.tiers is not None:
+            self.tiers.on_io = self.engine.metrics.observe_tier
+            self._tier_watch = create_periodic_thread(
+                f"tier-watch-{self.engine.arena.name}",
+                TIER_WATCH_INTERVAL_S,
+                self.views.check_tiers,
+                ThreadLevel.LOW,
+                start=True,
+            )
         try:
             if config.admin_port >= 0:
                 self.admin = self._start_admin()
@@ -62,13 +87,27 @@ class KVTierServer:
         """The admin API; a port already in use costs the API, never the cache service."""
         cfg = self.config
         try:
-            return start_admin_server(
-                self.engine, host=cfg.admin_host, port=cfg.admin_port, token=cfg.admin_token
+            admin = start_admin_server(
+                self.views, host=cfg.admin_host, port=cfg.admin_port, token=cfg.admin_token
             )
         except OSError as exc:
-            self.admin_error = f"disabled: {exc}"
-            logger.error("admin API disabled: %s (choose another --admin-port)", exc)
+            self.admin_error = f"disabled: {exc.strerror or exc}"
+            reason = exc.strerror or exc
+            logger.error("admin API disabled: %s (choose another --admin-port)", reason)
             return None
+        if cfg.admin_token is None:
+            # Changes (clear, end a session) need a credential even on loopback: a token only
+            # this user can read, which `kvtier clear` picks up by the admin port.
+            try:
+                path = admin_token_file(admin.port, create_dir=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    os.fchmod(f.fileno(), 0o600)
+                    f.write(admin.token + "\n")
+                self.token_file = path
+            except (OSError, ValueError) as exc:
+                logger.error("admin token file not written (%s): pass --admin-token", exc)
+        return admin
 
     def run(self) -> None:
         """Serve until a signal (or `stop_event`) says stop, then shut down cleanly."""
@@ -76,7 +115,7 @@ class KVTierServer:
             signal.signal(signum, self._on_signal)
         assert self.transport is not None
         cfg = self.config
-        l2 = ", ".join(cfg.l2_urls(self.engine.arena.name)) or "none"
+        l2 = ", ".join(cfg.l2_display(self.engine.arena.name)) or "none"
         print(f"kvtier: listening on {', '.join(self.transport.addresses)}", flush=True)
         print(
             f"kvtier: L1 {format_size(self.engine.arena.size)} in /dev/shm/{self.engine.arena.name}"
@@ -85,7 +124,8 @@ class KVTierServer:
             flush=True,
         )
         if self.admin is not None:
-            print(f"admin: {self.admin.url}", flush=True)
+            where = f" (token for changes: {self.token_file})" if self.token_file else ""
+            print(f"admin: {self.admin.url}{where}", flush=True)
         elif self.admin_error:
             print(f"admin: {self.admin_error}", flush=True)
         print("kvtier: ready", flush=True)
@@ -107,4 +147,12 @@ class KVTierServer:
         if self.admin is not None:
             self.admin.stop()
             self.admin = None
+        if self.token_file is not None:
+            with contextlib.suppress(OSError):
+                self.token_file.unlink()
+            self.token_file = None
+        if self._tier_watch is not None:
+            self._tier_watch.stop()
+            PeriodicThreadRegistry.get_instance().unregister(self._tier_watch.name)
+            self._tier_watch = None
         self.engine.close()

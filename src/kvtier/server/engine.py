@@ -48,6 +48,7 @@ from kvtier.periodic import (
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Peer, Reservation, RetrieveLease
 from kvtier.session import Session, SessionManager
+from kvtier.snapshots import ErrorRecord, Registration
 from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
@@ -99,9 +100,9 @@ class Engine:
         self.sessions.destroy_listeners.append(self._on_session_destroyed)
         self.layouts = LayoutRegistry()
         self.leases = LeaseBook(clock)
-        self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
+        self.recent_errors: deque[ErrorRecord] = deque(maxlen=50)
         self._ending: set[str] = set()  # sessions being ended on purpose, not expired
-        self._orphaned = 0  # expired sessions that still held pins
+        self.orphaned_sessions = 0  # expired sessions that still held pins
         self._lookup_requested = 0
         self._lookup_hit = 0
         self._closed = False
@@ -115,7 +116,6 @@ class Engine:
                 registry=self._registry,
                 start=True,
             )
-        self.metrics.bind_state(self.status)
 
     # -- the one entry point --------------------------------------------------------------------
 
@@ -143,13 +143,10 @@ class Engine:
 
     def _record_error(self, operation: str, exc: KVTierError) -> None:
         self.metrics.count_error(operation, exc.code.name)
-        self._recent_errors.append(
-            {
-                "time": time.time(),
-                "operation": operation,
-                "code": exc.code.name,
-                "message": exc.message,
-            }
+        self.recent_errors.append(
+            ErrorRecord(
+                time=time.time(), operation=operation, code=exc.code.name, message=exc.message
+            )
         )
 
     def _dispatch(self, identity: bytes, req: p.Request, payloads: Sequence[Any]) -> list[Any]:
@@ -227,13 +224,19 @@ class Engine:
         layout = self.layouts.register(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
-        registration = {
-            "model": req.model,
-            "world_size": req.world_size,
-            "worker_id": req.worker_id,
-            "chunk_shape": list(layout.chunk_shape),
-            "dtype": layout.dtype,
-        }
+        if layout.nbytes * req.world_size > self.arena.size:
+            raise NoSpaceError(
+                f"one chunk of {req.model!r} needs {layout.nbytes * req.world_size} bytes "
+                f"({req.world_size} ranks of {layout.nbytes}), more than the whole L1 of "
+                f"{self.arena.size} bytes: restart the server with a larger --l1-size"
+            )
+        registration = Registration(
+            model=req.model,
+            world_size=req.world_size,
+            worker_id=req.worker_id,
+            chunk_shape=list(layout.chunk_shape),
+            dtype=layout.dtype,
+        )
         if registration not in client.registrations:
             client.registrations.append(registration)
         return p.Ok()
@@ -311,7 +314,7 @@ class Engine:
         with self._lock:
             held_pins = self.l1.unpin(session.request_id)
             if held_pins and session.request_id not in self._ending:
-                self._orphaned += 1  # the engine abandoned it mid-flight, holding cache
+                self.orphaned_sessions += 1  # the engine abandoned it mid-flight, holding cache
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -344,7 +347,7 @@ class Engine:
         hit_tokens = hit * self.chunk_size
         self._lookup_requested += session.num_tokens
         self._lookup_hit += hit_tokens
-        self.metrics.observe_lookup(req.model, req.cache_salt, session.num_tokens, hit_tokens)
+        self.metrics.observe_lookup(req.model, session.num_tokens, hit_tokens)
         return p.LookupReply(hit_tokens)
 
     def _prefetch(self, req: p.Lookup, keys: list[ChunkKey], hit: int) -> int:
@@ -564,83 +567,19 @@ class Engine:
     def is_ready(self) -> bool:
         return not self._closed
 
-    def status(self) -> dict[str, Any]:
-        """The JSON-safe picture of the server the admin API and metrics read."""
-        now = self.clock()
-        with self._lock:
-            l1 = self.l1.stats()
-            clients = [
-                {
-                    "client_id": c.client_id,
-                    "connected_s": now - c.connected_at,
-                    "last_seen_s": now - c.last_seen,
-                    "registrations": list(c.registrations),
-                }
-                for c in self.leases.peers.values()
-            ]
-            recent = list(self._recent_errors)
-        l2: dict[str, Any] = (
-            self.tiers.summary()
-            if self.tiers is not None
-            else {
-                "queue_depth": 0,
-                "queue_capacity": 0,
-                "policy": self.config.l2_queue_policy,
-                "submitted": 0,
-                "written": 0,
-                "dropped": 0,
-                "write_errors": 0,
-                "tiers": [],
-            }
-        )
-        return {
-            "version": kvtier.__version__,
-            "uptime_s": time.time() - self.started_at,
-            "ready": self.is_ready(),
-            "config": self.config.to_dict(),
-            "l1": {k: l1[k] for k in l1},
-            "l2": l2,
-            "clients": clients,
-            "sessions": {
-                "active": self.sessions.active_count(),
-                "created": self.sessions.created_count,
-                # expired: left without end_session (SessionManager calls these orphans);
-                # orphaned: those of them that still held pinned chunks when they expired
-                "expired": self.sessions.orphaned_count,
-                "orphaned": self._orphaned,
-            },
-            "lookup": {"requested_tokens": self._lookup_requested, "hit_tokens": self._lookup_hit},
-            "recent_errors": recent,
-        }
+    def lookup_totals(self) -> tuple[int, int]:
+        """(tokens asked about, tokens found cached) by every lookup since start."""
+        return self._lookup_requested, self._lookup_hit
 
-    def _session_dict(self, session: Session) -> dict[str, Any]:
-        data = session.to_dict()
-        data["pinned_chunks"] = len(self.l1.pinned_keys(session.request_id))
-        return data
-
-    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        sessions = sorted(self.sessions.sessions(), key=lambda s: s.created_at, reverse=True)
-        with self._lock:
-            page = [self._session_dict(s) for s in sessions[offset : offset + limit]]
-        return len(sessions), page
-
-    def get_session(self, request_id: str) -> dict[str, Any] | None:
-        session = self.sessions.peek(request_id)
-        if session is None:
-            return None
-        with self._lock:
-            return self._session_dict(session)
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every read of the engine's state takes (the admin views use it)."""
+        return self._lock
 
     def end_session(self, request_id: str) -> bool:
+        """End a session on purpose and drop its pins; False if there was none."""
         with self._lock:
             return self._remove_session(request_id) is not None
-
-    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        with self._lock:
-            cleared = self.l1.clear(model=model, cache_salt=cache_salt)
-        if self.tiers is not None:
-            cleared += self.tiers.clear(model=model, cache_salt=cache_salt)
-        return cleared
 
     # -- lifecycle ------------------------------------------------------------------------------
 

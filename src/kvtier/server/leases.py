@@ -12,10 +12,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtier.errors import UnknownReservationError
 from kvtier.keys import ChunkKey
+from kvtier.snapshots import Registration
 
 __all__ = ["LeaseBook", "Peer", "Reservation", "RetrieveLease"]
 
@@ -27,7 +27,7 @@ class Peer:
     client_id: str
     connected_at: float
     last_seen: float
-    registrations: list[dict[str, Any]] = field(default_factory=list)
+    registrations: list[Registration] = field(default_factory=list)
 
 
 @dataclass(slots=True)

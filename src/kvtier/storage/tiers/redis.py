@@ -34,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from typing_extensions import Buffer
 
+from kvtier.config import redact_url
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.base import TierStats
@@ -275,9 +276,11 @@ class RedisTier:
             was_up = time.monotonic() >= self._down_until
             self._down_until = time.monotonic() + self.cooldown
             if was_up:
-                logger.warning("redis tier %s unreachable on %s: %s", self.url, what, exc)
+                logger.warning(
+                    "redis tier %s unreachable on %s: %s", redact_url(self.url), what, exc
+                )
         else:
-            logger.warning("redis tier %s failed on %s: %s", self.url, what, exc)
+            logger.warning("redis tier %s failed on %s: %s", redact_url(self.url), what, exc)
 
     # -- raw GET / SET ------------------------------------------------------------------------
 
@@ -550,7 +553,9 @@ class RedisTier:
         maxmemory as capacity_bytes and the db's key count (all prefixes) as objects."""
         with self._lock:
             out: TierStats = dict(self._n)
-        out.update(used_bytes=0, capacity_bytes=0, objects=0, url=self.url, prefix=self.prefix)
+        out.update(
+            used_bytes=0, capacity_bytes=0, objects=0, url=redact_url(self.url), prefix=self.prefix
+        )
         out["ttl"] = self.ttl or 0
         if time.monotonic() >= self._down_until:
             try:

@@ -1,0 +1,278 @@
+"""The admin views of a running server: status, health, sessions and clear, read from the engine
+and returned as typed snapshots (`kvtier.snapshots`).
+
+The admin API, the metrics collector and `kvtier status` read these; the engine only serves
+requests. `TierWatch` turns growing L2 error counters into what an operator sees: `/health`
+degraded with the reason, an entry in the recent errors, and one log line per tier at most every
+`log_every_s` seconds (a dead Redis fails every call: one line per call would flood the log).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtier._version import __version__
+from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
+from kvtier.server.engine import Engine
+from kvtier.session import Session
+from kvtier.snapshots import (
+    ClientInfo,
+    ErrorRecord,
+    L2Summary,
+    LookupTotals,
+    ServerStatus,
+    SessionCounts,
+    SessionInfo,
+    TierRow,
+)
+
+__all__ = ["AdminViews", "Health", "TierWatch"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Health:
+    """What `/health` answers: "ok", "degraded" (still serving) or "unavailable"."""
+
+    state: str
+    reasons: list[str]
+
+
+@dataclass
+class _TierState:
+    errors: int = 0
+    corrupt: int = 0
+    failing_since: float | None = None
+    last_growth: float = float("-inf")
+    last_log: float = float("-inf")
+    last_error: str = ""
+
+
+class TierWatch:
+    """Notices L2 tiers whose error or corruption counters grow; a tier is failing while its
+    errors grew within the last `window_s` seconds."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 30.0,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self.window_s = window_s
+        self.log_every_s = log_every_s
+        self._tiers: dict[str, _TierState] = {}
+
+    def observe(self, summary: L2Summary, now: float, wall: float) -> list[ErrorRecord]:
+        """Compare `summary` with the last one; the errors to record (one per tier that grew)."""
+        records = []
+        for row in summary.tiers:
+            state = self._tiers.get(row.name)
+            if state is None:  # the first look sets the baseline: counts from before are history
+                self._tiers[row.name] = _TierState(errors=row.errors, corrupt=row.corrupt)
+                continue
+            new_errors, new_corrupt = row.errors - state.errors, row.corrupt - state.corrupt
+            state.errors, state.corrupt = row.errors, row.corrupt
+            if new_corrupt > 0:
+                message = (
+                    f"L2 tier {row.name}: {new_corrupt} corrupt object(s) found on read "
+                    "(deleted, never served)"
+                )
+                records.append(ErrorRecord(time=wall, operation=f"l2 {row.name}",
+                                           code="L2_CORRUPT", message=message))  # fmt: skip
+                logger.warning("%s", message)
+            if new_errors <= 0:
+                if state.failing_since is not None and now - state.last_growth > self.window_s:
+                    logger.warning("L2 tier %s recovered: no new errors for %.0f s", row.name,
+                                   self.window_s)  # fmt: skip
+                    state.failing_since = None
+                continue
+            state.last_growth = now
+            if state.failing_since is None:
+                state.failing_since = now
+            state.last_error = f"{new_errors} failed operation(s) in the last check"
+            message = (
+                f"L2 tier {row.name} failing: {row.errors} errors in total, {new_errors} new; "
+                "chunks it holds are not served until it recovers"
+            )
+            records.append(ErrorRecord(time=wall, operation=f"l2 {row.name}", code="L2_ERROR",
+                                       message=message))  # fmt: skip
+            if now - state.last_log >= self.log_every_s:
+                state.last_log = now
+                logger.warning("%s (this line repeats at most every %.0f s)", message,
+                               self.log_every_s)  # fmt: skip
+        return records
+
+    def annotate(self, summary: L2Summary, now: float) -> L2Summary:
+        """`summary` with each tier's `failing` and `last_error` filled in."""
+        rows = []
+        for row in summary.tiers:
+            state = self._tiers.get(row.name)
+            failing = state is not None and now - state.last_growth <= self.window_s
+            rows.append(
+                _replace_row(row, failing=failing, last_error=state.last_error if state else "")
+            )
+        return _replace_summary(summary, rows)
+
+
+def _replace_row(row: TierRow, *, failing: bool, last_error: str) -> TierRow:
+    return msgspec.structs.replace(row, failing=failing, last_error=last_error)
+
+
+def _replace_summary(summary: L2Summary, rows: list[TierRow]) -> L2Summary:
+    return msgspec.structs.replace(summary, tiers=rows)
+
+
+class AdminViews:
+    """Status, health, sessions and clear over one engine (what the admin API calls)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        registry: PeriodicThreadRegistry | None = None,
+        watch: TierWatch | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = engine.metrics
+        self.registry = registry or PeriodicThreadRegistry.get_instance()
+        self.watch = watch or TierWatch()
+        self.metrics.bind_state(self.status)
+
+    # -- health and status -----------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        return self.engine.is_ready()
+
+    def _l2(self) -> L2Summary:
+        tiers = self.engine.tiers
+        if tiers is None:
+            return L2Summary(policy=self.engine.config.l2_queue_policy)
+        return self.watch.annotate(tiers.summary(), time.monotonic())
+
+    def check_tiers(self) -> ThreadRunSummary:
+        """One look at the tiers' counters (run every few seconds by a periodic thread)."""
+        tiers = self.engine.tiers
+        if tiers is None:
+            return ThreadRunSummary(success=True, message="no L2 tiers")
+        records = self.watch.observe(tiers.summary(), time.monotonic(), time.time())
+        for record in records:
+            self.engine.recent_errors.append(record)
+        failing = [r.name for r in self._l2().tiers if r.failing]
+        return ThreadRunSummary(
+            success=True,
+            message=f"failing tiers: {', '.join(failing)}" if failing else "all tiers healthy",
+            extra_info={"failing": failing},
+        )
+
+    def health(self) -> Health:
+        """Unavailable when the server cannot serve; degraded when an L2 tier is failing."""
+        reasons: list[str] = []
+        if not self.engine.is_ready():
+            reasons.append(
+                "the server is not ready: its L1 arena is not up (starting or shutting down)"
+            )
+        for item in self.registry.health()["unhealthy"]:
+            reasons.append(f"{item['level']} thread {item['name']!r} stalled: {item['reason']}")
+        if reasons:
+            return Health("unavailable", reasons)
+        for row in self._l2().tiers:
+            if row.failing:
+                reasons.append(
+                    f"L2 tier {row.name} is failing ({row.errors} errors so far); L1 still "
+                    "serves, chunks only that tier holds are recomputed"
+                )
+        return Health("degraded" if reasons else "ok", reasons)
+
+    def status(self) -> ServerStatus:
+        """The picture of the server that the admin API, the page and the metrics read."""
+        e = self.engine
+        now = e.clock()
+        with e.lock:
+            l1 = e.l1.stats()
+            clients = [
+                ClientInfo(
+                    client_id=c.client_id,
+                    connected_s=now - c.connected_at,
+                    last_seen_s=now - c.last_seen,
+                    registrations=list(c.registrations),
+                )
+                for c in e.leases.peers.values()
+            ]
+            recent = list(e.recent_errors)
+            requested, hit = e.lookup_totals()
+        health = self.health()
+        return ServerStatus(
+            version=__version__,
+            uptime_s=time.time() - e.started_at,
+            ready=e.is_ready(),
+            health=health.state,
+            health_reasons=health.reasons,
+            threads_healthy=self.registry.is_healthy(),
+            config=e.config.to_dict(),
+            l1=l1,
+            l2=self._l2(),
+            clients=clients,
+            sessions=SessionCounts(
+                active=e.sessions.active_count(),
+                created=e.sessions.created_count,
+                # expired: left without end_session (SessionManager calls these orphans);
+                # orphaned: those of them that still held pinned chunks when they expired
+                expired=e.sessions.orphaned_count,
+                orphaned=e.orphaned_sessions,
+            ),
+            lookup=LookupTotals(requested_tokens=requested, hit_tokens=hit),
+            models=self.metrics.models(),
+            hit_rate_history=self.metrics.history.points(),
+            traffic=self.metrics.traffic(),
+            latency=self.metrics.latency(),
+            recent_errors=recent,
+        )
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def _session_info(self, session: Session) -> SessionInfo:
+        return SessionInfo(
+            request_id=session.request_id,
+            num_tokens=session.num_tokens,
+            num_chunks_hashed=session.num_chunks_processed,
+            created_at=session.created_at,
+            last_access=session.last_access,
+            lookup_ipc_key=session.lookup_ipc_key,
+            pinned_chunks=len(self.engine.l1.pinned_keys(session.request_id)),
+        )
+
+    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[SessionInfo]]:
+        """(total, one page of sessions, newest first)."""
+        e = self.engine
+        sessions = sorted(e.sessions.sessions(), key=lambda s: s.created_at, reverse=True)
+        with e.lock:
+            page = [self._session_info(s) for s in sessions[offset : offset + limit]]
+        return len(sessions), page
+
+    def get_session(self, request_id: str) -> SessionInfo | None:
+        """The session named `request_id`, or None."""
+        session = self.engine.sessions.peek(request_id)
+        if session is None:
+            return None
+        with self.engine.lock:
+            return self._session_info(session)
+
+    def end_session(self, request_id: str) -> bool:
+        """End the session named `request_id` and drop its pins; False if there was none."""
+        return self.engine.end_session(request_id)
+
+    # -- clear -----------------------------------------------------------------------------
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        """Drop cached chunks matching the filters (None = any) from L1 and L2; how many."""
+        e = self.engine
+        with e.lock:
+            cleared = e.l1.clear(model=model, cache_salt=cache_salt)
+        if e.tiers is not None:
+            cleared += e.tiers.clear(model=model, cache_salt=cache_salt)
+        return cleared
