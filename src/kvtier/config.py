@@ -237,6 +237,12 @@ class ServerConfig:
         example="--l2-queue-policy drop",
         metavar="POLICY",
     )
+    max_prefetch_jobs: int = _opt(
+        8,
+        "Lookups loading from L2 at once; more are answered from L1 alone (like LMCache)",
+        example="--max-prefetch-jobs 8",
+        metavar="JOBS",
+    )
     admin_host: str = _opt(
         "127.0.0.1",
         "Admin HTTP host; any non-loopback host requires --admin-token",
@@ -278,6 +284,9 @@ class ServerConfig:
         if self.chunk_size <= 0:
             raise self.error("chunk_size", f"must be a positive number of tokens, got "
                              f"{self.chunk_size}")  # fmt: skip
+        if self.max_prefetch_jobs < 1:
+            raise self.error("max_prefetch_jobs", f"must be at least 1, got "
+                             f"{self.max_prefetch_jobs}")  # fmt: skip
         if not self.address:
             raise self.error("address", "at least one address is required")
         for address in self.address:

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from kvtier.server.locking import HoldStats
+
 __all__ = [
     "ClientInfo",
     "ErrorRecord",
@@ -20,6 +22,7 @@ __all__ = [
     "LatencySummary",
     "LookupTotals",
     "ModelLookup",
+    "PrefetchStats",
     "Registration",
     "ServerStatus",
     "SessionCounts",
@@ -160,6 +163,15 @@ class LatencySummary(msgspec.Struct, frozen=True, kw_only=True):
     p99_s: float
 
 
+class PrefetchStats(msgspec.Struct, frozen=True, kw_only=True):
+    """L2 loads that lookups started (jobs run off the request path, at most N at once)."""
+
+    in_flight: int
+    started: int
+    refused: int  # lookups answered from L1 alone because N jobs were running
+    loaded_groups: int
+
+
 class ErrorRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A failed request or a tier failure, as the recent-errors list shows it."""
 
@@ -188,4 +200,6 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     hit_rate_history: list[HitRatePoint]
     traffic: Traffic
     latency: list[LatencySummary]
+    prefetch: PrefetchStats
+    lock_hold: dict[str, HoldStats]  # per operation: how long it held the engine lock
     recent_errors: list[ErrorRecord]

@@ -16,6 +16,7 @@ from kvtier.snapshots import (
     L1Stats,
     L2Summary,
     LookupTotals,
+    PrefetchStats,
     ServerStatus,
     SessionCounts,
     TierRow,
@@ -77,6 +78,8 @@ STATUS = ServerStatus(
     hit_rate_history=[],
     traffic=Traffic(stored_bytes=0, retrieved_bytes=0),
     latency=[],
+    prefetch=PrefetchStats(in_flight=0, started=0, refused=0, loaded_groups=0),
+    lock_hold={},
     recent_errors=[],
 )
 

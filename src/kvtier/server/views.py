@@ -24,6 +24,7 @@ from kvtier.snapshots import (
     ErrorRecord,
     L2Summary,
     LookupTotals,
+    PrefetchStats,
     ServerStatus,
     SessionCounts,
     SessionInfo,
@@ -149,17 +150,11 @@ class AdminViews:
         return self.engine.is_ready()
 
     def _l2(self) -> L2Summary:
-        tiers = self.engine.tiers
-        if tiers is None:
-            return L2Summary(policy=self.engine.config.l2_queue_policy)
-        return self.watch.annotate(tiers.summary(), time.monotonic())
+        return self.watch.annotate(self.engine.tiers.summary(), time.monotonic())
 
     def check_tiers(self) -> ThreadRunSummary:
         """One look at the tiers' counters (run every few seconds by a periodic thread)."""
-        tiers = self.engine.tiers
-        if tiers is None:
-            return ThreadRunSummary(success=True, message="no L2 tiers")
-        records = self.watch.observe(tiers.summary(), time.monotonic(), time.time())
+        records = self.watch.observe(self.engine.tiers.summary(), time.monotonic(), time.time())
         for record in records:
             self.engine.recent_errors.append(record)
         failing = [r.name for r in self._l2().tiers if r.failing]
@@ -230,6 +225,13 @@ class AdminViews:
             hit_rate_history=self.metrics.history.points(),
             traffic=self.metrics.traffic(),
             latency=self.metrics.latency(),
+            prefetch=PrefetchStats(
+                in_flight=e.prefetcher.in_flight,
+                started=e.prefetcher.started,
+                refused=e.prefetcher.refused,
+                loaded_groups=e.prefetcher.loaded_groups,
+            ),
+            lock_hold=e.lock_stats(),
             recent_errors=recent,
         )
 
@@ -273,6 +275,4 @@ class AdminViews:
         e = self.engine
         with e.lock:
             cleared = e.l1.clear(model=model, cache_salt=cache_salt)
-        if e.tiers is not None:
-            cleared += e.tiers.clear(model=model, cache_salt=cache_salt)
-        return cleared
+        return cleared + e.tiers.clear(model=model, cache_salt=cache_salt)
