@@ -108,7 +108,9 @@ def _bench_disk(chunks: list[bytes], outs: list[memoryview]) -> list[list[object
         )
         return [
             _row("disk write (new objects)", total, base_w, tier_w, 0.8),
-            _row("disk read", total, base_r, tier_r, 0.8),
+            _row(
+                "disk read (digest of each 512 KiB block as it lands)", total, base_r, tier_r, 0.8
+            ),
             _row("disk rewrite, same bytes (skipped after check)", total, base_rw, tier_same, None),
             _row("disk rewrite, other bytes (swap + unlink)", total, base_rw, tier_other, None),
         ]

@@ -199,7 +199,7 @@ def render_status(status: ServerStatus) -> list[Table]:
             tier.name,
             _fill(tier.used_bytes, tier.capacity_bytes),
             *(str(v) for v in (tier.objects, tier.hits, tier.misses, tier.corrupt, tier.errors)),
-            "[red]failing[/red]" if tier.failing else "ok",
+            "[red]failing[/red]" if tier.name in l2.failing else "ok",
         )
 
     models = Table(title="Lookups per model", title_justify="left")

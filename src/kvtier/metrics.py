@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import platform
 import re
 import threading
@@ -24,10 +25,16 @@ from collections.abc import Callable, Iterable, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from kvtier._version import __version__
 from kvtier.snapshots import HitRatePoint, LatencySummary, ModelLookup, ServerStatus, Traffic
+from kvtier.storage.tiers.base import LATENCY_BOUNDS_S
 
 logger = logging.getLogger(__name__)
 
@@ -175,13 +182,6 @@ class Metrics:
         self._retrieved_bytes = Counter(
             "kvtier_retrieved_bytes", "KV bytes handed out to clients.", registry=self.registry
         )
-        self._tier_duration = Histogram(
-            "kvtier_l2_operation_duration_seconds",
-            "Time one L2 tier took for one read (one object) or write (one batch).",
-            ["tier", "operation"],
-            buckets=REQUEST_DURATION_BUCKETS,
-            registry=self.registry,
-        )
         self._state_lock = threading.Lock()
         self._models_lock = threading.Lock()
         # labelled children by label values (dict reads and writes are atomic under the GIL)
@@ -255,10 +255,6 @@ class Metrics:
         """Count `n` KV bytes retrieved by clients."""
         self._retrieved_bytes.inc(n)
         self._retrieved += n
-
-    def observe_tier(self, tier: str, operation: str, seconds: float) -> None:
-        """Record one L2 tier call: `operation` is "read" or "write"."""
-        self._tier_duration.labels(tier, operation).observe(seconds)
 
     # -- views for the status ------------------------------------------------------------------
 
@@ -411,7 +407,7 @@ def _state_families(status: ServerStatus | None) -> Iterator[Metric]:
         evictions.add_metric(["l1"], float(s.l1.evictions))
         evicted_bytes.add_metric(["l1"], float(s.l1.evicted_bytes))
         for tier in s.l2.tiers:
-            evictions.add_metric([tier.name], float(tier.evictions))
+            evictions.add_metric([tier.name], float(tier.extra.get("evictions", 0)))
     yield evictions
     yield evicted_bytes
 
@@ -440,8 +436,23 @@ def _state_families(status: ServerStatus | None) -> Iterator[Metric]:
     for family, field in per_tier:
         if s is not None:
             for tier in s.l2.tiers:
-                family.add_metric([tier.name], float(getattr(tier, field)))
+                value = tier.name in s.l2.failing if field == "failing" else getattr(tier, field)
+                family.add_metric([tier.name], float(value))
         yield family
+    latency = HistogramMetricFamily(
+        "kvtier_l2_operation_duration_seconds",
+        "Time one L2 tier took per call, by tier and operation (read, write).",
+        labels=["tier", "operation"],
+    )
+    if s is not None:
+        for tier in s.l2.tiers:
+            for operation, lat in (("read", tier.read_latency), ("write", tier.write_latency)):
+                running, buckets = 0, []
+                for bound, n in zip((*LATENCY_BOUNDS_S, math.inf), lat.buckets, strict=True):
+                    running += n
+                    buckets.append(("+Inf" if bound == math.inf else repr(bound), running))
+                latency.add_metric([tier.name, operation], buckets, lat.total_s)
+    yield latency
 
     l2 = s.l2 if s is not None else None
     yield _gauge(

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from kvtier.server.locking import HoldStats
+from kvtier.storage.tiers.base import TierStats
 
 __all__ = [
     "ClientInfo",
@@ -27,7 +28,6 @@ __all__ = [
     "ServerStatus",
     "SessionCounts",
     "SessionInfo",
-    "TierRow",
     "Traffic",
 ]
 
@@ -45,24 +45,8 @@ class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
     evicted_bytes: int
 
 
-class TierRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One L2 tier's counters and fill, as the status and metrics show it."""
-
-    name: str
-    used_bytes: int = 0
-    capacity_bytes: int = 0  # 0 = unbounded
-    objects: int = 0
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0  # objects found damaged on read (deleted, never served)
-    errors: int = 0  # failed operations (unreachable backend, I/O error)
-    evictions: int = 0
-    failing: bool = False  # errors grew within the server's health window
-    last_error: str = ""  # what the tier last reported failing, credentials removed
-
-
 class L2Summary(msgspec.Struct, frozen=True, kw_only=True):
-    """The write-through queue and every L2 tier, in read order."""
+    """The write-through queue and every L2 tier's stats, in read order."""
 
     queue_depth: int = 0
     queue_capacity: int = 0
@@ -72,7 +56,9 @@ class L2Summary(msgspec.Struct, frozen=True, kw_only=True):
     dropped: int = 0
     write_errors: int = 0
     read_errors: int = 0
-    tiers: list[TierRow] = msgspec.field(default_factory=list)
+    tiers: list[TierStats] = msgspec.field(default_factory=list)
+    #: tiers that are unhealthy now or whose errors grew within the server's health window
+    failing: list[str] = msgspec.field(default_factory=list)
 
 
 class Registration(msgspec.Struct, frozen=True, kw_only=True):

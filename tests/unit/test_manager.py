@@ -185,7 +185,7 @@ def test_close_flushes_queued_work_and_rejects_later_submits(tmp_path: Path) -> 
         assert mgr.submit(key(i), payload(i), LAYOUT, lambda i=i: done.append(i))
     mgr.start()
     mgr.close()
-    assert sorted(done) == [0, 1, 2] and disk.stats()["objects"] == 3
+    assert sorted(done) == [0, 1, 2] and disk.stats().objects == 3
     assert not mgr.submit(key(9), payload(9), LAYOUT, lambda: done.append(9))
     assert done[-1] == 9 and mgr.stats()["dropped"] == 1
     with pytest.raises(RuntimeError):

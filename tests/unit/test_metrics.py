@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 import pytest
@@ -19,9 +20,21 @@ from kvtier.snapshots import (
     PrefetchStats,
     ServerStatus,
     SessionCounts,
-    TierRow,
     Traffic,
 )
+from kvtier.storage.tiers.base import Latency, TierStats
+
+
+def tier_stats(name: str, **fields: Any) -> TierStats:
+    """A tier's stats with zeros where the test does not care."""
+    base: dict[str, Any] = dict(
+        name=name, kind=name, url=f"{name}://x", healthy=True, last_error="", objects=0,
+        used_bytes=0, capacity_bytes=0, hits=0, misses=0, corrupt=0, errors=0,
+        layout_mismatches=0, size_mismatches=0, puts=0, bytes_written=0, bytes_read=0,
+        read_latency=Latency(), write_latency=Latency(),
+    )  # fmt: skip
+    return TierStats(**{**base, **fields})
+
 
 STATUS = ServerStatus(
     version="0.1.0",
@@ -48,25 +61,27 @@ STATUS = ServerStatus(
         written=30,
         dropped=4,
         tiers=[
-            TierRow(
-                name="disk",
+            tier_stats(
+                "disk",
                 used_bytes=9 << 20,
                 capacity_bytes=50 << 30,
                 objects=9,
                 hits=5,
                 misses=2,
-                evictions=6,
+                extra={"evictions": 6},
             ),
-            TierRow(
-                name="redis",
+            tier_stats(
+                "redis",
                 used_bytes=1 << 20,
                 objects=1,
                 misses=8,
                 corrupt=1,
                 errors=3,
-                failing=True,
+                healthy=False,
+                read_latency=Latency(count=2, total_s=0.003, buckets=(0, 0, 0, 1, 1, *[0] * 8)),
             ),
         ],
+        failing=["redis"],
     ),
     clients=[
         ClientInfo(client_id="a", connected_s=3.0, last_seen_s=0.1, registrations=[]),
@@ -250,14 +265,17 @@ def test_state_collector_exports_status_at_scrape_time() -> None:
     assert got[("kvtier_clients_connected", ())] == 1
 
 
-def test_l2_latency_per_tier() -> None:
+def test_l2_latency_per_tier_from_the_tiers_stats() -> None:
     m = Metrics()
-    m.observe_tier("redis", "read", 0.002)
-    m.observe_tier("redis", "write", 0.03)
+    m.bind_state(lambda: STATUS)
     got = samples(m)
     read = (("operation", "read"), ("tier", "redis"))
-    assert got[("kvtier_l2_operation_duration_seconds_count", read)] == 1
-    assert got[("kvtier_l2_operation_duration_seconds_sum", read)] == pytest.approx(0.002)
+    assert got[("kvtier_l2_operation_duration_seconds_count", read)] == 2
+    assert got[("kvtier_l2_operation_duration_seconds_sum", read)] == pytest.approx(0.003)
+    le_1ms = (("le", "0.001"), ("operation", "read"), ("tier", "redis"))
+    assert got[("kvtier_l2_operation_duration_seconds_bucket", le_1ms)] == 1
+    le_inf = (("le", "+Inf"), ("operation", "read"), ("tier", "redis"))
+    assert got[("kvtier_l2_operation_duration_seconds_bucket", le_inf)] == 2
 
 
 def test_rebinding_replaces_the_state_source() -> None:

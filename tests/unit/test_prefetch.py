@@ -80,7 +80,7 @@ def test_a_corrupted_shard_ends_the_run_and_leaves_no_staging(arena: Arena, tmp_
     l1 = L1Store(arena.size)
     assert run_job(l1, arena, tiers, chain) == chain[:1]
     assert l1.stats().staging_shards == 0
-    assert disk.stats()["corrupt"] == 1
+    assert disk.stats().corrupt == 1
     tiers.close()
 
 

@@ -7,7 +7,10 @@ import hashlib
 import mmap
 import os
 import shutil
+import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,13 +50,9 @@ def test_round_trip_is_byte_exact_into_page_aligned_buffer(tmp_path: Path) -> No
     assert tier.contains(key(1)) and not tier.contains(key(2))
     assert tier.contains_many([key(2), key(1)]) == [False, True]
     s = tier.stats()
-    assert (
-        s["hits"] == 1
-        and s["objects"] == 1
-        and s["used_bytes"] == file_of(tier, key(1)).stat().st_size
-    )
+    assert s.hits == 1 and s.objects == 1 and s.used_bytes == file_of(tier, key(1)).stat().st_size
     assert not tier.get_into(key(2), aligned(), LAYOUT)
-    assert tier.stats()["misses"] == 1
+    assert tier.stats().misses == 1
 
 
 def test_folder_is_created_private_and_sharded(tmp_path: Path) -> None:
@@ -72,7 +71,7 @@ def test_wrong_layout_or_size_is_a_miss_and_keeps_the_object(tmp_path: Path) -> 
     assert not tier.get_into(key(1), aligned(), "float16[2,4,9]")
     assert not tier.get_into(key(1), aligned(SIZE - 1), LAYOUT)
     s = tier.stats()
-    assert (s["layout_mismatches"], s["size_mismatches"], s["corrupt"]) == (1, 1, 0)
+    assert (s.layout_mismatches, s.size_mismatches, s.corrupt) == (1, 1, 0)
     out = aligned()
     assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(1)
 
@@ -87,7 +86,7 @@ def test_flipped_payload_byte_is_a_miss_deleted_and_counted(tmp_path: Path) -> N
     out = aligned()
     assert not tier.get_into(key(1), out, LAYOUT)
     assert not path.exists() and not tier.contains(key(1))
-    assert tier.stats()["corrupt"] == 1 and tier.stats()["used_bytes"] == 0
+    assert tier.stats().corrupt == 1 and tier.stats().used_bytes == 0
 
 
 def test_truncated_file_is_a_miss_deleted_and_counted(tmp_path: Path) -> None:
@@ -97,7 +96,7 @@ def test_truncated_file_is_a_miss_deleted_and_counted(tmp_path: Path) -> None:
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 1)
     assert not tier.get_into(key(1), aligned(), LAYOUT)
-    assert not path.exists() and tier.stats()["corrupt"] == 1
+    assert not path.exists() and tier.stats().corrupt == 1
 
 
 def test_valid_file_under_another_keys_name_is_a_miss_deleted_and_counted(tmp_path: Path) -> None:
@@ -106,7 +105,7 @@ def test_valid_file_under_another_keys_name_is_a_miss_deleted_and_counted(tmp_pa
     tier.put(key(2), payload(2), LAYOUT)
     shutil.copyfile(file_of(tier, key(2)), file_of(tier, key(1)))
     assert not tier.get_into(key(1), aligned(), LAYOUT)
-    assert not file_of(tier, key(1)).exists() and tier.stats()["corrupt"] == 1
+    assert not file_of(tier, key(1)).exists() and tier.stats().corrupt == 1
     out = aligned()
     assert tier.get_into(key(2), out, LAYOUT) and out.tobytes() == payload(2)
 
@@ -116,7 +115,7 @@ def test_garbage_header_is_corrupt(tmp_path: Path) -> None:
     tier.put(key(1), payload(1), LAYOUT)
     file_of(tier, key(1)).write_bytes(b"x" * 50)
     assert not tier.get_into(key(1), aligned(), LAYOUT)
-    assert tier.stats()["corrupt"] == 1 and not file_of(tier, key(1)).exists()
+    assert tier.stats().corrupt == 1 and not file_of(tier, key(1)).exists()
 
 
 def test_restart_rebuilds_index_and_serves_everything(tmp_path: Path) -> None:
@@ -125,10 +124,10 @@ def test_restart_rebuilds_index_and_serves_everything(tmp_path: Path) -> None:
     keys = [key(i) for i in range(10)] + [key(99, model=long_model, salt="tenant")]
     for i, k in enumerate(keys):
         tier.put(k, payload(i), LAYOUT)
-    used = tier.stats()["used_bytes"]
+    used = tier.stats().used_bytes
     tier.close()
     again = DiskTier(tmp_path, 0)
-    assert again.stats()["objects"] == len(keys) and again.stats()["used_bytes"] == used
+    assert again.stats().objects == len(keys) and again.stats().used_bytes == used
     for i, k in enumerate(keys):
         out = aligned()
         assert again.get_into(k, out, LAYOUT) and out.tobytes() == payload(i)
@@ -137,7 +136,7 @@ def test_restart_rebuilds_index_and_serves_everything(tmp_path: Path) -> None:
 def test_lru_eviction_keeps_capacity_and_evicts_least_recently_used(tmp_path: Path) -> None:
     probe = DiskTier(tmp_path / "probe", 0)
     probe.put(key(0), payload(0), LAYOUT)
-    one = int(probe.stats()["used_bytes"])
+    one = int(probe.stats().used_bytes)
     tier = DiskTier(tmp_path / "t", 3 * one)
     for i in (1, 2, 3):
         tier.put(key(i), payload(i), LAYOUT)
@@ -148,8 +147,8 @@ def test_lru_eviction_keeps_capacity_and_evicts_least_recently_used(tmp_path: Pa
     for i in range(5, 12):
         tier.put(key(i), payload(i), LAYOUT)
         on_disk = sum(p.stat().st_size for p in (tmp_path / "t").rglob("*") if p.is_file())
-        assert on_disk <= 3 * one and int(tier.stats()["used_bytes"]) <= 3 * one
-    assert tier.stats()["evictions"] == 8
+        assert on_disk <= 3 * one and int(tier.stats().used_bytes) <= 3 * one
+    assert tier.stats().extra["evictions"] == 8
     with pytest.raises(ValueError, match="capacity_bytes"):
         tier.put(key(50), payload(50, 4 * one), LAYOUT)
 
@@ -158,24 +157,47 @@ def test_restart_orders_lru_by_mtime_and_shrinks_to_capacity(tmp_path: Path) -> 
     tier = DiskTier(tmp_path, 0)
     for i in range(4):
         tier.put(key(i), payload(i), LAYOUT)
-    one = int(tier.stats()["used_bytes"]) // 4
+    one = int(tier.stats().used_bytes) // 4
     for age, i in enumerate((2, 0, 3, 1)):  # 2 oldest, then 0
         os.utime(file_of(tier, key(i)), (1_000_000 + age, 1_000_000 + age))
     again = DiskTier(tmp_path, 2 * one)
     assert again.contains_many([key(i) for i in range(4)]) == [False, True, False, True]
-    assert again.stats()["evictions"] == 2
+    assert again.stats().extra["evictions"] == 2
 
 
 def test_leftover_temp_file_is_ignored_and_removed_at_startup(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 0)
     tier.put(key(1), payload(1), LAYOUT)
     shard = file_of(tier, key(1)).parent
-    stale = shard / f"{disk_mod.TEMP_PREFIX}deadbeef"
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs: the tier that wrote this crashed
+    stale = shard / f"{disk_mod.TEMP_PREFIX}{gone.pid}.deadbeef"
     stale.write_bytes(b"half a chunk")
     again = DiskTier(tmp_path, 0)
     assert not stale.exists()
     s = again.stats()
-    assert s["stale_temps_removed"] == 1 and s["objects"] == 1
+    assert s.extra["stale_temps_removed"] == 1 and s.objects == 1
+
+
+def test_temp_files_of_others_are_left_alone(tmp_path: Path) -> None:
+    """Finding 13: a shared folder's `.tmp.*` files of other programs, and those of a live
+    kvtier process, are never removed."""
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    shard = file_of(tier, key(1)).parent
+    others = [
+        tmp_path / ".tmp.someone-elses",
+        shard / ".tmp.1234abcd",
+        shard / f"{disk_mod.TEMP_PREFIX}{os.getppid()}.cafe",  # a live process's
+        shard / f"{disk_mod.TEMP_PREFIX}notapid.cafe",
+    ]
+    for path in others:
+        path.write_bytes(b"not ours")
+    again = DiskTier(tmp_path, 0)
+    again.put(key(2), payload(2), LAYOUT)
+    again.clear()
+    assert all(p.read_bytes() == b"not ours" for p in others)
+    assert again.stats().extra["stale_temps_removed"] == 0
 
 
 def test_failed_write_leaves_nothing_under_the_real_name(
@@ -184,18 +206,18 @@ def test_failed_write_leaves_nothing_under_the_real_name(
     tier = DiskTier(tmp_path, 0)
     real_writev = os.writev
 
-    def half_then_enospc(fd: int, bufs: list[memoryview]) -> int:
+    def half_then_eio(fd: int, bufs: list[memoryview]) -> int:
         real_writev(fd, [bufs[0]])
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(disk_mod.os, "writev", half_then_enospc)
+    monkeypatch.setattr(disk_mod.os, "writev", half_then_eio)
     with pytest.raises(OSError):
         tier.put(key(1), payload(1), LAYOUT)
     assert tier.put_many([(key(2), payload(2), LAYOUT)]) == 0
     monkeypatch.undo()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
     s = tier.stats()
-    assert s["objects"] == 0 and s["used_bytes"] == 0 and s["errors"] == 2
+    assert s.objects == 0 and s.used_bytes == 0 and s.errors == 2
     assert not tier.get_into(key(1), aligned(), LAYOUT)
 
 
@@ -211,7 +233,7 @@ def test_clear_by_model_and_salt(tmp_path: Path) -> None:
     assert tier.contains_many(keys) == [False, True, True, True, False]
     assert tier.clear(cache_salt="y") == 2
     assert tier.clear(model="b") == 1
-    assert tier.stats()["objects"] == 0 and tier.stats()["used_bytes"] == 0
+    assert tier.stats().objects == 0 and tier.stats().used_bytes == 0
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
@@ -221,9 +243,9 @@ def test_delete_and_overwrite(tmp_path: Path) -> None:
     tier.put(key(1), payload(2), LAYOUT)
     out = aligned()
     assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(2)
-    assert tier.stats()["objects"] == 1
+    assert tier.stats().objects == 1
     assert tier.delete(key(1)) and not tier.delete(key(1))
-    assert tier.stats()["used_bytes"] == 0 and not file_of(tier, key(1)).exists()
+    assert tier.stats().used_bytes == 0 and not file_of(tier, key(1)).exists()
 
 
 def test_batch_verbs(tmp_path: Path) -> None:
@@ -251,7 +273,7 @@ def test_concurrent_writers_and_readers(tmp_path: Path) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert bad == [] and tier.stats()["objects"] == 80
+    assert bad == [] and tier.stats().objects == 80
 
 
 def test_open_tier_disk_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,7 +328,7 @@ def test_rewrite_with_same_bytes_is_skipped_only_when_the_stored_object_is_intac
     inode = file_of(tier, key(1)).stat().st_ino
     tier.put(key(1), payload(1), LAYOUT)
     s = tier.stats()
-    assert s["unchanged"] == 1 and s["puts"] == 2 and s["objects"] == 1
+    assert s.extra["unchanged"] == 1 and s.puts == 2 and s.objects == 1
     assert file_of(tier, key(1)).stat().st_ino == inode
     # same header but a damaged payload: the put must really rewrite it
     path = file_of(tier, key(1))
@@ -314,11 +336,11 @@ def test_rewrite_with_same_bytes_is_skipped_only_when_the_stored_object_is_intac
     raw[-1] ^= 0xFF
     path.write_bytes(raw)
     tier.put(key(1), payload(1), LAYOUT)
-    assert tier.stats()["unchanged"] == 1
+    assert tier.stats().extra["unchanged"] == 1
     assert file_of(tier, key(1)).stat().st_ino != inode
     out = aligned()
     assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(1)
-    assert tier.stats()["corrupt"] == 0
+    assert tier.stats().corrupt == 0
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename"])
@@ -335,8 +357,8 @@ def test_rewrite_with_other_bytes_replaces_and_leaves_no_temp_file(
     folder = file_of(tier, key(1)).parent
     assert [p.name for p in folder.iterdir()] == [file_of(tier, key(1)).name]
     s = tier.stats()
-    assert s["unchanged"] == 0 and s["objects"] == 1
-    assert s["used_bytes"] == file_of(tier, key(1)).stat().st_size
+    assert s.extra["unchanged"] == 0 and s.objects == 1
+    assert s.used_bytes == file_of(tier, key(1)).stat().st_size
 
 
 def test_exchange_reports_a_missing_target_instead_of_raising(tmp_path: Path) -> None:
@@ -358,7 +380,68 @@ def test_sound_object_with_longer_layout_of_same_total_size_is_a_kept_layout_mis
     tier.put(key(1), payload(1, SIZE - 2), longer)
     assert not tier.get_into(key(1), aligned(), LAYOUT)
     s = tier.stats()
-    assert s["layout_mismatches"] == 1 and s["corrupt"] == 0
+    assert s.layout_mismatches == 1 and s.corrupt == 0
     assert file_of(tier, key(1)).exists()
     out = aligned(SIZE - 2)
     assert tier.get_into(key(1), out, longer) and out.tobytes() == payload(1, SIZE - 2)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB tmpfs mounted for the test (needs root: CI and these machines run as root)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.fail(
+            f"cannot mount a 4 MiB tmpfs for the full-disk test ({done.stderr.strip()}); "
+            "run the tests as root, as CI does",
+            pytrace=False,
+        )
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_filesystem_evicts_shrinks_capacity_and_rate_limits_warnings(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 10: on a really full filesystem (a 4 MiB tmpfs, 1 GiB configured) the tier keeps
+    storing by evicting, its effective capacity shrinks below the filesystem, and 200 writes log
+    a handful of warnings, not 200."""
+    big = 256 << 10
+    tier = DiskTier(small_fs / "l2", 1 << 30)
+    filler = small_fs / "someone-elses-file"
+    with open(filler, "wb") as f:  # another program takes half the filesystem meanwhile
+        f.write(bytes(2 << 20))
+    caplog.set_level("WARNING", logger="kvtier.storage.tiers.disk")
+    stored = 0
+    for i in range(200):
+        try:
+            tier.put(key(i), payload(i, big), LAYOUT)
+            stored += 1
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    s = tier.stats()
+    assert stored >= 190, stored  # evictions made room for nearly every write
+    assert s.extra["disk_full"] >= 1 and s.errors >= 1  # ENOSPC really happened
+    assert s.extra["evictions"] >= 190 - 8 and 0 < s.objects <= 8
+    assert s.extra["effective_capacity"] < 4 << 20 and s.used_bytes <= s.extra["effective_capacity"]
+    assert len(caplog.records) <= 5, [r.getMessage() for r in caplog.records]
+    # the newest objects read back intact; the other program's file is untouched
+    latest = [i for i in range(200) if tier.contains(key(i))]
+    assert latest and max(latest) == 199
+    for i in latest:
+        buf = aligned(big)
+        assert tier.get_into(key(i), buf, LAYOUT) and buf.tobytes() == payload(i, big)
+    assert filler.stat().st_size == 2 << 20
+    # once the other program frees its space, the effective capacity grows back
+    filler.unlink()
+    time.sleep(1.1)
+    tier.put(key(999), payload(999, big), LAYOUT)
+    assert tier.stats().extra["effective_capacity"] > s.extra["effective_capacity"]

@@ -63,7 +63,6 @@ class KVTierServer:
             self.tiers.close()
             raise
         self.views = AdminViews(self.engine)
-        self.tiers.on_io = self.engine.metrics.observe_tier
         if self.tiers.tiers:
             self._tier_watch = create_periodic_thread(
                 f"tier-watch-{self.engine.arena.name}",

@@ -28,7 +28,6 @@ from kvtier.snapshots import (
     ServerStatus,
     SessionCounts,
     SessionInfo,
-    TierRow,
 )
 
 __all__ = ["AdminViews", "Health", "TierWatch"]
@@ -48,10 +47,10 @@ class Health:
 class _TierState:
     errors: int = 0
     corrupt: int = 0
+    healthy: bool = True
     failing_since: float | None = None
     last_growth: float = float("-inf")
     last_log: float = float("-inf")
-    last_error: str = ""
 
 
 class TierWatch:
@@ -69,13 +68,13 @@ class TierWatch:
         self._tiers: dict[str, _TierState] = {}
 
     def observe(self, summary: L2Summary, now: float, wall: float) -> list[ErrorRecord]:
-        """Compare `summary` with the last one; the errors to record (one per tier that grew)."""
+        """Compare `summary` with the last look; the errors to record: one per tier whose errors
+        or corruption grew, or that turned unhealthy by its own account."""
         records = []
         for row in summary.tiers:
             state = self._tiers.get(row.name)
             if state is None:  # the first look sets the baseline: counts from before are history
-                self._tiers[row.name] = _TierState(errors=row.errors, corrupt=row.corrupt)
-                continue
+                state = self._tiers[row.name] = _TierState(errors=row.errors, corrupt=row.corrupt)
             new_errors, new_corrupt = row.errors - state.errors, row.corrupt - state.corrupt
             state.errors, state.corrupt = row.errors, row.corrupt
             if new_corrupt > 0:
@@ -86,7 +85,9 @@ class TierWatch:
                 records.append(ErrorRecord(time=wall, operation=f"l2 {row.name}",
                                            code="L2_CORRUPT", message=message))  # fmt: skip
                 logger.warning("%s", message)
-            if new_errors <= 0:
+            turned_unhealthy = not row.healthy and state.healthy
+            state.healthy = row.healthy
+            if new_errors <= 0 and row.healthy:
                 if state.failing_since is not None and now - state.last_growth > self.window_s:
                     logger.warning("L2 tier %s recovered: no new errors for %.0f s", row.name,
                                    self.window_s)  # fmt: skip
@@ -95,10 +96,12 @@ class TierWatch:
             state.last_growth = now
             if state.failing_since is None:
                 state.failing_since = now
-            state.last_error = f"{new_errors} failed operation(s) in the last check"
+            if new_errors <= 0 and not turned_unhealthy:
+                continue  # still down, nothing new to say
+            last = f": {row.last_error}" if row.last_error else ""
             message = (
-                f"L2 tier {row.name} failing: {row.errors} errors in total, {new_errors} new; "
-                "chunks it holds are not served until it recovers"
+                f"L2 tier {row.name} failing: {row.errors} errors in total, {max(new_errors, 0)} "
+                f"new{last}; chunks it holds are not served until it recovers"
             )
             records.append(ErrorRecord(time=wall, operation=f"l2 {row.name}", code="L2_ERROR",
                                        message=message))  # fmt: skip
@@ -109,23 +112,15 @@ class TierWatch:
         return records
 
     def annotate(self, summary: L2Summary, now: float) -> L2Summary:
-        """`summary` with each tier's `failing` and `last_error` filled in."""
-        rows = []
+        """`summary` with `failing` filled in: tiers unhealthy by their own account, or whose
+        errors grew within the window."""
+        failing = []
         for row in summary.tiers:
             state = self._tiers.get(row.name)
-            failing = state is not None and now - state.last_growth <= self.window_s
-            rows.append(
-                _replace_row(row, failing=failing, last_error=state.last_error if state else "")
-            )
-        return _replace_summary(summary, rows)
-
-
-def _replace_row(row: TierRow, *, failing: bool, last_error: str) -> TierRow:
-    return msgspec.structs.replace(row, failing=failing, last_error=last_error)
-
-
-def _replace_summary(summary: L2Summary, rows: list[TierRow]) -> L2Summary:
-    return msgspec.structs.replace(summary, tiers=rows)
+            grew = state is not None and now - state.last_growth <= self.window_s
+            if grew or not row.healthy:
+                failing.append(row.name)
+        return msgspec.structs.replace(summary, failing=failing)
 
 
 class AdminViews:
@@ -157,7 +152,7 @@ class AdminViews:
         records = self.watch.observe(self.engine.tiers.summary(), time.monotonic(), time.time())
         for record in records:
             self.engine.recent_errors.append(record)
-        failing = [r.name for r in self._l2().tiers if r.failing]
+        failing = self._l2().failing
         return ThreadRunSummary(
             success=True,
             message=f"failing tiers: {', '.join(failing)}" if failing else "all tiers healthy",
@@ -175,10 +170,12 @@ class AdminViews:
             reasons.append(f"{item['level']} thread {item['name']!r} stalled: {item['reason']}")
         if reasons:
             return Health("unavailable", reasons)
-        for row in self._l2().tiers:
-            if row.failing:
+        l2 = self._l2()
+        for row in l2.tiers:
+            if row.name in l2.failing:
+                last = f", last: {row.last_error}" if row.last_error else ""
                 reasons.append(
-                    f"L2 tier {row.name} is failing ({row.errors} errors so far); L1 still "
+                    f"L2 tier {row.name} is failing ({row.errors} errors so far{last}); L1 still "
                     "serves, chunks only that tier holds are recomputed"
                 )
         return Health("degraded" if reasons else "ok", reasons)

@@ -14,14 +14,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import msgspec
 
 from kvtier.keys import ObjectKey
-from kvtier.snapshots import L2Summary, TierRow
+from kvtier.snapshots import L2Summary
 from kvtier.storage.tiers.base import L2Tier
 
 logger = logging.getLogger(__name__)
@@ -37,10 +36,6 @@ class _Job(NamedTuple):
 
 
 _STOP = None  # queue sentinel that ends the writer
-
-
-def _ignore_io(tier: str, operation: str, seconds: float) -> None:
-    """The default `TierManager.on_io`: nobody is measuring."""
 
 
 def _call(on_done: Callable[[], None] | None) -> None:
@@ -89,8 +84,6 @@ class TierManager:
         self._tier_writes = dict.fromkeys(names, 0)
         self._thread: threading.Thread | None = None
         self._closed = False
-        #: called as on_io(tier name, "read" or "write", seconds) after each tier call (metrics)
-        self.on_io: Callable[[str, str, float], None] = _ignore_io
 
     @property
     def tiers(self) -> tuple[L2Tier, ...]:
@@ -184,13 +177,11 @@ class TierManager:
     def _write(self, batch: list[_Job]) -> None:
         items = [(j.key, j.data, j.layout) for j in batch]
         for tier in self._tiers:
-            t0 = time.perf_counter()
             try:
                 written = tier.put_many(items)
             except Exception:
                 logger.exception("tier manager: tier %s failed a batch write", tier.name)
                 written = 0
-            self.on_io(tier.name, "write", time.perf_counter() - t0)
             with self._cond:
                 self._tier_writes[tier.name] += written
                 self._n["write_errors"] += len(items) - written
@@ -233,15 +224,12 @@ class TierManager:
     def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> str | None:
         """Read `key` into `out` from the first tier that has it; that tier's name, or None."""
         for tier in self._tiers:
-            t0 = time.perf_counter()
             try:
                 if tier.get_into(key, out, layout):
                     return tier.name
             except Exception:
                 logger.exception("tier manager: tier %s failed get_into", tier.name)
                 self._count_read_error()
-            finally:
-                self.on_io(tier.name, "read", time.perf_counter() - t0)
         return None
 
     def _count_read_error(self) -> None:
@@ -262,34 +250,24 @@ class TierManager:
             policy=self.policy,
             batch_size=self.batch_size,
         )
-        for tier in self._tiers:
-            out[tier.name] = tier.stats()
+        for tier in self._tiers:  # typed TierStats as plain values until ops reads the Structs
+            out[tier.name] = msgspec.to_builtins(tier.stats())
         return out
 
-    #: the per-tier numbers the server's status reports (0 where a tier does not track one)
-    TIER_FIELDS = (
-        "used_bytes", "capacity_bytes", "objects", "hits", "misses", "corrupt", "errors",
-        "evictions",
-    )  # fmt: skip
-
     def summary(self) -> L2Summary:
-        """The L2 part of the server's status: the queue, the writer, then one row per tier."""
-        stats = self.stats()
-        rows = []
-        for t in self._tiers:
-            tier_stats = stats[t.name]
-            numbers = {k: int(tier_stats.get(k, 0)) for k in self.TIER_FIELDS}
-            rows.append(msgspec.convert({"name": t.name, **numbers}, TierRow))
+        """The L2 part of the server's status: the queue, the writer, then each tier's stats."""
+        with self._cond:
+            n = dict(self._n)
         return L2Summary(
-            queue_depth=stats["queue_depth"],
-            queue_capacity=stats["queue_capacity"],
-            policy=stats["policy"],
-            submitted=stats["submitted"],
-            written=stats["written"],
-            dropped=stats["dropped"],
-            write_errors=stats["write_errors"],
-            read_errors=stats["read_errors"],
-            tiers=rows,
+            queue_depth=self._queue.qsize(),
+            queue_capacity=self.queue_size,
+            policy=self.policy,
+            submitted=n["submitted"],
+            written=n["written"],
+            dropped=n["dropped"],
+            write_errors=n["write_errors"],
+            read_errors=n["read_errors"],
+            tiers=[tier.stats() for tier in self._tiers],
         )
 
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:

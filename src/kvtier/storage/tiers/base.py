@@ -1,4 +1,4 @@
-"""The L2 tier interface, URL-based tier construction and byte-size parsing.
+"""The L2 tier interface, its typed stats (`TierStats`) and URL-based tier construction.
 
 An L2 tier stores one rank's shard of one chunk (an `ObjectKey`) with its layout string, in the
 shared object format of `kvtier.storage.tiers.format`, so a reader can tell a sound object from a
@@ -9,12 +9,83 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
 
+import msgspec
 from typing_extensions import Buffer
 
 from kvtier.keys import ObjectKey
 
-TierStats = dict[str, int | float | str]
+#: upper bounds (seconds) of the latency histogram buckets; one more bucket counts the rest
+LATENCY_BOUNDS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+
+class Latency(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Latencies of one kind of tier call, summable across tiers, processes and scrapes.
+
+    `buckets[i]` counts calls that took at most `LATENCY_BOUNDS_S[i]` seconds and more than the
+    bound before it (not cumulative); the last bucket counts calls above the largest bound. A
+    Prometheus histogram is the running sum of `buckets`, with `total_s` and `count`.
+    """
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+    buckets: tuple[int, ...] = (0,) * (len(LATENCY_BOUNDS_S) + 1)
+
+    def merged(self, other: Latency) -> Latency:
+        """The latencies of both (for a node-wide or fleet-wide view)."""
+        return Latency(
+            count=self.count + other.count,
+            total_s=self.total_s + other.total_s,
+            max_s=max(self.max_s, other.max_s),
+            buckets=tuple(a + b for a, b in zip(self.buckets, other.buckets, strict=True)),
+        )
+
+
+class TierStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One tier's counters and gauges, as /health, /metrics and the status page read them.
+
+    Counters count since the tier was opened in this process. `objects`, `used_bytes` and
+    `capacity_bytes` (0 = unbounded or unknown) describe the whole store: for Redis they are the
+    server's (or all cluster masters') figures, shared with other processes and prefixes.
+    `healthy` is False while the tier skips its backend after a failure, or had an error in the
+    last few seconds; `last_error` is the latest error's text ("" when none), with no secrets.
+    `extra` holds counters only one kind of tier has (disk evictions, Redis skips...).
+    """
+
+    name: str
+    kind: str  # "disk", "redis", "redis+cluster"
+    url: str  # the tier's URL with any password replaced by "***"
+    healthy: bool
+    last_error: str
+    objects: int
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    corrupt: int  # reads that found a damaged or misnamed object (deleted)
+    errors: int  # backend failures (I/O errors, connection failures, error replies)
+    layout_mismatches: int
+    size_mismatches: int
+    puts: int
+    bytes_written: int
+    bytes_read: int
+    read_latency: Latency
+    write_latency: Latency
+    extra: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by "***", for stats, logs and errors."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 @runtime_checkable
@@ -61,7 +132,7 @@ class L2Tier(Protocol):
         ...
 
     def stats(self) -> TierStats:
-        """Counters and gauges: used_bytes, capacity_bytes (0 = unbounded), objects, hits..."""
+        """This tier's counters and gauges (see `TierStats`)."""
         ...
 
     def close(self) -> None:
@@ -81,23 +152,37 @@ def _open_redis(url: str) -> L2Tier:
     return RedisTier.from_url(url)
 
 
+def _open_redis_cluster(url: str) -> L2Tier:
+    from kvtier.storage.tiers.redis_cluster import RedisClusterTier
+
+    return RedisClusterTier.from_url(url)
+
+
+#: URL scheme -> tier factory; a new tier costs a module and a row here
 TIER_SCHEMES: dict[str, Callable[[str], L2Tier]] = {
     "disk": _open_disk,
     "redis": _open_redis,
     "rediss": _open_redis,
     "valkey": _open_redis,
     "valkeys": _open_redis,
+    "redis+cluster": _open_redis_cluster,
+    "rediss+cluster": _open_redis_cluster,
+    "valkey+cluster": _open_redis_cluster,
+    "valkeys+cluster": _open_redis_cluster,
 }
 
 
 def open_tier(url: str) -> L2Tier:
-    """The tier a URL names, e.g. "disk:///var/lib/kvtier?size=50GiB" or "redis://h:6379/0".
+    """The tier a URL names, e.g. "disk:///var/lib/kvtier?size=50GiB", "redis://h:6379/0" or
+    "redis+cluster://h1:7000,h2:7000/?prefix=kvtier&ttl=86400".
 
-    See `DiskTier.from_url` and `RedisTier.from_url` for each scheme's path and query options.
+    See each tier's `from_url` for its path and query options.
     """
     scheme, sep, _ = url.partition("://")
     factory = TIER_SCHEMES.get(scheme.lower()) if sep else None
     if factory is None:
         known = ", ".join(f"{s}://" for s in TIER_SCHEMES)
-        raise ValueError(f"unknown L2 tier URL {url!r}: the scheme must be one of {known}")
+        raise ValueError(
+            f"unknown L2 tier URL {redact_url(url)!r}: the scheme must be one of {known}"
+        )
     return factory(url)

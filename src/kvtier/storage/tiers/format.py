@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from typing import NamedTuple
 
 import xxhash
@@ -42,9 +43,26 @@ class Verdict(enum.Enum):
     CORRUPT = "corrupt"  # unreadable, or stored under another key's name: delete it
 
 
+#: reads hash their payload in blocks this large right after each block lands: the block is
+#: still in the CPU cache, so the check costs much less than hashing the whole payload after it
+#: (measured on a busy 2-core machine: 0.63 of plain readinto -> 0.8-1.0)
+BLOCK = 512 << 10
+
+
 def digest(payload: Buffer) -> bytes:
     """The payload's xxh3-128 digest (16 bytes)."""
     return xxhash.xxh3_128_digest(payload)
+
+
+def read_hashed(out: memoryview, fill: Callable[[memoryview, int], None]) -> bytes:
+    """Fill `out` block by block with `fill(block, offset)` and return its digest, each block
+    hashed right after it was filled (see BLOCK)."""
+    hasher = xxhash.xxh3_128()
+    for offset in range(0, len(out), BLOCK):
+        block = out[offset : offset + BLOCK]
+        fill(block, offset)
+        hasher.update(block)
+    return hasher.digest()
 
 
 def header_size(key_text: str, layout: str) -> int:
@@ -95,3 +113,36 @@ def judge(header: Header | None, key_text: str, layout: str, out_len: int, total
     if header.payload_len != out_len:
         return Verdict.SIZE_MISMATCH
     return Verdict.OK
+
+
+def decode_split_header(head: Buffer, payload: Buffer) -> Header | None:
+    """The header of an object read as `head` (the expected header length) then `payload`.
+
+    When `head` alone does not decode, the object may be a sound one with a longer header (of
+    another layout) and the same total size: look past `head` into the start of `payload`.
+    """
+    header = decode_header(head)
+    if header is None:
+        header = decode_header(bytes(head) + bytes(memoryview(payload)[: 2 * MAX_TEXT]))
+    return header
+
+
+def verify(
+    header: Header | None,
+    key_text: str,
+    layout: str,
+    out: Buffer,
+    total: int,
+    payload_digest: bytes | None = None,
+) -> Verdict:
+    """The verdict on a read of `out` from an object of `total` bytes with `header`: `judge`,
+    then the payload digest (`payload_digest` when the reader computed it while reading, see
+    `read_hashed`) for an object that may serve the read. Every tier's read path ends here."""
+    view = memoryview(out)
+    verdict = judge(header, key_text, layout, view.nbytes, total)
+    if verdict is Verdict.OK:
+        assert header is not None
+        actual = digest(view) if payload_digest is None else payload_digest
+        if actual != header.digest:
+            return Verdict.CORRUPT
+    return verdict

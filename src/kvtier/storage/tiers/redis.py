@@ -1,176 +1,435 @@
 """The Redis/Valkey L2 tier, shared by several machines: one value per object, pipelined batches.
 
 Key names are `f"{prefix}:{{{model_hex}.{salt_hex}}}:{world_size}.{worker_id}.{chunk_hash_hex}"`.
-The `{...}` part is a Redis Cluster hash tag: every chunk of one model + cache salt lands in one
-slot, so a batch for one request never crosses slots and `clear(model=..., cache_salt=...)`
-scans one pattern. The trade-off: one model+salt cannot spread over several cluster nodes, so a
-single very hot model concentrates on one shard (memory and bandwidth).
+The `{...}` part is a Redis Cluster hash tag: on a single server it only groups names; the
+cluster tier (`redis_cluster`) lays keys out differently, so that one model spreads over every
+node. The value is the shared object header (see `format`) followed by the payload.
 
-The value is the shared object header (see `format`) followed by the payload. GET and SET of
-values go over the tier's own connection pool in hand-packed RESP (`_Wire`): a put sends the
-header and the caller's payload as separate pieces of one bulk string (no join), and a get
-receives the payload straight into the caller's buffer (no intermediate bytes object). redis-py
-with hiredis copies a multi-MiB value two to three times per verb and was 4-6x slower than this.
-Every other verb goes through redis-py.
+GET, SET, EXISTS and DEL of objects go over the node's own pool in hand-packed RESP (`resp.Wire`,
+no copies of values); SCAN, UNLINK and INFO go through redis-py. The batch engine here
+(`_batch`) groups names by node and follows cluster redirects; on a single server there is one
+node and a redirect is an error.
 
 When Redis is unreachable every verb counts `errors` and behaves as a miss / no-op, then skips
-Redis for `cooldown` seconds (counted as `skipped`) so a dead server does not stall every
+the node for `cooldown` seconds (counted as `skipped`) so a dead server does not stall every
 request; afterwards the connection pool reconnects by itself.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-import socket
-import threading
-import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from typing_extensions import Buffer
 
-from kvtier.config import redact_url
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import format as fmt
-from kvtier.storage.tiers.base import TierStats
+from kvtier.storage.tiers.accounting import TierCounters
+from kvtier.storage.tiers.base import TierStats, redact_url
+from kvtier.storage.tiers.options import PARSERS, parse_url
+from kvtier.storage.tiers.resp import Node, Redirect, Wire, byte_view, command, set_parts
 
 logger = logging.getLogger(__name__)
 
 _SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
-_OPTIONS = {"prefix", "ttl", "connect_timeout", "timeout", "cooldown", "max_connections"}
-_COUNTERS = (
-    "hits",
-    "misses",
-    "corrupt",
-    "errors",
-    "skipped",
-    "layout_mismatches",
-    "size_mismatches",
-    "puts",
-    "bytes_written",
-    "bytes_read",
-)
+#: URL query options of both Redis tiers -> parser
+OPTIONS = {
+    "prefix": PARSERS["str"],
+    "ttl": PARSERS["optional_int"],
+    "connect_timeout": PARSERS["seconds"],
+    "timeout": PARSERS["seconds"],
+    "cooldown": PARSERS["seconds"],
+    "max_connections": PARSERS["int"],
+}
+_EXTRA = ("skipped", "redirects", "refreshes")
 _CLEAR_BATCH = 512
-_WIRE_BUF = 64 << 10  # reply-line buffer of `_Wire`
-_COALESCE = 64 << 10  # pieces smaller than this are joined before sending (fewer syscalls)
-_T = TypeVar("_T")
+_ASKING = command(b"ASKING")
 GET_PIPELINE_BYTES = 1 << 20  # see get_many_into
+_R = TypeVar("_R")
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """`text` with SCAN MATCH's special characters escaped."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-def _byte_view(buf: Buffer) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+def check_options(
+    prefix: str, ttl: int | None, connect_timeout: float, timeout: float, cooldown: float
+) -> None:
+    """Raise ValueError for option values neither Redis tier accepts."""
+    if not prefix or "{" in prefix or "}" in prefix:
+        raise ValueError(f"prefix must be non-empty and free of braces, got {prefix!r}")
+    if ttl is not None and ttl <= 0:
+        raise ValueError(f"ttl must be a positive number of seconds or None, got {ttl}")
+    if min(connect_timeout, timeout) <= 0 or cooldown < 0:
+        raise ValueError(
+            f"connect_timeout and timeout must be > 0 and cooldown >= 0, got "
+            f"{connect_timeout}, {timeout}, {cooldown}"
+        )
 
 
-class _Wire:
-    """RESP replies read straight from a pooled connection's socket into the caller's buffers.
+def scan_unlink(client: redis.Redis, pattern: str, *, one_by_one: bool) -> int:
+    """UNLINK the keys of `client`'s server matching `pattern`, found by SCAN (never FLUSHDB).
 
-    redis-py (with hiredis) copies a multi-MiB value several times on both sides (measured 4-6x
-    slower than the socket); this reader copies bulk replies straight into their destination.
-    Only the tier's own bulk pool uses it, so the connection's parser never holds buffered data.
+    `one_by_one` sends one UNLINK per key (pipelined): a cluster refuses multi-key commands
+    across slots.
+    """
+    removed = 0
+    batch: list[bytes] = []
+
+    def flush() -> int:
+        if not one_by_one:
+            return int(client.unlink(*batch))
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.unlink(name)
+        return sum(int(n) for n in pipe.execute())
+
+    for name in client.scan_iter(match=pattern, count=1000):
+        batch.append(name)
+        if len(batch) >= _CLEAR_BATCH:
+            removed += flush()
+            batch.clear()
+    if batch:
+        removed += flush()
+    return removed
+
+
+class RespTier:
+    """What both Redis tiers share: object verbs over `resp.Wire`, batched per node, with
+    cluster redirects followed. Subclasses name keys, route names to nodes, clear and report.
     """
 
-    __slots__ = ("_buf", "_end", "_pos", "_sock")
+    kind = "redis"
+    name: str
+    prefix: str
+    ttl: int | None
+    _counters: TierCounters
+    _executor: ThreadPoolExecutor | None
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buf = bytearray(_WIRE_BUF)
-        self._pos = 0
-        self._end = 0
+    def _init_common(self, name: str, prefix: str, ttl: int | None) -> None:
+        self.name = name
+        self.prefix = prefix
+        self.ttl = ttl
+        self._counters = TierCounters(logger, _EXTRA)
+        self._executor = None
 
-    def send(self, parts: Sequence[Buffer]) -> None:
-        """Send `parts` in order; runs of small pieces go out as one joined buffer."""
-        small: list[Buffer] = []
-        nsmall = 0
-        for part in parts:
-            n = memoryview(part).nbytes
-            if n < _COALESCE:
-                small.append(part)
-                nsmall += n
-                if nsmall < _COALESCE:
+    def redis_key(self, key: ObjectKey) -> str:
+        """The Redis key name of `key`."""
+        raise NotImplementedError
+
+    def _route(self, name: bytes) -> Node | None:
+        """The node that serves `name` (None when none is known)."""
+        raise NotImplementedError
+
+    def _follow(self, redirect: Redirect) -> Node | None:
+        """The node a redirect points to (None: not followed, counted as an error)."""
+        self._counters.failed("redirect", f"unexpected {redirect} from a single Redis server")
+        return None
+
+    def _node_failed(self, node: Node) -> None:
+        """A node failed on the connection, or was skipped in its cool-down (the cluster tier
+        refreshes its topology)."""
+
+    # -- the batch engine -----------------------------------------------------------------------
+
+    def _failed(self, what: str, node: Node, exc: redis.RedisError) -> None:
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            node.mark_down()
+            self._counters.failed(what, f"{self.kind} node {node.address} unreachable: {exc}")
+            self._node_failed(node)
+        else:
+            self._counters.failed(what, f"{self.kind} node {node.address} failed: {exc}")
+
+    def _fan_out(self, calls: list[Callable[[], None]]) -> None:
+        """Run per-node calls, concurrently when there are several (one thread per node)."""
+        if len(calls) == 1:
+            calls[0]()
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(16, thread_name_prefix=f"kvtier-{self.name}")
+        for future in [self._executor.submit(c) for c in calls]:
+            future.result()
+
+    def _batch(
+        self,
+        what: str,
+        names: Sequence[bytes],
+        send: Callable[[int], list[Buffer]],
+        read: Callable[[Wire, int], _R | Redirect],
+        sizes: Sequence[int] | None = None,
+    ) -> list[_R | None]:
+        """Send `send(i)` for every name to the node serving it, pipelined per node (in groups of
+        at most GET_PIPELINE_BYTES of `sizes` when given), and read `read(wire, i)` back.
+
+        MOVED and ASK replies are followed (twice at most); an item whose node is down, in its
+        cool-down, or answered an error gets None (errors and skips are counted).
+        """
+        results: list[_R | None] = [None] * len(names)
+        pending = list(range(len(names)))
+        asking: dict[int, Node] = {}
+        for _ in range(3):
+            groups: dict[str, tuple[Node, list[int]]] = {}
+            for i in pending:
+                node = asking.get(i) or self._route(names[i])
+                if node is None:
                     continue
-            if small:
-                self._sock.sendall(b"".join(small))
-                small, nsmall = [], 0
-            if n >= _COALESCE:
-                self._sock.sendall(part)
-        if small:
-            self._sock.sendall(b"".join(small))
+                if not node.available:
+                    self._counters.add("skipped")
+                    self._node_failed(node)
+                    continue
+                groups.setdefault(node.address, (node, []))[1].append(i)
+            redirects: list[tuple[int, Redirect]] = []
+            self._fan_out(
+                [
+                    functools.partial(
+                        self._on_node,
+                        what,
+                        node,
+                        idxs,
+                        asking,
+                        send,
+                        read,
+                        results,
+                        redirects,
+                        sizes,
+                    )
+                    for node, idxs in groups.values()
+                ]
+            )
+            if not redirects:
+                break
+            self._counters.add("redirects", len(redirects))
+            pending, asking = [], {}
+            for i, redirect in redirects:
+                target = self._follow(redirect)
+                if target is not None:
+                    pending.append(i)
+                    if redirect.ask:
+                        asking[i] = target
+        return results
 
-    def _fill(self) -> None:
-        if self._pos == self._end:
-            self._pos = self._end = 0
-        elif self._end == len(self._buf):  # a line longer than the buffer: make room
-            self._buf = self._buf[self._pos : self._end] + bytearray(len(self._buf))
-            self._end -= self._pos
-            self._pos = 0
-        got = self._sock.recv_into(memoryview(self._buf)[self._end :])
-        if not got:
-            raise redis.ConnectionError("connection closed by the server")
-        self._end += got
+    def _on_node(
+        self,
+        what: str,
+        node: Node,
+        idxs: list[int],
+        asking: dict[int, Node],
+        send: Callable[[int], list[Buffer]],
+        read: Callable[[Wire, int], _R | Redirect],
+        results: list[_R | None],
+        redirects: list[tuple[int, Redirect]],
+        sizes: Sequence[int] | None,
+    ) -> None:
+        """`_batch`'s pipelines on one node, one after another; fills `results` and
+        `redirects`. A connection failure ends the node's share of the batch."""
+        for part in self._split(idxs, sizes):
+            if not self._pipeline(what, node, part, asking, send, read, results, redirects):
+                return
 
-    def line(self) -> bytes:
-        """The next reply line without its CRLF."""
-        while True:
-            i = self._buf.find(b"\r\n", self._pos, self._end)
-            if i >= 0:
-                out = bytes(self._buf[self._pos : i])
-                self._pos = i + 2
-                return out
-            self._fill()
+    def _pipeline(
+        self,
+        what: str,
+        node: Node,
+        part: list[int],
+        asking: dict[int, Node],
+        send: Callable[[int], list[Buffer]],
+        read: Callable[[Wire, int], _R | Redirect],
+        results: list[_R | None],
+        redirects: list[tuple[int, Redirect]],
+    ) -> bool:
 
-    def read_into(self, dest: memoryview) -> None:
-        """Fill `dest` from the bytes already buffered, then straight from the socket."""
-        have = min(self._end - self._pos, len(dest))
-        dest[:have] = self._buf[self._pos : self._pos + have]
-        self._pos += have
-        while have < len(dest):
-            got = self._sock.recv_into(dest[have:])
-            if not got:
-                raise redis.ConnectionError("connection closed by the server")
-            have += got
+        def op(wire: Wire) -> list[_R | Redirect | redis.ResponseError]:
+            pieces: list[Buffer] = []
+            for i in part:
+                if i in asking:
+                    pieces.append(_ASKING)
+                pieces += send(i)
+            wire.send(pieces)
+            got: list[_R | Redirect | redis.ResponseError] = []
+            for i in part:
+                try:
+                    if i in asking:
+                        wire.simple()
+                    got.append(read(wire, i))
+                except redis.ResponseError as exc:  # the reply was read whole: go on
+                    got.append(exc)
+            return got
 
-    def crlf(self) -> None:
-        end = bytearray(2)
-        self.read_into(memoryview(end))
-        if end != b"\r\n":
-            raise redis.ConnectionError("malformed Redis reply: bulk string without CRLF")
+        try:
+            replies = node.run(op)
+        except redis.RedisError as exc:
+            self._failed(what, node, exc)
+            return False
+        for i, reply in zip(part, replies, strict=True):
+            if isinstance(reply, Redirect):
+                redirects.append((i, reply))
+            elif isinstance(reply, redis.ResponseError):
+                self._failed(what, node, reply)
+            else:
+                results[i] = reply
+        return True
 
-    def simple(self) -> bytes:
-        """A status or integer reply; a Redis error reply raises ResponseError."""
-        line = self.line()
-        if line[:1] == b"-":
-            raise redis.ResponseError(line[1:].decode(errors="replace"))
-        if line[:1] not in (b"+", b":"):
-            raise redis.ConnectionError(f"unexpected Redis reply {line[:40]!r}")
-        return line[1:]
+    @staticmethod
+    def _split(idxs: list[int], sizes: Sequence[int] | None) -> list[list[int]]:
+        if sizes is None:
+            return [idxs]
+        parts: list[list[int]] = []
+        part: list[int] = []
+        nbytes = 0
+        for i in idxs:
+            if part and nbytes + sizes[i] > GET_PIPELINE_BYTES:
+                parts.append(part)
+                part, nbytes = [], 0
+            part.append(i)
+            nbytes += sizes[i]
+        if part:
+            parts.append(part)
+        return parts
 
-    def bulk_len(self) -> int:
-        """The length of the next bulk reply, -1 for a nil one."""
-        line = self.line()
-        if line[:1] == b"-":
-            raise redis.ResponseError(line[1:].decode(errors="replace"))
-        if line[:1] == b"_":  # RESP3 null
-            return -1
-        if line[:1] != b"$":
-            raise redis.ConnectionError(f"unexpected Redis reply {line[:40]!r}")
-        return int(line[1:])
+    # -- writes --------------------------------------------------------------------------------
 
-    @property
-    def drained(self) -> bool:
-        return self._pos == self._end
+    def put(self, key: ObjectKey, data: Buffer, layout: str) -> None:
+        """SET the object (with EX ttl when configured); a Redis failure is counted, not raised."""
+        self.put_many([(key, data, layout)])
+
+    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+        """SET all objects, one pipeline per node; returns how many Redis accepted."""
+        if not items:
+            return 0
+        names = [self.redis_key(key).encode() for key, _, _ in items]
+        views = [byte_view(data) for _, data, _ in items]
+        headers = [
+            fmt.encode_header(key.to_str(), layout, view)
+            for (key, _, layout), view in zip(items, views, strict=True)
+        ]
+
+        def send(i: int) -> list[Buffer]:
+            return set_parts(names[i], headers[i], views[i], self.ttl)
+
+        def read(wire: Wire, i: int) -> bool | Redirect:
+            reply = wire.simple()
+            return reply if isinstance(reply, Redirect) else True
+
+        with self._counters.timed("write", len(items)):
+            done = self._batch("put", names, send, read)
+        written = [i for i, ok in enumerate(done) if ok]
+        self._counters.wrote(len(written), sum(len(headers[i]) + len(views[i]) for i in written))
+        return len(written)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _receive(
+        wire: Wire, key: ObjectKey, out: memoryview, layout: str
+    ) -> fmt.Verdict | Redirect | None:
+        """Read one GET reply, its payload straight into `out`; None for a nil reply."""
+        n = wire.bulk_len()
+        if isinstance(n, Redirect):
+            return n
+        if n < 0:
+            return None
+        text = key.to_str()
+        hsize = fmt.header_size(text, layout)
+        payload_digest: bytes | None = None
+        if n == hsize + len(out):
+            head = bytearray(hsize)
+            wire.read_into(memoryview(head))
+            payload_digest = fmt.read_hashed(out, lambda block, _: wire.read_into(block))
+            wire.crlf()
+            header = fmt.decode_split_header(head, out)
+        else:  # cannot be a hit; read it whole to tell a mismatch from corruption
+            value = bytearray(n)
+            wire.read_into(memoryview(value))
+            wire.crlf()
+            header = fmt.decode_header(value)
+        return fmt.verify(header, text, layout, out, n, payload_digest)
+
+    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> bool:
+        """GET the object, its payload straight into `out`, and check it."""
+        return self.get_many_into([(key, out, layout)])[0]
+
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+        """GET the objects, per node in pipelines of at most `GET_PIPELINE_BYTES`, each payload
+        straight into its buffer, then check them.
+
+        Large values go one GET at a time: Redis answers a pipeline of several multi-MiB values
+        by queueing all of them, measured 2x slower than fetching them one by one.
+        """
+        if not items:
+            return []
+        jobs = [(key, byte_view(out), layout) for key, out, layout in items]
+        names = [self.redis_key(key).encode() for key, _, _ in jobs]
+
+        def send(i: int) -> list[Buffer]:
+            return [command(b"GET", names[i])]
+
+        def read(wire: Wire, i: int) -> fmt.Verdict | Redirect | None:
+            key, out, layout = jobs[i]
+            return self._receive(wire, key, out, layout)
+
+        with self._counters.timed("read", len(jobs)):
+            verdicts = self._batch("get", names, send, read, [len(out) for _, out, _ in jobs])
+        hits = []
+        for (key, out, _), verdict in zip(jobs, verdicts, strict=True):
+            hits.append(self._counters.settle(verdict, len(out)))
+            if verdict is fmt.Verdict.CORRUPT:
+                self._counters.warn("corrupt", f"{self.kind} tier: deleting corrupt {key}")
+                self._delete_names([self.redis_key(key).encode()])
+        return hits
+
+    # -- index verbs ---------------------------------------------------------------------------
+
+    def _int_replies(self, what: str, verb: bytes, names: Sequence[bytes]) -> list[int]:
+        def send(i: int) -> list[Buffer]:
+            return [command(verb, names[i])]
+
+        def read(wire: Wire, i: int) -> int | Redirect:
+            reply = wire.simple()
+            return reply if isinstance(reply, Redirect) else int(reply)
+
+        return [r or 0 for r in self._batch(what, names, send, read)]
+
+    def _delete_names(self, names: Sequence[bytes]) -> int:
+        return sum(self._int_replies("delete", b"DEL", names))
+
+    def contains(self, key: ObjectKey) -> bool:
+        """EXISTS; False while Redis is unreachable."""
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """EXISTS for each key, one pipeline per node; False where the node is unreachable."""
+        names = [self.redis_key(key).encode() for key in keys]
+        return [bool(n) for n in self._int_replies("contains", b"EXISTS", names)]
+
+    def delete(self, key: ObjectKey) -> bool:
+        """DEL; False when absent or when Redis is unreachable."""
+        return bool(self._delete_names([self.redis_key(key).encode()]))
+
+    @staticmethod
+    def server_figures(client: redis.Redis) -> tuple[int, int, int]:
+        """(objects, used_bytes, capacity_bytes) of one server: its db's key count (all
+        prefixes), used_memory and maxmemory."""
+        info: dict[str, Any] = client.info("memory")
+        return (
+            int(client.dbsize()),
+            int(info.get("used_memory", 0)),
+            int(info.get("maxmemory", 0)),
+        )
+
+    def _shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
 
-class RedisTier:
+class RedisTier(RespTier):
     """An L2 tier in the Redis or Valkey server at `url`, under key prefix `prefix`."""
 
     def __init__(
@@ -187,19 +446,11 @@ class RedisTier:
     ) -> None:
         scheme, sep, rest = url.partition("://")
         if not sep or scheme.lower() not in _SCHEMES:
-            raise ValueError(f"not a Redis/Valkey URL: {url!r} (schemes: {sorted(_SCHEMES)})")
-        if not prefix or "{" in prefix or "}" in prefix:
-            raise ValueError(f"prefix must be non-empty and free of braces, got {prefix!r}")
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl must be a positive number of seconds or None, got {ttl}")
-        if min(connect_timeout, timeout) <= 0 or cooldown < 0:
             raise ValueError(
-                f"connect_timeout and timeout must be > 0 and cooldown >= 0, got "
-                f"{connect_timeout}, {timeout}, {cooldown}"
+                f"not a Redis/Valkey URL: {redact_url(url)!r} (schemes: {sorted(_SCHEMES)})"
             )
-        self.name = name
-        self.prefix = prefix
-        self.ttl = ttl
+        check_options(prefix, ttl, connect_timeout, timeout, cooldown)
+        self._init_common(name, prefix, ttl)
         self.cooldown = cooldown
         self.url = f"{_SCHEMES[scheme.lower()]}://{rest}"
         self._pool = redis.ConnectionPool.from_url(
@@ -211,46 +462,25 @@ class RedisTier:
             retry=Retry(NoBackoff(), 1),
         )
         self._r = redis.Redis(connection_pool=self._pool)
-        # GET and SET of values only, read by `_Wire`: its connections' parsers stay empty
-        self._bulk_pool = redis.ConnectionPool.from_url(
+        # object verbs only, read by `Wire`: its connections' parsers stay empty
+        bulk = redis.ConnectionPool.from_url(
             self.url,
             socket_connect_timeout=connect_timeout,
             socket_timeout=timeout,
             max_connections=max_connections,
         )
-        self._lock = threading.Lock()
-        self._n: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self._down_until = 0.0
+        kw = bulk.connection_kwargs
+        self._node = Node(f"{kw.get('host', '')}:{kw.get('port', '')}", bulk, cooldown)
 
     @classmethod
     def from_url(cls, url: str) -> RedisTier:
         """A tier from "redis://host:port/db?prefix=kvtier&ttl=3600" (also rediss://, valkey://).
 
         Options: prefix, ttl (seconds), connect_timeout and timeout (seconds, socket timeouts),
-        cooldown (seconds Redis is skipped after a failure), max_connections.
+        cooldown (seconds a failed server is skipped), max_connections.
         """
-        parts = urlsplit(url)
-        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-        unknown = set(query) - _OPTIONS
-        if unknown:
-            raise ValueError(f"unknown Redis tier URL options {sorted(unknown)} in {url!r}")
-        kwargs: dict[str, Any] = {}
-        try:
-            if "prefix" in query:
-                kwargs["prefix"] = query["prefix"]
-            if query.get("ttl"):
-                kwargs["ttl"] = int(query["ttl"])
-            for opt in ("connect_timeout", "timeout", "cooldown"):
-                if opt in query:
-                    kwargs[opt] = float(query[opt])
-            if "max_connections" in query:
-                kwargs["max_connections"] = int(query["max_connections"])
-        except ValueError as exc:
-            raise ValueError(f"bad Redis tier URL option in {url!r}: {exc}") from None
-        base = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode({}), ""))
-        return cls(base, **kwargs)
-
-    # -- naming and failure handling -----------------------------------------------------------
+        parts, kwargs = parse_url(url, OPTIONS, tier="Redis")
+        return cls(parts._replace(query="", fragment="").geturl(), **kwargs)
 
     def redis_key(self, key: ObjectKey) -> str:
         """The Redis key name of `key`."""
@@ -259,315 +489,50 @@ class RedisTier:
             f"{key.world_size}.{key.worker_id}.{key.chunk_hash.hex()}"
         )
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._n[name] += n
+    def _route(self, name: bytes) -> Node | None:
+        """The node that serves `name` (None when none is known)."""
+        return self._node
 
-    def _available(self) -> bool:
-        """False while in the cool-down after a connection failure (counted as `skipped`)."""
-        if time.monotonic() >= self._down_until:
-            return True
-        self._count("skipped")
-        return False
-
-    def _failed(self, what: str, exc: redis.RedisError) -> None:
-        self._count("errors")
-        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
-            was_up = time.monotonic() >= self._down_until
-            self._down_until = time.monotonic() + self.cooldown
-            if was_up:
-                logger.warning(
-                    "redis tier %s unreachable on %s: %s", redact_url(self.url), what, exc
-                )
-        else:
-            logger.warning("redis tier %s failed on %s: %s", redact_url(self.url), what, exc)
-
-    # -- raw GET / SET ------------------------------------------------------------------------
-
-    def _on_wire(self, op: Callable[[_Wire], _T]) -> _T:
-        """Run `op` on a bulk-pool connection; socket failures become redis errors.
-
-        A pooled connection that died (e.g. a restarted server) is retried once on a new one.
-        After any failure the connection is dropped, since replies may be left unread.
-        """
-        for attempt in (0, 1):
-            # connects; raises redis.ConnectionError (Any: redis-py leaves disconnect untyped)
-            conn: Any = self._bulk_pool.get_connection()
-            try:
-                sock: socket.socket | None = getattr(conn, "_sock", None)
-                if sock is None:
-                    raise redis.ConnectionError("redis-py returned an unconnected connection")
-                wire = _Wire(sock)
-                result = op(wire)
-                if not wire.drained:
-                    raise redis.ConnectionError("unexpected extra bytes after a Redis reply")
-            except TimeoutError as exc:  # socket.timeout
-                conn.disconnect()
-                raise redis.TimeoutError(f"Redis read/write timed out: {exc}") from exc
-            except (OSError, redis.ConnectionError) as exc:
-                conn.disconnect()
-                if attempt:
-                    if isinstance(exc, redis.ConnectionError):
-                        raise
-                    raise redis.ConnectionError(f"Redis connection failed: {exc}") from exc
-                continue
-            except BaseException:
-                conn.disconnect()
-                raise
-            finally:
-                self._bulk_pool.release(conn)
-            return result
-        raise AssertionError("unreachable")
-
-    def _set_parts(self, key: ObjectKey, data: Buffer, layout: str) -> tuple[list[Buffer], int]:
-        """The RESP pieces of `SET name header+payload [EX ttl]` and the value's length."""
-        view = _byte_view(data)
-        header = fmt.encode_header(key.to_str(), layout, view)
-        name = self.redis_key(key).encode()
-        n = len(header) + len(view)
-        argc = 3 if self.ttl is None else 5
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (argc, len(name), name, n, header)
-        if self.ttl is None:
-            tail = b"\r\n"
-        else:
-            ttl = str(self.ttl).encode()
-            tail = b"\r\n$2\r\nEX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
-        return [head, view, tail], n
-
-    def _get_command(self, key: ObjectKey) -> bytes:
-        name = self.redis_key(key).encode()
-        return b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)
-
-    # -- writes --------------------------------------------------------------------------------
-
-    def put(self, key: ObjectKey, data: Buffer, layout: str) -> None:
-        """SET the object (with EX ttl when configured); a Redis failure is counted, not raised."""
-        if not self._available():
-            return
-        parts, n = self._set_parts(key, data, layout)
-
-        def op(wire: _Wire) -> None:
-            wire.send(parts)
-            wire.simple()
-
-        try:
-            self._on_wire(op)
-        except redis.RedisError as exc:
-            self._failed("put", exc)
-            return
-        with self._lock:
-            self._n["puts"] += 1
-            self._n["bytes_written"] += n
-
-    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
-        """SET all objects in one pipeline; returns how many Redis accepted."""
-        if not items or not self._available():
-            return 0
-        parts: list[Buffer] = []
-        nbytes = 0
-        for key, data, layout in items:
-            item_parts, n = self._set_parts(key, data, layout)
-            parts += item_parts
-            nbytes += n
-
-        def op(wire: _Wire) -> list[redis.ResponseError | None]:
-            wire.send(parts)
-            replies: list[redis.ResponseError | None] = []
-            for _ in items:
-                try:
-                    wire.simple()
-                    replies.append(None)
-                except redis.ResponseError as exc:  # the reply was read whole: go on
-                    replies.append(exc)
-            return replies
-
-        try:
-            replies = self._on_wire(op)
-        except redis.RedisError as exc:
-            self._failed("put_many", exc)
-            return 0
-        written = sum(1 for r in replies if r is None)
-        if written < len(items):
-            self._failed("put_many", next(r for r in replies if r is not None))
-        with self._lock:
-            self._n["puts"] += written
-            self._n["bytes_written"] += nbytes if written == len(items) else 0
-        return written
-
-    # -- reads ---------------------------------------------------------------------------------
-
-    def _receive(
-        self, wire: _Wire, key: ObjectKey, out: memoryview, layout: str
-    ) -> fmt.Verdict | None:
-        """Read one GET reply, its payload straight into `out`; None for a nil reply."""
-        n = wire.bulk_len()
-        if n < 0:
-            return None
-        text = key.to_str()
-        hsize = fmt.header_size(text, layout)
-        if n == hsize + len(out):
-            head = bytearray(hsize)
-            wire.read_into(memoryview(head))
-            wire.read_into(out)
-            wire.crlf()
-            header = fmt.decode_header(head)
-            if header is None:  # maybe a longer header of another layout: look past `head`
-                header = fmt.decode_header(bytes(head) + bytes(out[: 2 * fmt.MAX_TEXT]))
-        else:  # cannot be a hit; read it whole to tell a mismatch from corruption
-            value = bytearray(n)
-            wire.read_into(memoryview(value))
-            wire.crlf()
-            header = fmt.decode_header(value)
-        verdict = fmt.judge(header, text, layout, len(out), n)
-        if verdict is fmt.Verdict.OK:
-            assert header is not None and header.size == hsize
-            if fmt.digest(out) != header.digest:
-                verdict = fmt.Verdict.CORRUPT
-        return verdict
-
-    def _settle(self, key: ObjectKey, verdict: fmt.Verdict | None, nbytes: int) -> bool:
-        """Count a read's outcome and delete a corrupt object; True for a hit."""
-        if verdict is fmt.Verdict.OK:
-            with self._lock:
-                self._n["hits"] += 1
-                self._n["bytes_read"] += nbytes
-            return True
-        self._count("misses")
-        if verdict is None:
-            return False
-        if verdict is fmt.Verdict.LAYOUT_MISMATCH:
-            self._count("layout_mismatches")
-        elif verdict is fmt.Verdict.SIZE_MISMATCH:
-            self._count("size_mismatches")
-        else:
-            self._count("corrupt")
-            logger.warning("redis tier: deleting corrupt object %s", self.redis_key(key))
-            try:
-                self._r.delete(self.redis_key(key))
-            except redis.RedisError as exc:
-                self._failed("delete corrupt", exc)
-        return False
-
-    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> bool:
-        """GET the object, its payload straight into `out`, and check it."""
-        return self._get_group([(key, out, layout)])[0]
-
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
-        """GET the objects in pipelines of at most `GET_PIPELINE_BYTES`, each payload straight
-        into its buffer, then check them.
-
-        Large values go one GET at a time: Redis answers a pipeline of several multi-MiB values
-        by queueing all of them, measured 2x slower than fetching them one by one.
-        """
-        results: list[bool] = []
-        group: list[tuple[ObjectKey, memoryview, str]] = []
-        nbytes = 0
-        for item in items:
-            size = memoryview(item[1]).nbytes
-            if group and nbytes + size > GET_PIPELINE_BYTES:
-                results += self._get_group(group)
-                group, nbytes = [], 0
-            group.append(item)
-            nbytes += size
-        if group:
-            results += self._get_group(group)
-        return results
-
-    def _get_group(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
-        if not self._available():
-            self._count("misses", len(items))
-            return [False] * len(items)
-        jobs = [(key, _byte_view(out), layout) for key, out, layout in items]
-        commands = [self._get_command(key) for key, _, _ in jobs]
-
-        def op(wire: _Wire) -> list[fmt.Verdict | None]:
-            wire.send(commands)
-            return [self._receive(wire, key, out, layout) for key, out, layout in jobs]
-
-        try:
-            verdicts = self._on_wire(op)
-        except redis.RedisError as exc:
-            self._failed("get" if len(items) == 1 else "get_many", exc)
-            self._count("misses", len(items))
-            return [False] * len(items)
-        return [
-            self._settle(key, verdict, len(out))
-            for (key, out, _), verdict in zip(jobs, verdicts, strict=True)
-        ]
-
-    # -- index verbs ---------------------------------------------------------------------------
-
-    def contains(self, key: ObjectKey) -> bool:
-        """EXISTS; False while Redis is unreachable."""
-        return self.contains_many([key])[0]
-
-    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """EXISTS for each key in one pipeline; all False while Redis is unreachable."""
-        if not keys:
-            return []
-        if not self._available():
-            return [False] * len(keys)
-        pipe = self._r.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.redis_key(key))
-        try:
-            return [bool(n) for n in pipe.execute()]
-        except redis.RedisError as exc:
-            self._failed("contains", exc)
-            return [False] * len(keys)
-
-    def delete(self, key: ObjectKey) -> bool:
-        """DEL; False when absent or when Redis is unreachable."""
-        if not self._available():
-            return False
-        try:
-            return bool(self._r.delete(self.redis_key(key)))
-        except redis.RedisError as exc:
-            self._failed("delete", exc)
-            return False
-
-    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        """UNLINK this prefix's keys matching the filters, found by SCAN (never FLUSHDB)."""
+    def clear_pattern(self, model: str | None, cache_salt: str | None) -> str:
+        """The SCAN MATCH pattern of this prefix's keys of `model` and `cache_salt`."""
         m = "*" if model is None else model.encode().hex()
         s = "*" if cache_salt is None else cache_salt.encode().hex()
         # hex has no '.', so "{m.s}" pins each filter to its own side of the dot
-        pattern = f"{_glob_escape(self.prefix)}:{{{m}.{s}}}:*"
-        removed = 0
-        if not self._available():
+        return f"{glob_escape(self.prefix)}:{{{m}.{s}}}:*"
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        """UNLINK this prefix's keys matching the filters, found by SCAN (never FLUSHDB)."""
+        if not self._node.available:
+            self._counters.add("skipped")
             return 0
+        pattern = self.clear_pattern(model, cache_salt)
         try:
-            batch: list[bytes] = []
-            for name in self._r.scan_iter(match=pattern, count=1000):
-                batch.append(name)
-                if len(batch) >= _CLEAR_BATCH:
-                    removed += int(self._r.unlink(*batch))
-                    batch.clear()
-            if batch:
-                removed += int(self._r.unlink(*batch))
+            return scan_unlink(self._r, pattern, one_by_one=False)
         except redis.RedisError as exc:
-            self._failed("clear", exc)
-        return removed
+            self._failed("clear", self._node, exc)
+            return 0
 
     def stats(self) -> TierStats:
-        """Counters of this process, plus the server's used_memory as used_bytes, its
-        maxmemory as capacity_bytes and the db's key count (all prefixes) as objects."""
-        with self._lock:
-            out: TierStats = dict(self._n)
-        out.update(
-            used_bytes=0, capacity_bytes=0, objects=0, url=redact_url(self.url), prefix=self.prefix
-        )
-        out["ttl"] = self.ttl or 0
-        if time.monotonic() >= self._down_until:
+        """Counters of this process, plus the server's key count, used_memory and maxmemory."""
+        figures = (0, 0, 0)
+        if self._node.available:
             try:
-                info = self._r.info("memory")
-                out["used_bytes"] = int(info.get("used_memory", 0))
-                out["capacity_bytes"] = int(info.get("maxmemory", 0))
-                out["objects"] = int(self._r.dbsize())
+                figures = self.server_figures(self._r)
             except redis.RedisError as exc:
-                self._failed("stats", exc)
-        return out
+                self._failed("stats", self._node, exc)
+        return self._counters.snapshot(
+            name=self.name,
+            kind=self.kind,
+            url=redact_url(self.url),
+            objects=figures[0],
+            used_bytes=figures[1],
+            capacity_bytes=figures[2],
+            healthy=self._node.available,
+            extra={"ttl": self.ttl or 0},
+        )
 
     def close(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection and the fan-out threads."""
+        self._shutdown()
         self._pool.disconnect()
-        self._bulk_pool.disconnect()
+        self._node.close()

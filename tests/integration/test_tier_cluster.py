@@ -1,0 +1,263 @@
+"""The Redis Cluster tier against a real local cluster (3 masters + 3 replicas, see
+`redis_cluster.py`): spread over every master, resharding while serving, a master killed and
+its replica promoted while clients run, and two kvtier servers sharing the cluster."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from kvtier.keys import ObjectKey
+from kvtier.storage.tiers import open_tier
+from kvtier.storage.tiers.redis_cluster import RedisClusterTier, parse_seeds
+
+from ..conftest import ServerProcess
+from .redis_cluster import RedisCluster
+from .test_serve import CS, wait_for
+from .test_tiers import _retrieve_in_process, _store_in_process, in_process, written
+
+LAYOUT = "float16[8,2,64]"
+SIZE = 16384
+
+
+def key(i: int, model: str = "llama", salt: str = "") -> ObjectKey:
+    return ObjectKey(model, salt, 1, 0, hashlib.sha256(b"c%d" % i).digest())
+
+
+def payload(i: int) -> bytes:
+    return hashlib.sha256(b"v%d" % i).digest() * (SIZE // 32)
+
+
+@pytest.fixture
+def tier(redis_cluster: RedisCluster) -> Iterator[RedisClusterTier]:
+    prefix = f"kvtier-cluster-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    t = open_tier(f"{redis_cluster.url}?prefix={prefix}&cooldown=0.3")
+    assert isinstance(t, RedisClusterTier)
+    yield t
+    t.clear()
+    t.close()
+
+
+def slot_of(tier: RedisClusterTier, i: int) -> int:
+    return key_slot(tier.redis_key(key(i)).encode())
+
+
+def owner_port(cluster: RedisCluster, slot: int) -> int:
+    for node in cluster.nodes(next(iter(cluster.procs))):
+        if "master" not in node["flags"] or "fail" in node["flags"]:
+            continue
+        for part in node["slots"].split():
+            if part.startswith("["):
+                continue
+            lo, _, hi = part.partition("-")
+            if int(lo) <= slot <= int(hi or lo):
+                return int(node["address"].rsplit(":", 1)[1])
+    raise AssertionError(f"no master owns slot {slot}")
+
+
+def test_url_parsing_and_key_layout(tier: RedisClusterTier) -> None:
+    assert parse_seeds("u:p@h1:7000,[::1]:7001,h3") == (
+        "u",
+        "p",
+        [("h1", 7000), ("::1", 7001), ("h3", 6379)],
+    )
+    name = tier.redis_key(key(1, model="m", salt="s"))
+    assert name == f"{tier.prefix}:{b'm'.hex()}.{b's'.hex()}:{{{key(1).chunk_hash.hex()}}}:1.0"
+    with pytest.raises(ValueError, match="unknown Redis Cluster tier URL options"):
+        open_tier("redis+cluster://h:1/?bogus=1")
+    with pytest.raises(ValueError, match="has no databases"):
+        open_tier("redis+cluster://h:1/3")
+    secret = RedisClusterTier.from_url("valkey+cluster://:hunter2@127.0.0.1:1/?connect_timeout=0.1")
+    assert "hunter2" not in secret.stats().url and "hunter2" not in secret.stats().last_error
+    secret.close()
+
+
+def test_one_models_chunks_are_on_every_master(
+    tier: RedisClusterTier, redis_cluster: RedisCluster
+) -> None:
+    n = 96
+    assert tier.put_many([(key(i), payload(i), LAYOUT) for i in range(n)]) == n
+    per_master = {
+        port: len(list(redis_cluster.client(port).scan_iter(match=f"{tier.prefix}:*")))
+        for port in redis_cluster.masters()
+    }
+    assert len(per_master) == 3 and all(c >= n // 6 for c in per_master.values()), per_master
+    assert sum(per_master.values()) == n
+    bufs = [memoryview(bytearray(SIZE)) for _ in range(n)]
+    assert tier.get_many_into([(key(i), bufs[i], LAYOUT) for i in range(n)]) == [True] * n
+    assert all(bufs[i].tobytes() == payload(i) for i in range(n))
+    s = tier.stats()
+    assert s.extra["masters"] == 3 and s.extra["uncovered_slots"] == 0 and s.healthy
+    assert tier.clear(model="llama") == n
+
+
+def test_ttl_is_set_on_every_key(redis_cluster: RedisCluster) -> None:
+    prefix = f"kvtier-cluster-ttl-{uuid.uuid4().hex[:8]}"
+    t = open_tier(f"{redis_cluster.url}?prefix={prefix}&ttl=300")
+    assert isinstance(t, RedisClusterTier)
+    try:
+        t.put_many([(key(i), payload(i), LAYOUT) for i in range(8)])
+        rc = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+        assert all(0 < int(rc.ttl(t.redis_key(key(i)))) <= 300 for i in range(8))
+        rc.close()
+    finally:
+        t.clear()
+        t.close()
+
+
+def _migrate_slot(
+    cluster: RedisCluster, slot: int, src: int, dst: int, step: Callable[[], None]
+) -> None:
+    """Move `slot` from master `src` to master `dst` the way `redis-cli --cluster reshard`
+    does (SETSLOT IMPORTING/MIGRATING, MIGRATE key by key, SETSLOT NODE), calling `step()`
+    halfway, with the slot half migrated."""
+    s, d = cluster.client(src), cluster.client(dst)
+    src_id, dst_id = cluster.node_id(src), cluster.node_id(dst)
+    d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    names = s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    half = len(names) // 2
+    for batch in (names[:half], names[half:]):
+        if batch:
+            s.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *batch)
+        if batch is names[:half] or not half:
+            step()
+    for port in cluster.masters():
+        cluster.client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def test_a_slot_moved_while_serving(tier: RedisClusterTier, redis_cluster: RedisCluster) -> None:
+    n = 64
+    tier.put_many([(key(i), payload(i), LAYOUT) for i in range(n)])
+    # several of our keys in one slot: more keys whose chunk hash tag shares the slot of key(0)
+    slot = key_slot(tier.redis_key(key(0)).encode())
+    src = owner_port(redis_cluster, slot)
+    dst = next(p for p in redis_cluster.masters() if p != src)
+    mates = [i for i in range(n, 200_000) if slot_of(tier, i) == slot][:5]
+    tier.put_many([(key(i), payload(i), LAYOUT) for i in mates])
+    everyone = list(range(n)) + mates
+    wrong: list[int] = []
+    missed: list[int] = []
+    stop = threading.Event()
+
+    def reader() -> None:  # a client reading all the time, every byte checked
+        bufs = {i: memoryview(bytearray(SIZE)) for i in everyone}
+        while not stop.is_set():
+            got = tier.get_many_into([(key(i), bufs[i], LAYOUT) for i in everyone])
+            for i, hit in zip(everyone, got, strict=True):
+                if not hit:
+                    missed.append(i)
+                elif bufs[i].tobytes() != payload(i):
+                    wrong.append(i)
+
+    def halfway() -> None:  # a read and a write of the migrating slot: ASK redirects
+        bufs = [memoryview(bytearray(SIZE)) for _ in mates]
+        assert tier.get_many_into(
+            [(key(i), b, LAYOUT) for i, b in zip(mates, bufs, strict=True)]
+        ) == [True] * len(mates)
+        assert all(b.tobytes() == payload(i) for i, b in zip(mates, bufs, strict=True))
+        new = next(
+            i for i in range(300_000, 900_000) if key_slot(tier.redis_key(key(i)).encode()) == slot
+        )
+        assert tier.put_many([(key(new), payload(new), LAYOUT)]) == 1
+        assert redis_cluster.client(dst).exists(tier.redis_key(key(new)))  # written where asked
+        everyone.append(new)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        _migrate_slot(redis_cluster, slot, src, dst, halfway)
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not wrong and not missed
+    bufs = [memoryview(bytearray(SIZE)) for _ in everyone]
+    assert tier.get_many_into(
+        [(key(i), b, LAYOUT) for i, b in zip(everyone, bufs, strict=True)]
+    ) == [True] * len(everyone)
+    s = tier.stats()
+    assert s.extra["redirects"] > 0 and s.errors == 0
+    assert owner_port(redis_cluster, slot) == dst
+    # put the slot back, so the session's cluster is as it was
+    _migrate_slot(redis_cluster, slot, dst, src, lambda: None)
+
+
+def test_master_killed_then_replica_promoted_while_clients_run(
+    tier: RedisClusterTier, redis_cluster: RedisCluster
+) -> None:
+    n = 90
+    tier.put_many([(key(i), payload(i), LAYOUT) for i in range(n)])
+    for port in redis_cluster.masters():  # replicas have every write before the kill
+        assert redis_cluster.client(port).execute_command("WAIT", 1, 5000) >= 1
+    slots = {i: key_slot(tier.redis_key(key(i)).encode()) for i in range(n)}
+    victim = owner_port(redis_cluster, slots[0])
+    on_victim = {i for i in range(n) if owner_port(redis_cluster, slots[i]) == victim}
+    wrong: list[int] = []
+    failures: list[BaseException] = []
+    rounds: list[set[int]] = []  # the misses of each full read
+    stop = threading.Event()
+
+    def client() -> None:
+        bufs = [memoryview(bytearray(SIZE)) for _ in range(n)]
+        while not stop.is_set():
+            try:
+                got = tier.get_many_into([(key(i), bufs[i], LAYOUT) for i in range(n)])
+                tier.put_many([(key(1000 + len(rounds)), payload(0), LAYOUT)])
+            except BaseException as exc:  # a tier never raises to its caller
+                failures.append(exc)
+                return
+            wrong.extend(i for i in range(n) if got[i] and bufs[i].tobytes() != payload(i))
+            rounds.append({i for i in range(n) if not got[i]})
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.3)
+        redis_cluster.kill(victim)
+        t0 = time.monotonic()
+        assert wait_for(lambda: any(r == on_victim for r in rounds[-4:]), 10), "no outage seen"
+        redis_cluster.wait_ok(30)  # a replica was promoted
+        healed = len(rounds)
+        assert wait_for(lambda: len(rounds) > healed + 4 and not rounds[-1], 30)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not failures and not wrong
+    assert all(r <= on_victim for r in rounds), "a miss outside the dead master's slots"
+    s = tier.stats()
+    assert s.extra["skipped"] + s.errors > 0 and s.extra["refreshes"] > 1
+    assert victim not in redis_cluster.masters() and took < 30
+    # the lost machine comes back and rejoins as a replica: the cluster is as it was
+    redis_cluster.start_node(victim)
+    wait_for(lambda: sum("slave" in x["flags"] for x in redis_cluster.nodes(victim)) == 3, 30)
+    redis_cluster.wait_ok(30)
+
+
+def test_two_servers_share_the_cluster(
+    server_factory: Callable[..., ServerProcess], redis_cluster: RedisCluster
+) -> None:
+    prefix = f"kvtier-cluster-srv-{uuid.uuid4().hex[:8]}"
+    url = f"{redis_cluster.url}?prefix={prefix}"
+    a = server_factory("--chunk-size", str(CS), "--l2", url)
+    b = server_factory("--chunk-size", str(CS), "--l2", url)
+    tokens = list(range(7000, 7000 + 8 * CS))
+    assert in_process(_store_in_process, a.address, tokens, 31) == 8 * CS
+    assert wait_for(lambda: written(a, 8))
+    assert in_process(_retrieve_in_process, b.address, tokens, 31) == (8 * CS, 8 * CS, True)
+    t = open_tier(url)
+    try:
+        assert t.clear() == 8
+    finally:
+        t.close()
