@@ -229,7 +229,8 @@ def test_off_loopback_requires_the_token() -> None:
         assert login.status_code == 200
         set_cookie = login.headers["set-cookie"].lower()
         assert "httponly" in set_cookie and "samesite=strict" in set_cookie
-        cookies = {"kvtier_admin": TOKEN}
+        cookies = dict(login.cookies)
+        assert cookies["kvtier_admin"] != TOKEN  # a digest: the cookie is not the bearer token
         assert httpx.get(base + "/status", cookies=cookies).status_code == 200
         assert httpx.post(base + "/clear", cookies=cookies, json={}).status_code == 401
         assert httpx.get(base + "/status", cookies=cookies).json()["config"]["admin_token"] == "***"

@@ -224,8 +224,9 @@ class _Handlers:
             return _json_error(401, "wrong token (see --admin-token, or the server's token file)")
         response = JSONResponse({"ok": True})
         response.set_cookie(
-            COOKIE, self.token, httponly=True, samesite="strict", path="/", max_age=86400
-        )
+            COOKIE, cookie_value(self.token), httponly=True, samesite="strict", path="/",
+            max_age=86400,
+        )  # fmt: skip
         return response
 
 
@@ -383,6 +384,12 @@ def _openapi(endpoints: list[_Endpoint], secured: bool) -> dict[str, Any]:
 OPEN, READ, WRITE = "open", "read", "write"
 
 
+def cookie_value(token: str) -> str:
+    """What the login cookie holds: a digest of the token, not the token (cookie-safe text, and
+    a leaked cookie does not give the bearer token that changes need)."""
+    return hmac.new(token.encode(), b"kvtier admin cookie", "sha256").hexdigest()
+
+
 def access_of(method: str, path: str) -> str:
     """The access level a request needs (see the module docstring)."""
     if path in ("/health", "/", "/login") or path.startswith("/static/"):
@@ -397,6 +404,7 @@ class _TokenAuth:
     def __init__(self, app: ASGIApp, token: str, open_reads: bool) -> None:
         self.app = app
         self._token = token.encode()
+        self._cookie = cookie_value(token).encode()
         self._open_reads = open_reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -427,7 +435,7 @@ class _TokenAuth:
             elif name == b"cookie" and access == READ:
                 for part in value.split(b";"):
                     key, _, cookie = part.strip().partition(b"=")
-                    if key == COOKIE.encode() and hmac.compare_digest(cookie, self._token):
+                    if key == COOKIE.encode() and hmac.compare_digest(cookie, self._cookie):
                         return True
         return False
 
