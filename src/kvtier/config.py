@@ -243,6 +243,12 @@ class ServerConfig:
         example="--max-prefetch-jobs 8",
         metavar="JOBS",
     )
+    handler_threads: int = _opt(
+        4,
+        "Threads that handle requests with long prompts or inline bytes, off the I/O thread",
+        example="--handler-threads 4",
+        metavar="THREADS",
+    )
     admin_host: str = _opt(
         "127.0.0.1",
         "Admin HTTP host; any non-loopback host requires --admin-token",
@@ -284,6 +290,9 @@ class ServerConfig:
         if self.chunk_size <= 0:
             raise self.error("chunk_size", f"must be a positive number of tokens, got "
                              f"{self.chunk_size}")  # fmt: skip
+        if self.handler_threads < 1:
+            raise self.error("handler_threads", f"must be at least 1, got "
+                             f"{self.handler_threads}")  # fmt: skip
         if self.max_prefetch_jobs < 1:
             raise self.error("max_prefetch_jobs", f"must be at least 1, got "
                              f"{self.max_prefetch_jobs}")  # fmt: skip

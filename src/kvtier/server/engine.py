@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ from kvtier.periodic import (
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
 from kvtier.server.locking import HoldStats, TimedLock
+from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
 from kvtier.snapshots import ErrorRecord, Registration
 from kvtier.storage.arena import Arena, default_arena_name
@@ -111,6 +113,33 @@ class _LookupJob:
     waiters: list[_Answer] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Committed:
+    """A commit's outcome and the shards it hands to the L2 write-through."""
+
+    result: p.StoreReply | KVTierError
+    shards: list[Shard]
+
+
+_OK = p.encode(p.Ok())
+
+#: prompts at least this long are hashed and named on a handler thread, not the transport's
+_OFFLOAD_TOKEN_BYTES = 4096 * 4
+
+
+def _offloaded(req: p.Request) -> bool:
+    """Whether a request is long work: a big prompt to hash, or KV bytes to move inline."""
+    match req:
+        case p.StoreInline():
+            return True
+        case p.Retrieve():
+            return req.inline or len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+        case p.Lookup() | p.Reserve():
+            return len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+        case _:
+            return False
+
+
 class Engine:
     """The server's state and request handlers (transport-agnostic)."""
 
@@ -148,11 +177,17 @@ class Engine:
             self.l1,
             self.arena,
             self.tiers,
-            self._lock,
+            lambda: self._lock.hold("L2 prefetch"),
             max_jobs=config.max_prefetch_jobs,
             lease_s=config.staging_lease,
         )
         self._lookups: dict[str, _LookupJob] = {}
+        self._write_through = WriteThrough(self.tiers)
+        # Requests with big prompts or inline bytes run here, so the transport thread only
+        # decodes, routes and replies (see `_offloaded`).
+        self._handlers = ThreadPoolExecutor(
+            max_workers=config.handler_threads, thread_name_prefix="kvtier-handler"
+        )
         self._registry = registry or PeriodicThreadRegistry.get_instance()
         self.sessions = SessionManager(
             self.hasher,
@@ -193,7 +228,22 @@ class Engine:
         answer = _Answer(self, respond)
         try:
             request = p.decode_request(header)
-            answer.operation = type(request).__name__
+        except Exception as exc:
+            answer.error(exc)
+            return
+        answer.operation = type(request).__name__
+        if _offloaded(request):
+            try:
+                self._handlers.submit(self._run, identity, request, payloads, answer)
+                return
+            except RuntimeError:  # the pool is shut down: the server is closing
+                pass
+        self._run(identity, request, payloads, answer)
+
+    def _run(
+        self, identity: bytes, request: p.Request, payloads: Sequence[Any], answer: _Answer
+    ) -> None:
+        try:
             frames = self._dispatch(identity, request, payloads, answer)
         except Exception as exc:
             answer.error(exc)
@@ -251,12 +301,13 @@ class Engine:
                 reply = self._reserve(client_id, req, self._range_keys(req))
             case p.Commit():
                 with self._lock.hold(op):
-                    reply = self._commit(client_id, req.reservation_id)
+                    committed = self._commit(client_id, req.reservation_id)
+                reply = self._write_committed(committed, answer)
             case p.Abort():
                 with self._lock.hold(op):
                     reply = self._abort(client_id, req.reservation_id)
             case p.StoreInline():
-                reply = self._store_inline(client_id, req, payloads)
+                reply = self._store_inline(client_id, req, payloads, answer)
             case p.Retrieve():
                 return self._retrieve(client_id, req)
             case p.RetrieveDone():
@@ -278,7 +329,9 @@ class Engine:
                 reply = p.Ok()
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
-        return None if reply is None else [p.encode(reply)]
+        if reply is None:
+            return None
+        return [_OK if type(reply) is p.Ok else p.encode(reply)]
 
     # -- handshake and registration -------------------------------------------------------------
 
@@ -412,7 +465,7 @@ class Engine:
             self._ending.discard(request_id)
 
     def _on_session_destroyed(self, session: Session) -> None:
-        with self._lock:
+        with self._lock.hold("session ended"):
             job = self._lookups.pop(session.request_id, None)
             if job is not None and not job.done:
                 job.done = True  # its loads finish, but nothing is pinned for it any more
@@ -568,24 +621,48 @@ class Engine:
                 )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
 
-    def _commit(self, client_id: str, reservation_id: int) -> p.StoreReply:
+    def _commit(self, client_id: str, reservation_id: int) -> _Committed:
+        """Make a reservation's slots ready (under the lock); what to write through to L2."""
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
         lost = 0
+        shards: list[Shard] = []
         for key in res.reserved:
             try:
                 self.l1.commit(key, res.worker_id, owner=client_id)
             except UnknownReservationError:
                 lost += 1
                 continue
-            self._write_through(key, res.worker_id)
+            if self.tiers.tiers:
+                shards.append(self._write_through_shard(key, res.worker_id))
         self.l1.touch(res.keys)
         self.metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
         if lost:
-            raise LeaseExpiredError(
-                f"{lost} of {len(res.reserved)} staging slots expired before the commit "
-                f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not stored"
+            return _Committed(
+                LeaseExpiredError(
+                    f"{lost} of {len(res.reserved)} staging slots expired before the commit "
+                    f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not "
+                    "stored"
+                ),
+                shards,
             )
-        return p.StoreReply(len(res.keys))
+        return _Committed(p.StoreReply(len(res.keys)), shards)
+
+    def _write_committed(self, committed: _Committed, answer: _Answer) -> p.StoreReply | None:
+        """Queue the committed shards for L2 (no lock held); the reply, or None when the
+        queue is full under the block policy and the answer waits for room."""
+        result = committed.result
+
+        def then() -> None:
+            if isinstance(result, KVTierError):
+                answer.error(result)
+            else:
+                answer.reply(result)
+
+        if not self._write_through.write(committed.shards, then):
+            return None
+        if isinstance(result, KVTierError):
+            raise result
+        return result
 
     def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
@@ -595,8 +672,8 @@ class Engine:
         return p.Ok()
 
     def _store_inline(
-        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any]
-    ) -> p.StoreReply:
+        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any], answer: _Answer
+    ) -> p.StoreReply | None:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
@@ -617,23 +694,22 @@ class Engine:
                 self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
         if reply.reservation_id:
             with self._lock.hold("StoreInline"):
-                return self._commit(client_id, reply.reservation_id)
+                committed = self._commit(client_id, reply.reservation_id)
+            return self._write_committed(committed, answer)
         return p.StoreReply(req.num_chunks)
 
-    def _write_through(self, key: ChunkKey, worker_id: int) -> None:
-        """Queue a newly committed shard for the L2 tiers; its slot stays held until written."""
-        if not self.tiers.tiers:
-            return
+    def _write_through_shard(self, key: ChunkKey, worker_id: int) -> Shard:
+        """A newly committed shard for the L2 tiers; its group stays held until written."""
         shard = self.l1.get_shard(key, worker_id)
         assert shard is not None
         offset, size, layout = shard
         self.l1.acquire(key)
 
         def done() -> None:
-            with self._lock:
+            with self._lock.hold("L2 written"):
                 self.l1.release(key)
 
-        self.tiers.submit(key.shard(worker_id), self.arena.view(offset, size), layout, done)
+        return Shard(key.shard(worker_id), self.arena.view(offset, size), layout, done)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -694,7 +770,7 @@ class Engine:
 
     def reap(self) -> ThreadRunSummary:
         """Reclaim what dead or slow clients hold: staging slots, retrieve leases, pins."""
-        with self._lock:
+        with self._lock.hold("reap"):
             expired = self.leases.sweep(self.config.client_timeout)
             for client_id in expired.dead_clients:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
@@ -764,7 +840,9 @@ class Engine:
         if self._reaper is not None:
             self._reaper.stop()
             self._registry.unregister(self._reaper.name)
+        self._handlers.shutdown(wait=True, cancel_futures=True)
         self.prefetcher.close()
+        self._write_through.close()
         self.sessions.close()
         self.tiers.close()
         self.arena.close()

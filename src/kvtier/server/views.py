@@ -184,7 +184,7 @@ class AdminViews:
         """The picture of the server that the admin API, the page and the metrics read."""
         e = self.engine
         now = e.clock()
-        with e.lock:
+        with e.lock.hold("status"):
             l1 = e.l1.stats()
             clients = [
                 ClientInfo(
@@ -249,7 +249,7 @@ class AdminViews:
         """(total, one page of sessions, newest first)."""
         e = self.engine
         sessions = sorted(e.sessions.sessions(), key=lambda s: s.created_at, reverse=True)
-        with e.lock:
+        with e.lock.hold("sessions"):
             page = [self._session_info(s) for s in sessions[offset : offset + limit]]
         return len(sessions), page
 
@@ -258,7 +258,7 @@ class AdminViews:
         session = self.engine.sessions.peek(request_id)
         if session is None:
             return None
-        with self.engine.lock:
+        with self.engine.lock.hold("sessions"):
             return self._session_info(session)
 
     def end_session(self, request_id: str) -> bool:
@@ -270,6 +270,6 @@ class AdminViews:
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
         """Drop cached chunks matching the filters (None = any) from L1 and L2; how many."""
         e = self.engine
-        with e.lock:
+        with e.lock.hold("clear"):
             cleared = e.l1.clear(model=model, cache_salt=cache_salt)
         return cleared + e.tiers.clear(model=model, cache_salt=cache_salt)
