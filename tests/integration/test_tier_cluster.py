@@ -261,3 +261,23 @@ def test_two_servers_share_the_cluster(
         assert t.clear() == 8
     finally:
         t.close()
+
+
+def test_unreachable_cluster_is_misses_without_errors_to_callers_or_stalls() -> None:
+    """Outage survival: with no node answering, every verb returns at once (a miss, a no-op),
+    failures are counted, and the seeds are retried only once per cool-down."""
+    t = RedisClusterTier.from_url("redis+cluster://127.0.0.1:1,127.0.0.1:2/?cooldown=5")
+    try:
+        t0 = time.monotonic()
+        for i in range(50):
+            t.put(key(i), payload(i), LAYOUT)
+            assert not t.get_into(key(i), memoryview(bytearray(SIZE)), LAYOUT)
+            assert t.contains_many([key(i)]) == [False] and not t.delete(key(i))
+        assert t.clear() == 0
+        assert time.monotonic() - t0 < 2.0
+        s = t.stats()
+        assert not s.healthy and s.errors >= 1 and s.misses == 50 and s.hits == 0
+        assert s.extra["refreshes"] <= 2 and s.extra["uncovered_slots"] == 16384
+        assert "topology" in s.last_error
+    finally:
+        t.close()

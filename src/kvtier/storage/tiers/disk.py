@@ -162,6 +162,7 @@ class DiskTier:
             raise ValueError(f"capacity_bytes must be >= 0 (0 = unbounded), got {capacity_bytes}")
         self.name = name
         self.root = Path(path).expanduser().resolve()
+        self._root_text = str(self.root).rstrip("/")
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -197,10 +198,10 @@ class DiskTier:
     def _path(self, key: ObjectKey, text: str | None = None) -> tuple[str, str]:
         """(shard folder, file path) of `key`."""
         text = key.to_str() if text is None else text
-        shard = (key.chunk_hash.hex() + "00")[:2]
+        shard = f"{key.chunk_hash[0]:02x}" if key.chunk_hash else "00"
         name = text if len(text) <= MAX_NAME else "h-" + xxhash.xxh3_128_hexdigest(text.encode())
-        folder = os.path.join(self.root, shard)
-        return folder, os.path.join(folder, name)
+        folder = f"{self._root_text}/{shard}"  # the read path's hot spot: no os.path.join
+        return folder, f"{folder}/{name}"
 
     def _ensure_folder(self, folder: str) -> None:
         if folder not in self._shards:

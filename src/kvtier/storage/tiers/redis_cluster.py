@@ -126,7 +126,7 @@ class RedisClusterTier(RespTier):
         self._slots: list[Node | None] = [None] * SLOTS
         self._topology_lock = threading.Lock()  # one refresh at a time; never held across I/O
         self._refreshing = threading.Lock()
-        self._refreshed_at = float("-inf")
+        self._refresh_after = float("-inf")  # no refresh before this monotonic time
         self._refresh()
 
     @classmethod
@@ -202,16 +202,17 @@ class RedisClusterTier(RespTier):
     # -- topology ------------------------------------------------------------------------------
 
     def _maybe_refresh(self) -> None:
-        if time.monotonic() - self._refreshed_at >= self.refresh_interval:
+        if time.monotonic() >= self._refresh_after:
             self._refresh()
 
     def _refresh(self) -> bool:
         """Re-read the slot map through RedisCluster (one caller at a time, others go on with
-        the old map); False when no node answered."""
+        the old map); False when no node answered, and then no new try for `cooldown` seconds,
+        so an unreachable cluster does not stall every call on connection attempts."""
         if not self._refreshing.acquire(blocking=False):
             return False
         try:
-            self._refreshed_at = time.monotonic()
+            self._refresh_after = time.monotonic() + self.refresh_interval
             self._counters.add("refreshes")
             try:
                 if self._rc is None:
@@ -225,6 +226,7 @@ class RedisClusterTier(RespTier):
                     self._rc.nodes_manager.initialize()
                 slots_cache: dict[int, list[ClusterNode]] = self._rc.nodes_manager.slots_cache
             except (RedisClusterException, redis.RedisError) as exc:
+                self._refresh_after = time.monotonic() + max(self.refresh_interval, self.cooldown)
                 self._counters.failed("topology", f"redis cluster {self.url}: {exc}")
                 return False
             table: list[Node | None] = [None] * SLOTS
