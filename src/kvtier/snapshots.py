@@ -74,7 +74,7 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
 class ClientInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A connected engine process."""
 
-    client_id: str
+    client_id: str  # the id's first 8 characters: the whole id is never shown
     connected_s: float
     last_seen_s: float
     registrations: list[Registration]

@@ -188,7 +188,9 @@ class AdminViews:
             l1 = e.l1.stats()
             clients = [
                 ClientInfo(
-                    client_id=c.client_id,
+                    # a prefix: enough to tell clients apart, never the whole id (a credential
+                    # of the connection that made it: issue 10, finding 5)
+                    client_id=c.client_id[:8],
                     connected_s=now - c.connected_at,
                     last_seen_s=now - c.last_seen,
                     registrations=list(c.registrations),
