@@ -1,5 +1,11 @@
-"""One `kvtier serve` process: the tiers, the engine, the admin API and the ZMQ transport,
-built from one ServerConfig, started in order and stopped in reverse."""
+"""One `kvtier serve` process, assembled in one place from one ServerConfig.
+
+`build_engine` builds the engine's parts (hasher, arena, L1, sessions, tiers, the lock, the
+prefetch and handler threads, the write-through) and hands them to the `Engine`, then starts the
+lease reaper for it. `KVTierServer` adds the admin API and the ZMQ transport, starts everything
+in order and stops it in reverse. With no L2 the engine gets an empty TierManager: nothing
+anywhere asks whether there is one.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,15 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
 from kvtier.config import ServerConfig, admin_token_file, format_size
+from kvtier.hashing import TokenHasher
+from kvtier.metrics import Metrics
 from kvtier.periodic import (
     PeriodicThread,
     PeriodicThreadRegistry,
@@ -20,20 +31,103 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 from kvtier.server.admin import AdminServer, start_admin_server
-from kvtier.server.engine import Engine
+from kvtier.server.engine import Engine, EngineParts
+from kvtier.server.locking import TimedLock
 from kvtier.server.transport import Transport
 from kvtier.server.views import AdminViews
-from kvtier.storage.arena import default_arena_name
+from kvtier.server.writethrough import WriteThrough
+from kvtier.session import SessionManager
+from kvtier.storage.arena import Arena, default_arena_name
+from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
+from kvtier.storage.prefetch import Prefetcher
 from kvtier.storage.tiers.base import open_tier
 
-__all__ = ["KVTierServer"]
+__all__ = ["KVTierServer", "build_engine", "build_tiers"]
 
 logger = logging.getLogger(__name__)
 
+_SWITCH_INTERVAL_S = 0.001
+
 #: seconds between looks at the L2 tiers' error counters (what makes /health say degraded)
 TIER_WATCH_INTERVAL_S = 2.0
-_SWITCH_INTERVAL_S = 0.001
+
+
+def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
+    """The L2 tiers of the config behind one TierManager (empty with no L2), not started."""
+    tiers = [open_tier(url) for url in config.l2_urls(arena_name)]
+    for i, tier in enumerate(tiers):  # two tiers of one kind: disk, disk-2, ...
+        if any(t.name == tier.name for t in tiers[:i]):
+            tier.name = f"{tier.name}-{i + 1}"
+    return TierManager(
+        tiers,
+        queue_size=config.l2_queue_size,
+        policy="block" if config.l2_queue_policy == "block" else "drop",
+    )
+
+
+def build_engine(
+    config: ServerConfig,
+    *,
+    tiers: TierManager | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    registry: PeriodicThreadRegistry | None = None,
+    start_threads: bool = True,
+) -> Engine:
+    """Build every part of the engine and hand them over; `start_threads` False leaves out the
+    lease reaper and session expiry threads (tests drive `reap()` and expiry by hand)."""
+    registry = registry or PeriodicThreadRegistry.get_instance()
+    arena_name = config.arena_name or default_arena_name(config.address[0])
+    tiers = tiers if tiers is not None else build_tiers(config, arena_name)
+    hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
+    arena = Arena.create(arena_name, config.l1_size, prefault=config.prefault)
+    try:
+        l1 = L1Store(arena.size, clock=clock)
+        lock = TimedLock()
+        sessions = SessionManager(
+            hasher,
+            ttl=config.session_ttl,
+            cleanup_interval=config.session_cleanup_interval if start_threads else None,
+            registry=registry,
+        )
+        parts = EngineParts(
+            hasher=hasher,
+            arena=arena,
+            l1=l1,
+            tiers=tiers,
+            sessions=sessions,
+            lock=lock,
+            prefetcher=Prefetcher(
+                l1,
+                arena,
+                tiers,
+                lambda: lock.hold("L2 prefetch"),
+                max_jobs=config.max_prefetch_jobs,
+                lease_s=config.staging_lease,
+            ),
+            write_through=WriteThrough(tiers),
+            handlers=ThreadPoolExecutor(
+                max_workers=config.handler_threads, thread_name_prefix="kvtier-handler"
+            ),
+            metrics=Metrics(),
+            registry=registry,
+        )
+    except BaseException:
+        arena.close()
+        raise
+    engine = Engine(config, parts, clock=clock)
+    if start_threads:
+        engine.threads.append(
+            create_periodic_thread(
+                f"lease-reaper-{arena_name}",
+                config.reap_interval,
+                engine.reap,
+                ThreadLevel.CRITICAL,
+                registry=registry,
+                start=True,
+            )
+        )
+    return engine
 
 
 class KVTierServer:
@@ -49,33 +143,26 @@ class KVTierServer:
         self.transport: Transport | None = None
         self.admin_error = ""
         self.token_file: Path | None = None
-        self._tier_watch: PeriodicThread | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
-        tiers = [open_tier(url) for url in config.l2_urls(config.arena_name)]
-        for i, tier in enumerate(tiers):  # two tiers of one kind: disk, disk-2, ...
-            if any(t.name == tier.name for t in tiers[:i]):
-                tier.name = f"{tier.name}-{i + 1}"
-        # No L2 is an empty tier manager: the engine never asks whether there is one.
-        self.tiers = TierManager(
-            tiers,
-            queue_size=config.l2_queue_size,
-            policy="block" if config.l2_queue_policy == "block" else "drop",
-        )
+        self.tiers = build_tiers(config, config.arena_name)
         self.tiers.start()
         try:
-            self.engine = Engine(config, tiers=self.tiers)
+            self.engine = build_engine(config, tiers=self.tiers)
         except BaseException:
             self.tiers.close()
             raise
+        # The admin views (status, health, sessions, clear) over the engine; the tier watch
+        # turns failing L2 tiers into degraded health, recent errors and a rate-limited log line.
         self.views = AdminViews(self.engine)
         if self.tiers.tiers:
-            self._tier_watch = create_periodic_thread(
-                f"tier-watch-{self.engine.arena.name}",
+            watch: PeriodicThread = create_periodic_thread(
+                f"tier-watch-{config.arena_name}",
                 TIER_WATCH_INTERVAL_S,
                 self.views.check_tiers,
                 ThreadLevel.LOW,
                 start=True,
             )
+            self.engine.threads.append(watch)  # the engine stops it at close
         try:
             if config.admin_port >= 0:
                 self.admin = self._start_admin()
@@ -92,8 +179,8 @@ class KVTierServer:
                 self.views, host=cfg.admin_host, port=cfg.admin_port, token=cfg.admin_token
             )
         except OSError as exc:
-            self.admin_error = f"disabled: {exc.strerror or exc}"
             reason = exc.strerror or exc
+            self.admin_error = f"disabled: {reason}"
             logger.error("admin API disabled: %s (choose another --admin-port)", reason)
             return None
         if cfg.admin_token is None:
@@ -152,8 +239,4 @@ class KVTierServer:
             with contextlib.suppress(OSError):
                 self.token_file.unlink()
             self.token_file = None
-        if self._tier_watch is not None:
-            self._tier_watch.stop()
-            PeriodicThreadRegistry.get_instance().unregister(self._tier_watch.name)
-            self._tier_watch = None
         self.engine.close()
