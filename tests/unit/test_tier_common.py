@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import pytest
@@ -89,11 +90,16 @@ def test_latency_histogram_buckets_and_merge() -> None:
     with counters.timed("read", 4):
         pass
     s = counters.snapshot(name="t", kind="x", url="", objects=0, used_bytes=0, capacity_bytes=0)
-    assert s.read_latency.count == 4 and s.read_latency.buckets[0] == 4
+    per_call = s.read_latency.max_s  # the block's time split over its 4 reads
+    assert s.read_latency.count == 4 and s.read_latency.total_s == pytest.approx(4 * per_call)
+    assert s.read_latency.buckets[bisect.bisect_left(LATENCY_BOUNDS_S, per_call)] == 4
     assert s.write_latency == Latency()
-    slow = Latency(count=1, total_s=2.0, max_s=2.0, buckets=(0,) * len(LATENCY_BOUNDS_S) + (1,))
-    both = s.read_latency.merged(slow)
-    assert both.count == 5 and both.max_s == 2.0 and both.buckets[-1] == 1 and both.buckets[0] == 4
+    recorder = accounting._LatencyRecorder()
+    recorder.add(0.0004, 2)  # 0.2 ms per call: the (0.1 ms, 0.25 ms] bucket
+    recorder.add(2.0, 1)  # above the largest bound: the last bucket
+    both = recorder.frozen().merged(recorder.frozen())
+    assert both.count == 6 and both.max_s == 2.0 and both.total_s == pytest.approx(4.0008)
+    assert both.buckets[1] == 4 and both.buckets[-1] == 2 and sum(both.buckets) == 6
 
 
 def test_read_hashed_equals_one_shot_digest() -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import disk as disk_mod
+from kvtier.storage.tiers import files as files_mod
 from kvtier.storage.tiers import open_tier, parse_size
 from kvtier.storage.tiers.disk import DiskTier
 
@@ -348,7 +349,7 @@ def test_rewrite_with_other_bytes_replaces_and_leaves_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     if not exchange:
-        monkeypatch.setattr(disk_mod, "_renameat2", None)
+        monkeypatch.setattr(files_mod, "_renameat2", None)
     tier = DiskTier(tmp_path, 0)
     tier.put(key(1), payload(1), LAYOUT)
     tier.put(key(1), payload(2), LAYOUT)
@@ -364,11 +365,11 @@ def test_rewrite_with_other_bytes_replaces_and_leaves_no_temp_file(
 def test_exchange_reports_a_missing_target_instead_of_raising(tmp_path: Path) -> None:
     a = tmp_path / "a"
     a.write_bytes(b"x")
-    if disk_mod._renameat2 is None:
+    if files_mod._renameat2 is None:
         pytest.fail("renameat2 is missing: this Linux test needs glibc >= 2.28")
-    assert not disk_mod._exchange(str(a), str(tmp_path / "absent"))
+    assert not files_mod.exchange(str(a), str(tmp_path / "absent"))
     (tmp_path / "b").write_bytes(b"y")
-    assert disk_mod._exchange(str(a), str(tmp_path / "b"))
+    assert files_mod.exchange(str(a), str(tmp_path / "b"))
     assert a.read_bytes() == b"y" and (tmp_path / "b").read_bytes() == b"x"
 
 

@@ -1,6 +1,7 @@
-"""L2 tiers behind the shared-memory L1: local disk and Redis/Valkey, one interface."""
+"""L2 tiers behind the shared-memory L1: local disk, Redis/Valkey and Redis/Valkey Cluster,
+one interface (`L2Tier`) and one typed stats record (`TierStats`)."""
 
 from kvtier.config import parse_size
-from kvtier.storage.tiers.base import TIER_SCHEMES, L2Tier, TierStats, open_tier
+from kvtier.storage.tiers.base import TIER_SCHEMES, L2Tier, Latency, TierStats, open_tier
 
-__all__ = ["TIER_SCHEMES", "L2Tier", "TierStats", "open_tier", "parse_size"]
+__all__ = ["TIER_SCHEMES", "L2Tier", "Latency", "TierStats", "open_tier", "parse_size"]

@@ -33,16 +33,14 @@ to it and retries once. Repeated warnings are rate-limited (`accounting.WARN_EVE
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import mmap
 import os
-import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,6 +48,7 @@ import xxhash
 from typing_extensions import Buffer
 
 from kvtier.keys import ObjectKey
+from kvtier.storage.tiers import files
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
 from kvtier.storage.tiers.base import TierStats
@@ -58,59 +57,13 @@ from kvtier.storage.tiers.options import PARSERS, parse_url
 logger = logging.getLogger(__name__)
 
 MAX_NAME = 200  # file names longer than this are hashed (most filesystems allow 255 bytes)
-TEMP_PREFIX = ".tmp.kvtier."  # + "<pid>.<random hex>": see _own_stale_temp
+TEMP_PREFIX = files.TEMP_PREFIX
 DEFAULT_CAPACITY = 10 << 30  # for a URL without ?size=
 OPTIONS = {"size": PARSERS["size"], "fsync": PARSERS["bool"]}
 _EXTRA = ("evictions", "stale_temps_removed", "unchanged", "disk_full")
 _FREE_CHECK_S = 1.0  # statvfs at most this often
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _TOUCH_NS = 1_000_000_000  # a read refreshes an mtime older than this (one metadata write less)
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _load_renameat2() -> Callable[..., int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # not Linux, or a libc older than glibc 2.28
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_renameat2 = _load_renameat2()
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap the files named `a` and `b`; False when unsupported or `b` is gone."""
-    if _renameat2 is None:
-        return False
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), b)
-
-
-def _own_stale_temp(name: str) -> bool:
-    """Whether `name` is a temp file of a disk tier whose process is gone (safe to remove)."""
-    if not name.startswith(TEMP_PREFIX):
-        return False
-    pid_text = name[len(TEMP_PREFIX) :].partition(".")[0]
-    if not pid_text.isdigit():
-        return False
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
 
 
 class _Read(NamedTuple):
@@ -129,22 +82,6 @@ class _Read(NamedTuple):
 
 class _Truncated(Exception):
     """A file ended before its size said it would."""
-
-
-def _byte_view(buf: Buffer) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    """os.writev until every byte of `parts` is written (writev may write less)."""
-    while parts:
-        done = os.writev(fd, parts)
-        while parts and done >= len(parts[0]):
-            done -= len(parts[0])
-            parts.pop(0)
-        if parts and done:
-            parts[0] = parts[0][done:]
 
 
 class DiskTier:
@@ -214,14 +151,14 @@ class DiskTier:
         """Index every object file under the root (LRU by mtime); remove stale temp files."""
         found: list[tuple[int, ObjectKey, int]] = []
         for shard in os.scandir(self.root):
-            if _own_stale_temp(shard.name):
+            if files.own_stale_temp(shard.name):
                 self._remove_temp(shard.path)
             if not shard.is_dir(follow_symlinks=False) or len(shard.name) != 2:
                 continue
             self._shards.add(shard.path)
             for entry in os.scandir(shard.path):
                 if entry.name.startswith(".tmp."):
-                    if _own_stale_temp(entry.name):
+                    if files.own_stale_temp(entry.name):
                         self._remove_temp(entry.path)
                     continue
                 if not entry.is_file(follow_symlinks=False):
@@ -316,7 +253,7 @@ class DiskTier:
         A write that finds the filesystem full shrinks the effective capacity, evicts and is
         tried once more (see the module docstring).
         """
-        view = _byte_view(data)
+        view = fmt.byte_view(data)
         text = key.to_str()
         header = fmt.encode_header(text, layout, view)
         size = len(header) + len(view)
@@ -356,19 +293,19 @@ class DiskTier:
         with self._lock:
             self._make_room(size)
             self._used += size  # reserved until the rename (or failure) settles it
-        tmp = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}.{secrets.token_hex(8)}")
+        tmp = os.path.join(folder, files.temp_name())
         try:
             self._ensure_folder(folder)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, [memoryview(header), view])
+                files.write_all(fd, [memoryview(header), view])
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
             with self._lock:
                 # the old file, if any, ends up under the temp name
-                swapped = key in self._index and not self.fsync and _exchange(tmp, final)
+                swapped = key in self._index and not self.fsync and files.exchange(tmp, final)
                 if not swapped:
                     os.rename(tmp, final)
                 old = self._index.pop(key, None)
@@ -439,7 +376,7 @@ class DiskTier:
         """Read the payload straight into `out` (one preadv with the header; no extra copy),
         then check it."""
         with self._counters.timed("read"):
-            return self._check(self._read(key, _byte_view(out), layout))
+            return self._check(self._read(key, fmt.byte_view(out), layout))
 
     def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
         """`get_into` for each item, in order.

@@ -49,6 +49,12 @@ class Verdict(enum.Enum):
 BLOCK = 512 << 10
 
 
+def byte_view(buf: Buffer) -> memoryview:
+    """`buf` as a flat unsigned-byte view (no copy)."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def digest(payload: Buffer) -> bytes:
     """The payload's xxh3-128 digest (16 bytes)."""
     return xxhash.xxh3_128_digest(payload)

@@ -34,7 +34,7 @@ from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
 from kvtier.storage.tiers.base import TierStats, redact_url
 from kvtier.storage.tiers.options import PARSERS, parse_url
-from kvtier.storage.tiers.resp import Node, Redirect, Wire, byte_view, command, set_parts
+from kvtier.storage.tiers.resp import Node, Redirect, Wire, command, set_parts
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class RespTier:
         if not items:
             return 0
         names = [self.redis_key(key).encode() for key, _, _ in items]
-        views = [byte_view(data) for _, data, _ in items]
+        views = [fmt.byte_view(data) for _, data, _ in items]
         headers = [
             fmt.encode_header(key.to_str(), layout, view)
             for (key, _, layout), view in zip(items, views, strict=True)
@@ -365,7 +365,7 @@ class RespTier:
         """
         if not items:
             return []
-        jobs = [(key, byte_view(out), layout) for key, out, layout in items]
+        jobs = [(key, fmt.byte_view(out), layout) for key, out, layout in items]
         names = [self.redis_key(key).encode() for key, _, _ in jobs]
 
         def send(i: int) -> list[Buffer]:

@@ -28,12 +28,6 @@ _COALESCE = 64 << 10  # pieces smaller than this are joined before sending (fewe
 _T = TypeVar("_T")
 
 
-def byte_view(buf: Buffer) -> memoryview:
-    """`buf` as a flat unsigned-byte view (no copy)."""
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def command(*args: bytes) -> bytes:
     """One RESP command of small arguments."""
     out = [b"*%d\r\n" % len(args)]
