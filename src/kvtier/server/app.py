@@ -181,7 +181,7 @@ class KVTierServer:
         except OSError as exc:
             reason = exc.strerror or exc
             self.admin_error = f"disabled: {reason}"
-            logger.error("admin API disabled: %s (choose another --admin-port)", reason)
+            logger.error("admin API disabled: %s", reason)
             return None
         if cfg.admin_token is None:
             # Changes (clear, end a session) need a credential even on loopback: a token only
