@@ -1,21 +1,32 @@
 # One entry point for every set-up step: a fresh machine needs only `make run` or `make test`.
+# `make run` installs what serving needs and nothing else; `make test` installs the rest.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install browser run test lint typecheck pytest bench demo soak clean
+.PHONY: install install-test browser run test lint typecheck pytest bench demo soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch==2.13.0 is pinned in the `transformers` extra: pip takes the machine's local CPU build.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,transformers]'
-	touch $(STAMP)
+# Serving: the package and its runtime dependencies only (no torch, no test tools, no browser).
+$(SERVE_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $(SERVE_STAMP)
 
-install: $(STAMP)
+install: $(SERVE_STAMP)
+
+# Everything the tests, the demo and the benchmarks need, in this one target (engine packages
+# for the integration tests go here too). torch==2.13.0 is pinned in the `transformers` extra:
+# pip takes the machine's local CPU build.
+$(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
+	$(BIN)/pip install -q -e '.[test,transformers]'
+	touch $(TEST_STAMP)
+
+install-test: $(TEST_STAMP) browser
 
 # The status-page test drives a real headless browser: Debian's chromium (no browser download).
 browser:
@@ -24,27 +35,27 @@ browser:
 run: install
 	$(BIN)/kvtier serve
 
-lint: install
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-typecheck: install
+typecheck: $(TEST_STAMP)
 	$(BIN)/mypy
 
-pytest: install browser
+pytest: install-test
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest
 
-bench: install
+bench: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.run --output docs/benchmarks.md
 
-demo: install
+demo: $(TEST_STAMP)
 	$(BIN)/kvtier demo
 
 # A bounded chaos run (issue 10): verified load while clients, the server, Redis and the disk
 # misbehave. Minutes long and mounts a tmpfs (needs root), so not part of `make test`.
-soak: install
+soak: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.soak --duration 120 --json soak.json
 
 clean:

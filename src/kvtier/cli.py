@@ -1,7 +1,9 @@
 """The `kvtier` command: serve, status, clear, demo.
 
 `serve`'s options are generated from ServerConfig's fields, so every option has exactly one
-definition (name, type, default, help) and a matching KVTIER_* environment variable.
+definition (name, type, default, help, example) and a matching KVTIER_* environment variable.
+A configuration mistake is one line on stderr naming the option with a valid example, exit
+code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -9,38 +11,74 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import sys
 import typing
 from pathlib import Path
 from typing import Any
 
 import typer
+import typer.main
 
+from kvtier._version import __version__
 from kvtier.cli_admin import clear_command, status_command
-from kvtier.config import ServerConfig, format_size
+from kvtier.config import ConfigError, ServerConfig, format_size
+from kvtier.errors import KVTierError
+from kvtier.server.auth import redact
+
+#: exit code of a usage or configuration mistake (as click, and POSIX utilities, use it)
+EXIT_USAGE = 2
 
 app = typer.Typer(
     name="kvtier",
     help="kvtier: a KV-cache server for LLM inference engines.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvtier {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print kvtier's version and exit.",
+        callback=_print_version,
+        is_eager=True,
+    ),
+) -> None:
+    """kvtier: a KV-cache server for LLM inference engines."""
+
+
+def _fail(command: str, message: str, code: int) -> typing.NoReturn:
+    typer.echo(f"kvtier {command}: {message}", err=True)
+    raise typer.Exit(code)
 
 
 def _serve(**options: Any) -> None:
     """Run the kvtier server in the foreground (Ctrl-C stops it cleanly)."""
-    from kvtier.server.app import KVTierServer
-
-    config = ServerConfig(**options)
+    try:
+        config = ServerConfig(**options)
+    except ConfigError as exc:
+        _fail("serve", str(exc), EXIT_USAGE)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from kvtier.server.app import KVTierServer
+
     try:
         server = KVTierServer(config)
-    except (OSError, ValueError) as exc:
-        from kvtier.server.auth import redact
-
-        typer.echo(f"kvtier serve: {redact(str(exc))}", err=True)
-        raise typer.Exit(1) from exc
+    except (ConfigError, KVTierError, ValueError) as exc:
+        _fail("serve", redact(str(exc)), EXIT_USAGE)
+    except OSError as exc:  # e.g. the arena is held by a running server, an unreadable folder
+        _fail("serve", exc.strerror if exc.strerror and not exc.args[1:] else redact(str(exc)), 1)
     server.run()
 
 
@@ -53,7 +91,11 @@ def _serve_signature() -> inspect.Signature:
         if f.metadata.get("kind") == "size":
             annotation, default = str, format_size(default)
         option = typer.Option(
-            default, envvar=ServerConfig.env_var(f.name), help=f.metadata["help"], show_default=True
+            default,
+            envvar=ServerConfig.env_var(f.name),
+            help=f.metadata["help"],
+            show_default=True,
+            metavar=f.metadata.get("metavar") or ("" if annotation is bool else None),
         )
         params.append(
             inspect.Parameter(
@@ -74,26 +116,67 @@ app.command("clear")(clear_command)
 @app.command()
 def demo(
     address: str | None = typer.Option(
-        None, help="Use this running server instead of starting one"
+        None, help="Use this running server instead of starting one", metavar="URL"
     ),
-    output_dir: Path = typer.Option(Path("kvtier-demo"), help="Where the plot is written"),
+    output_dir: Path = typer.Option(
+        Path("kvtier-demo"), help="Where the plot is written", metavar="DIR"
+    ),
     quick: bool = typer.Option(False, help="A small, fast run (smoke test)"),
+    repeats: int = typer.Option(
+        5, help="Runs of each point; the table shows their median and spread", metavar="N"
+    ),
 ) -> None:
     """Prove TTFT savings with a real transformers model (needs the transformers extra)."""
+    if repeats < 1:
+        _fail("demo", f"--repeats: must be at least 1, got {repeats} (e.g. --repeats 5)", 2)
     try:
         from kvtier.integrations.demo import run_demo
     except ImportError as exc:
-        typer.echo(
-            f"kvtier demo needs torch and transformers: pip install 'kvtier[transformers]' ({exc})",
-            err=True,
+        _fail(
+            "demo",
+            f"needs torch and transformers: pip install 'kvtier[transformers]' ({exc})",
+            1,
         )
-        raise typer.Exit(1) from exc
-    path = run_demo(address, output_dir, quick=quick)
+    path = run_demo(address, output_dir, quick=quick, repeats=repeats)
     typer.echo(f"plot: {path}")
 
 
-def main() -> None:
-    app()
+def _usage_hint(exc: Exception) -> str:
+    """The config example of the option a usage error names, if it is a serve option."""
+    name = getattr(getattr(exc, "param", None), "name", None)
+    if not name:
+        return ""
+    try:
+        example = ServerConfig.field(name).metadata.get("example", "")
+    except KeyError:
+        return ""
+    return f" (e.g. {example})" if example else ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: usage errors become one line and exit code 2.
+
+    Click's exceptions are matched by shape (`format_message`, `exit_code`): typer vendors its
+    own copy of click from 0.29 on, so they are not `click.ClickException` there.
+    """
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="kvtier", standalone_mode=False)
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except typer.Abort:
+        code = 130
+    except Exception as exc:
+        if not hasattr(exc, "format_message"):
+            raise
+        ctx = getattr(exc, "ctx", None)
+        sub = ctx.info_name if ctx is not None and ctx.parent is not None else ""
+        message = str(exc.format_message()).replace("\n", " ")
+        if message.strip():
+            typer.echo(f"{f'kvtier {sub}'.rstrip()}: {message}{_usage_hint(exc)}", err=True)
+        code = getattr(exc, "exit_code", EXIT_USAGE)
+    if isinstance(code, int):
+        sys.exit(code)
 
 
 if __name__ == "__main__":

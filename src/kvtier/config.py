@@ -7,25 +7,57 @@ below (name, default, help), so an option cannot exist in one place and not the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import stat
+import urllib.parse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_L2", "ServerConfig", "format_size", "parse_size"]
+from kvtier.hashing import HASH_ALGORITHMS
+
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "DEFAULT_L2",
+    "ConfigError",
+    "ServerConfig",
+    "admin_token_file",
+    "format_size",
+    "parse_size",
+    "redact_url",
+]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 
+#: the smallest L1 the server starts with; a layout whose chunk (all ranks) does not fit in the
+#: L1 is refused when a worker registers it, the first moment its size is known
+MIN_L1_SIZE = 64 << 10
 
-def parse_size(text: str | int) -> int:
-    """Bytes in a size such as "50GiB", "512MiB", "1G", "1.5KiB", "4096" or "4096B".
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake: the message names the option and shows a valid example."""
+
+
+def parse_size(text: str | int, *, require_unit: bool = False) -> int:
+    """Bytes in a size such as "50GiB", "512MiB", "1G", "1.5KiB", "4096B" (or "4096").
 
     Follows coreutils: "K"/"KiB" are powers of 1024, "KB" (a B without the i) powers of 1000.
+    With `require_unit` (sizes typed by a person) a bare number is refused: `--l1-size 2` meant
+    2 GiB, not 2 bytes.
     """
     if isinstance(text, int):
         return text
     m = _SIZE.match(text)
     if m is None or (not m.group(2) and m.group(3)):
-        raise ValueError(f"not a byte size: {text!r} (expected e.g. '50GiB', '512MiB', '4096')")
+        raise ValueError(f"not a byte size: {text!r} (expected e.g. '50GiB', '512MiB', '4096B')")
+    if require_unit and not m.group(2) and not m.group(4):
+        raise ValueError(
+            f"{text!r} has no unit: write e.g. '{m.group(1)}GiB', '{m.group(1)}MiB' or "
+            f"'{m.group(1)}B'"
+        )
     number, unit, binary, b_suffix = m.groups()
     power = "kmgtp".index(unit.lower()) + 1 if unit else 0
     base = 1000 if b_suffix and not binary else 1024
@@ -45,15 +77,74 @@ def format_size(num_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by "***" (redis://:secret@host -> redis://:***@host)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None and "password" not in parts.query.lower():
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}:***@{hostport}"
+    query = urllib.parse.urlencode(
+        [
+            (k, "***" if "password" in k.lower() else v)
+            for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        ],
+        safe="*",
+    )
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+
+
+def _runtime_dir() -> Path:
+    """A folder only this user can enter: $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "kvtier" if base else Path(f"/tmp/kvtier-{os.getuid()}")
+    return path
+
+
+def admin_token_file(port: int, *, create_dir: bool = False) -> Path:
+    """Where a server whose admin API listens on `port` keeps its generated token (mode 0600).
+
+    `kvtier clear` and `kvtier status` read it when no --token is given. The folder is refused
+    when another user owns it or can enter it (someone could have planted a token there).
+    """
+    folder = _runtime_dir()
+    if create_dir:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.exists():
+        info = folder.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise ConfigError(
+                f"{folder} must be a folder of this user with mode 0700 to hold the admin token "
+                "file; remove it, or set --admin-token"
+            )
+    return folder / f"admin-{port}.token"
+
+
 #: the embedded default L2: a local folder per server (per arena), needing nothing installed
 DEFAULT_L2 = "disk://~/.cache/kvtier/{arena}?size=10GiB"
 
 
-def _opt(default: Any, help: str, *, kind: str = "", **kw: Any) -> Any:
-    """A config field with its CLI help; `kind` "size" parses byte sizes like 2GiB."""
+def _opt(default: Any, help: str, *, kind: str = "", example: str = "", metavar: str = "") -> Any:
+    """A config field with its CLI help, a valid `example` (shown with a mistake) and metavar;
+    `kind` "size" parses byte sizes like 2GiB."""
+    metadata = {"help": help, "kind": kind, "example": example, "metavar": metavar}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, "kind": kind})
-    return field(default=default, metadata={"help": help, "kind": kind, **kw})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _hash_help() -> str:
+    names = "; ".join(f"{name}: {spec.summary}" for name, spec in HASH_ALGORITHMS.items())
+    return f"Chunk hash ({names})"
 
 
 @dataclass
@@ -63,130 +154,264 @@ class ServerConfig:
     address: list[str] = _opt(
         ["ipc:///tmp/kvtier.sock"],
         "ZMQ address(es) to listen on: ipc:///path or tcp://host:port (repeat for several)",
+        example="--address ipc:///tmp/kvtier.sock",
+        metavar="URL",
     )
-    l1_size: int = _opt(1024**3, "Byte capacity of the shared-memory L1 (e.g. 2GiB)", kind="size")
+    l1_size: int = _opt(
+        1024**3,
+        "Byte capacity of the shared-memory L1, with a unit (GiB = 2^30, GB = 10^9)",
+        kind="size",
+        example="--l1-size 2GiB",
+        metavar="SIZE",
+    )
     l2: list[str] = _opt(
         [DEFAULT_L2],
         "L2 tier URL(s), consulted in order: disk:///path?size=50GiB, redis://host:6379/0"
         "?prefix=kvtier&ttl=3600 (repeat for several; 'none' for no L2). {arena} stands for "
         "the arena name, so servers on different addresses never share a folder",
+        example="--l2 'disk:///var/lib/kvtier?size=50GiB'",
+        metavar="URL",
     )
-    chunk_size: int = _opt(256, "Tokens per chunk")
-    hash_algorithm: str = _opt("blake3", "Chunk hash: blake3, xxh3_128, sha256, sha256_cbor")
+    chunk_size: int = _opt(256, "Tokens per chunk", example="--chunk-size 256", metavar="TOKENS")
+    hash_algorithm: str = _opt(
+        "blake3", _hash_help(), example="--hash-algorithm blake3", metavar="NAME"
+    )
     hash_seed: str | None = _opt(
-        None, "Hash seed (sha256_cbor needs the engine's PYTHONHASHSEED to match vLLM)"
+        None,
+        "Hash seed (sha256_cbor needs the engine's PYTHONHASHSEED to match vLLM)",
+        example="--hash-seed 0",
+        metavar="TEXT",
     )
     arena_name: str | None = _opt(
-        None, "Shared-memory segment name (default: derived from the first address)"
+        None,
+        "Shared-memory segment name (default: derived from the first address)",
+        example="--arena-name kvtier-main",
+        metavar="NAME",
     )
     prefault: bool = _opt(True, "Touch every arena page at start so no store pays first-touch")
-    session_ttl: float = _opt(600.0, "Seconds after its last use that a session expires")
-    session_cleanup_interval: float = _opt(10.0, "Seconds between session expiry sweeps")
+    session_ttl: float = _opt(
+        600.0,
+        "Seconds after its last use that a session expires",
+        example="--session-ttl 600",
+        metavar="SECONDS",
+    )
+    session_cleanup_interval: float = _opt(
+        10.0,
+        "Seconds between session expiry sweeps",
+        example="--session-cleanup-interval 10",
+        metavar="SECONDS",
+    )
     pin_lease: float = _opt(
-        60.0, "Seconds a lookup's pins survive without the request using them again"
+        60.0,
+        "Seconds a lookup's pins survive without the request using them again",
+        example="--pin-lease 60",
+        metavar="SECONDS",
     )
-    staging_lease: float = _opt(30.0, "Seconds a store may hold uncommitted staging slots")
+    staging_lease: float = _opt(
+        30.0,
+        "Seconds a store may hold uncommitted staging slots",
+        example="--staging-lease 30",
+        metavar="SECONDS",
+    )
     client_timeout: float = _opt(
-        10.0, "Seconds without a heartbeat after which a client's leases are reclaimed"
+        10.0,
+        "Seconds without a heartbeat after which a client's leases are reclaimed",
+        example="--client-timeout 10",
+        metavar="SECONDS",
     )
-    reap_interval: float = _opt(1.0, "Seconds between lease-reclaim sweeps")
-    l2_queue_size: int = _opt(1024, "Chunks the L2 write-through queue holds")
+    reap_interval: float = _opt(
+        1.0,
+        "Seconds between lease-reclaim sweeps",
+        example="--reap-interval 1",
+        metavar="SECONDS",
+    )
+    l2_queue_size: int = _opt(
+        1024,
+        "Chunks the L2 write-through queue holds",
+        example="--l2-queue-size 1024",
+        metavar="CHUNKS",
+    )
     l2_queue_policy: str = _opt(
-        "drop", "When the write-through queue is full: drop (and count) or block"
+        "drop",
+        "When the write-through queue is full: drop (and count) or block",
+        example="--l2-queue-policy drop",
+        metavar="POLICY",
     )
     max_prefetch_jobs: int = _opt(
-        8, "Lookups loading from L2 at once; more are answered from L1 alone (like LMCache)"
+        8,
+        "Lookups loading from L2 at once; more are answered from L1 alone (like LMCache)",
+        example="--max-prefetch-jobs 8",
+        metavar="JOBS",
     )
     handler_threads: int = _opt(
-        4, "Threads that handle requests with long prompts or inline bytes, off the I/O thread"
+        4,
+        "Threads that handle requests with long prompts or inline bytes, off the I/O thread",
+        example="--handler-threads 4",
+        metavar="THREADS",
     )
     admin_host: str = _opt(
-        "127.0.0.1", "Admin HTTP host; any non-loopback host requires --admin-token"
+        "127.0.0.1",
+        "Admin HTTP host; any non-loopback host requires --admin-token",
+        example="--admin-host 127.0.0.1",
+        metavar="HOST",
     )
-    admin_port: int = _opt(8080, "Admin HTTP port (0 picks a free one; -1 disables the API)")
-    admin_token: str | None = _opt(None, "Bearer token every admin endpoint then requires")
-    log_level: str = _opt("info", "Log level: debug, info, warning, error")
+    admin_port: int = _opt(
+        8080,
+        "Admin HTTP port (0 picks a free one; -1 disables the API)",
+        example="--admin-port 8080",
+        metavar="PORT",
+    )
+    admin_token: str | None = _opt(
+        None,
+        "Bearer token every admin endpoint but /health then requires (without it, reads are "
+        "open on loopback and changes need the token the server writes to "
+        "$XDG_RUNTIME_DIR/kvtier/admin-PORT.token or /tmp/kvtier-UID/admin-PORT.token)",
+        example='--admin-token "$(openssl rand -hex 16)"',
+        metavar="TOKEN",
+    )
+    log_level: str = _opt(
+        "info",
+        "Log level: " + ", ".join(LOG_LEVELS),
+        example="--log-level info",
+        metavar="LEVEL",
+    )
     max_frame_bytes: int = _opt(
         256 * 1024**2,
         "Largest ZMQ frame accepted (a header or one inline chunk); bigger ones are refused "
         "before they are read",
         kind="size",
+        example="--max-frame-bytes 256MiB",
+        metavar="SIZE",
     )
     max_request_tokens: int = _opt(
-        1 << 20, "Most tokens one request may carry (prompt length and range end)"
+        1 << 20,
+        "Most tokens one request may carry (prompt length and range end)",
+        example="--max-request-tokens 1048576",
     )
-    max_world_size: int = _opt(1024, "Largest tensor-parallel world size a request may name")
+    max_world_size: int = _opt(
+        1024, "Largest tensor-parallel world size a request may name", example="--max-world-size 64"
+    )
     max_sessions: int = _opt(
-        65536, "Sessions held at once; beyond it the longest-idle ones are ended (and counted)"
+        65536,
+        "Sessions held at once; beyond it the longest-idle ones are ended (and counted)",
+        example="--max-sessions 65536",
     )
     max_session_tokens: int = _opt(
         64 << 20,
         "Tokens held by all sessions together; beyond it the longest-idle sessions are ended",
+        example="--max-session-tokens 67108864",
     )
     auth_tokens_file: str | None = _opt(
         None,
         "File of client credentials, one 'TOKEN TENANT [SALT ...]' per line: a client must "
         "name a TOKEN at its handshake, its sessions are its TENANT's, and it may use only "
         "the listed cache salts (none listed: any). Required for a tcp address off loopback",
+        example="--auth-tokens-file /etc/kvtier/tokens",
+        metavar="PATH",
     )
 
     def __post_init__(self) -> None:
-        self.l1_size = parse_size(self.l1_size)
-        if self.l1_size <= 0:
-            raise ValueError(f"--l1-size must be positive, got {self.l1_size}")
-        if self.chunk_size <= 0:
-            raise ValueError(f"--chunk-size must be positive, got {self.chunk_size}")
-        if self.max_prefetch_jobs < 1:
-            raise ValueError(f"--max-prefetch-jobs must be >= 1, got {self.max_prefetch_jobs}")
-        if self.handler_threads < 1:
-            raise ValueError(f"--handler-threads must be >= 1, got {self.handler_threads}")
-        if not self.address:
-            raise ValueError("at least one --address is required")
-        self.max_frame_bytes = parse_size(self.max_frame_bytes)
-        for name in (
-            "session_ttl",
-            "session_cleanup_interval",
-            "pin_lease",
-            "staging_lease",
-            "client_timeout",
-            "reap_interval",
-        ):
-            value = getattr(self, name)
-            if not value > 0:  # also refuses NaN
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
-        for name in (
-            "max_frame_bytes",
-            "max_request_tokens",
-            "max_world_size",
-            "max_sessions",
-            "max_session_tokens",
-            "l2_queue_size",
-        ):
-            if getattr(self, name) <= 0:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be positive, got {getattr(self, name)}")
-        if self.l2_queue_policy not in ("drop", "block"):
-            raise ValueError(
-                f"--l2-queue-policy must be 'drop' or 'block', got {self.l2_queue_policy!r}"
+        raw = self.l1_size
+        try:
+            self.l1_size = parse_size(raw, require_unit=True)
+        except ValueError:
+            raise self.error("l1_size", f"{raw!r} is not a byte size with a unit") from None
+        if self.l1_size < MIN_L1_SIZE:
+            raise self.error(
+                "l1_size",
+                f"{format_size(self.l1_size)} is below the smallest L1, {format_size(MIN_L1_SIZE)}",
             )
+        if self.chunk_size <= 0:
+            raise self.error("chunk_size", f"must be a positive number of tokens, got "
+                             f"{self.chunk_size}")  # fmt: skip
+        if self.handler_threads < 1:
+            raise self.error("handler_threads", f"must be at least 1, got "
+                             f"{self.handler_threads}")  # fmt: skip
+        if self.max_prefetch_jobs < 1:
+            raise self.error("max_prefetch_jobs", f"must be at least 1, got "
+                             f"{self.max_prefetch_jobs}")  # fmt: skip
+        if not self.address:
+            raise self.error("address", "at least one address is required")
+        for address in self.address:
+            if not address.startswith(("ipc://", "tcp://")):
+                raise self.error("address", f"{address!r} is not an ipc:// or tcp:// address")
+        if self.l2_queue_policy not in ("drop", "block"):
+            raise self.error("l2_queue_policy", f"must be drop or block, got "
+                             f"{self.l2_queue_policy!r}")  # fmt: skip
+        if self.l2_queue_size < 1:
+            raise self.error("l2_queue_size", f"must be at least 1, got {self.l2_queue_size}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise self.error(
+                "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        spec = HASH_ALGORITHMS.get(self.hash_algorithm)
+        if spec is None:
+            raise self.error(
+                "hash_algorithm",
+                f"unknown algorithm {self.hash_algorithm!r}; one of " + ", ".join(HASH_ALGORITHMS),
+            )
+        if spec.requires_seed and self.hash_seed is None:
+            raise self.error(
+                "hash_seed",
+                f"--hash-algorithm {self.hash_algorithm} reproduces vLLM's block hashes, whose "
+                "first parent comes from the engine's PYTHONHASHSEED: pass that value",
+            )
+        for name in ("session_ttl", "session_cleanup_interval", "pin_lease", "staging_lease",
+                     "client_timeout", "reap_interval"):  # fmt: skip
+            value = getattr(self, name)
+            if not value > 0:
+                raise self.error(name, f"must be a positive number of seconds, got {value}")
+        raw_frame = self.max_frame_bytes
+        try:
+            self.max_frame_bytes = parse_size(raw_frame)
+        except ValueError:
+            raise self.error("max_frame_bytes", f"{raw_frame!r} is not a byte size") from None
+        for name in ("max_frame_bytes", "max_request_tokens", "max_world_size", "max_sessions",
+                     "max_session_tokens"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise self.error(name, f"must be positive, got {getattr(self, name)}")
+        if not -1 <= self.admin_port <= 65535:
+            raise self.error("admin_port", f"must be in [-1, 65535], got {self.admin_port}")
+        if self.admin_token is not None and not self.admin_token:
+            raise self.error("admin_token", "must not be empty")
+
+    @classmethod
+    def error(cls, name: str, message: str) -> ConfigError:
+        """A ConfigError naming the option `name` and a valid example of it."""
+        example = cls.field(name).metadata.get("example", "")
+        option = "--" + name.replace("_", "-")
+        hint = f" (e.g. {example})" if example else ""
+        return ConfigError(f"{option}: {message}{hint}")
+
+    @classmethod
+    def field(cls, name: str) -> dataclasses.Field[Any]:
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return f
+        raise KeyError(name)
 
     def l2_urls(self, arena_name: str) -> list[str]:
         """The L2 tier URLs to open, in order, with {arena} filled in ("none" means no L2)."""
         return [u.replace("{arena}", arena_name) for u in self.l2 if u and u.lower() != "none"]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe view, with the admin token masked."""
-        from kvtier.server.auth import redact  # the server package imports this module
+    def l2_display(self, arena_name: str) -> list[str]:
+        """`l2_urls` with credentials redacted, for logs and the status page."""
+        return [redact_url(url) for url in self.l2_urls(arena_name)]
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe view with credentials redacted (admin token, passwords in L2 URLs)."""
         data = dataclasses.asdict(self)
         if data["admin_token"]:
             data["admin_token"] = "***"
-        data["l2"] = [redact(url) for url in self.l2]
+        arena = self.arena_name
+        data["l2"] = [
+            redact_url(url.replace("{arena}", arena) if arena else url) for url in self.l2
+        ]
         return data
 
     @staticmethod
     def env_var(name: str) -> str:
+        """The environment variable of option `name` (one rule: KVTIER_ + its upper name)."""
         return "KVTIER_" + name.upper()
 
     @classmethod

@@ -56,6 +56,7 @@ class HashAlgorithm:
     chain: Chain
     none_hash: NoneHash
     requires_seed: bool = False
+    summary: str = ""  # one line for `kvtier serve --help`
 
 
 def _blake3_one(parent: bytes, data: bytes | memoryview) -> bytes:
@@ -173,13 +174,28 @@ def _sha256_cbor_none_hash(seed: bytes | None, name: str, chunk_size: int) -> by
 HASH_ALGORITHMS: Mapping[str, HashAlgorithm] = MappingProxyType(
     {
         "blake3": HashAlgorithm(
-            "blake3", 32, _blake3_one, _blake3_chain, _kvtier_none_hash(_blake3_one)
+            "blake3",
+            32,
+            _blake3_one,
+            _blake3_chain,
+            _kvtier_none_hash(_blake3_one),
+            summary="fast, cryptographic (the default)",
         ),
         "xxh3_128": HashAlgorithm(
-            "xxh3_128", 16, _xxh3_one, _xxh3_chain, _kvtier_none_hash(_xxh3_one)
+            "xxh3_128",
+            16,
+            _xxh3_one,
+            _xxh3_chain,
+            _kvtier_none_hash(_xxh3_one),
+            summary="fastest, not cryptographic",
         ),
         "sha256": HashAlgorithm(
-            "sha256", 32, _sha256_one, _sha256_chain, _kvtier_none_hash(_sha256_one)
+            "sha256",
+            32,
+            _sha256_one,
+            _sha256_chain,
+            _kvtier_none_hash(_sha256_one),
+            summary="cryptographic, everywhere available",
         ),
         "sha256_cbor": HashAlgorithm(
             "sha256_cbor",
@@ -188,6 +204,7 @@ HASH_ALGORITHMS: Mapping[str, HashAlgorithm] = MappingProxyType(
             _sha256_cbor_chain,
             _sha256_cbor_none_hash,
             requires_seed=True,
+            summary="vLLM's prefix-cache block hashes; needs the seed",
         ),
     }
 )

@@ -1,23 +1,46 @@
 """Prometheus metrics of one kvtier server: live request instruments plus a scrape-time view of
-the engine's state.
+the server's typed status.
 
 Each `Metrics` owns its own `CollectorRegistry` (never prometheus-client's global one), so several
 servers, or tests, in one process never collide. Request counters are updated on the hot path by
-the engine; gauges such as L1 fill are not: `bind_state` hands over the engine's `status()` and
-they are read from it only when someone scrapes `/metrics`.
+the engine; gauges such as L1 fill are not: `bind_state` hands over a function returning the
+server's `ServerStatus`, read only when someone scrapes `/metrics`.
+
+Label values are bounded: operations come from a fixed table, tiers from the configuration, and
+models from the first `max_models` seen (later ones are counted as "other"). Cache salts are
+never a label: they are tenant secrets and unbounded.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
+import platform
+import re
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from kvtier._version import __version__
+from kvtier.snapshots import HitRatePoint, LatencySummary, ModelLookup, ServerStatus, Traffic
+from kvtier.storage.tiers.base import LATENCY_BOUNDS_S
 
 logger = logging.getLogger(__name__)
+
+# `_created` series double every counter's output for a timestamp nobody graphs; the server is
+# the only user of prometheus-client in its process, so turning them off process-wide is safe.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Request latency buckets, 50 us to 5 s: a lookup served from L1 takes tens of microseconds, a
 # retrieve that falls through to a slow L2 can take seconds.
@@ -40,24 +63,95 @@ REQUEST_DURATION_BUCKETS: tuple[float, ...] = (
     5.0,
 )
 
-StateSnapshot = Callable[[], dict[str, Any]]
+#: wire request -> (what the user did, which step of it); the labels metrics carry
+OPERATIONS: dict[str, tuple[str, str]] = {
+    "Hello": ("connect", "hello"),
+    "Heartbeat": ("heartbeat", "heartbeat"),
+    "Goodbye": ("disconnect", "goodbye"),
+    "Register": ("register", "register"),
+    "Lookup": ("lookup", "lookup"),
+    "LookupPoll": ("lookup", "poll"),
+    "Reserve": ("store", "reserve"),
+    "Commit": ("store", "commit"),
+    "Abort": ("store", "abort"),
+    "StoreInline": ("store", "inline"),
+    "Retrieve": ("retrieve", "start"),
+    "RetrieveDone": ("retrieve", "done"),
+    "Release": ("release", "release"),
+    "EndSession": ("end_session", "end_session"),
+}
+
+#: models beyond this many distinct names share the label value "other"
+DEFAULT_MAX_MODELS = 32
+OTHER = "other"
+
+
+def operation_of(request_name: str) -> tuple[str, str]:
+    """The (operation, step) labels of a wire request name; unknown names map to snake_case."""
+    known = OPERATIONS.get(request_name)
+    if known is not None:
+        return known
+    snake = re.sub(r"(?<!^)(?=[A-Z])", "_", request_name).lower() or "unknown"
+    return snake, snake
+
+
+class HitRateHistory:
+    """Lookup totals per fixed interval, kept by the server so a page reload loses nothing."""
+
+    def __init__(self, interval_s: float = 10.0, max_points: int = 360) -> None:
+        self.interval_s = interval_s
+        self._points: deque[list[float]] = deque(maxlen=max_points)  # [start, requested, hit]
+        self._lock = threading.Lock()
+
+    def add(self, requested: int, hit: int, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        start = now - now % self.interval_s
+        with self._lock:
+            if self._points and self._points[-1][0] == start:
+                point = self._points[-1]
+                point[1] += requested
+                point[2] += hit
+            else:
+                self._points.append([start, requested, hit])
+
+    def points(self) -> list[HitRatePoint]:
+        with self._lock:
+            return [
+                HitRatePoint(time=p[0], requested_tokens=int(p[1]), hit_tokens=int(p[2]))
+                for p in self._points
+            ]
+
+
+StateSnapshot = Callable[[], ServerStatus]
 
 
 class Metrics:
     """The server's instruments; `render()` is what `GET /metrics` returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_models: int = DEFAULT_MAX_MODELS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.max_models = max_models
+        self.history = HitRateHistory()
+        prometheus_client.ProcessCollector(registry=self.registry)
+        build = Gauge(
+            "kvtier_build_info",
+            "Always 1; the labels say which kvtier, protocol and Python serve.",
+            ["version", "protocol_version", "python_version"],
+            registry=self.registry,
+        )
+        from kvtier.protocol import PROTOCOL_VERSION
+
+        build.labels(__version__, str(PROTOCOL_VERSION), platform.python_version()).set(1)
         self._requests = Counter(
             "kvtier_requests",
-            "Requests handled, by operation.",
-            ["operation"],
+            "Requests handled, by operation (store, retrieve, lookup...) and its wire step.",
+            ["operation", "step"],
             registry=self.registry,
         )
         self._request_duration = Histogram(
             "kvtier_request_duration_seconds",
-            "Time to handle one request, by operation.",
-            ["operation"],
+            "Time the server took to handle one request, by operation and step.",
+            ["operation", "step"],
             buckets=REQUEST_DURATION_BUCKETS,
             registry=self.registry,
         )
@@ -67,16 +161,19 @@ class Metrics:
             ["operation", "code"],
             registry=self.registry,
         )
+        self._lookups = Counter(
+            "kvtier_lookups", "Lookups, by model.", ["model"], registry=self.registry
+        )
         self._lookup_requested = Counter(
             "kvtier_lookup_requested_tokens",
-            "Tokens asked about by lookups.",
-            ["model", "cache_salt"],
+            "Tokens asked about by lookups, by model.",
+            ["model"],
             registry=self.registry,
         )
         self._lookup_hit = Counter(
             "kvtier_lookup_hit_tokens",
-            "Tokens lookups found cached (a prefix of the requested ones).",
-            ["model", "cache_salt"],
+            "Tokens lookups found cached (a prefix of the requested ones), by model.",
+            ["model"],
             registry=self.registry,
         )
         self._stored_bytes = Counter(
@@ -86,55 +183,131 @@ class Metrics:
             "kvtier_retrieved_bytes", "KV bytes handed out to clients.", registry=self.registry
         )
         self._state_lock = threading.Lock()
+        self._models_lock = threading.Lock()
         # labelled children by label values (dict reads and writes are atomic under the GIL)
-        self._per_operation: dict[str, tuple[Any, Any]] = {}
-        self._per_tenant: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._per_operation: dict[str, tuple[Counter, Histogram]] = {}
+        self._per_model: dict[str, tuple[Counter, Counter, Counter]] = {}
+        self._model_totals: dict[str, list[int]] = {}  # label -> [requested, hit, lookups]
+        self._stored = 0
+        self._retrieved = 0
         self._state_collector: _StateCollector | None = None
 
-    def observe_request(self, operation: str, seconds: float) -> None:
-        """Count one handled request and record how long it took."""
+    # -- hot path ---------------------------------------------------------------------------
+
+    def observe_request(self, request_name: str, seconds: float) -> None:
+        """Count one handled request (its wire name) and record how long it took."""
         # labels() costs ~4 us a call; this runs on every request, so keep the children.
-        children = self._per_operation.get(operation)
+        children = self._per_operation.get(request_name)
         if children is None:
-            children = self._per_operation[operation] = (
-                self._requests.labels(operation),
-                self._request_duration.labels(operation),
+            labels = operation_of(request_name)
+            children = self._per_operation[request_name] = (
+                self._requests.labels(*labels),
+                self._request_duration.labels(*labels),
             )
         children[0].inc()
         children[1].observe(seconds)
 
-    def count_error(self, operation: str, code: str) -> None:
-        """Count one request answered with the error `code` (e.g. an ErrorCode name)."""
-        self._request_errors.labels(operation, code).inc()
+    def count_error(self, request_name: str, code: str) -> None:
+        """Count one request answered with the error `code` (an ErrorCode name)."""
+        self._request_errors.labels(operation_of(request_name)[0], code).inc()
 
-    def observe_lookup(
-        self, model: str, cache_salt: str, requested_tokens: int, hit_tokens: int
-    ) -> None:
+    def model_label(self, model: str) -> str:
+        """`model`, or "other" once `max_models` distinct models have been seen."""
+        if model in self._per_model:
+            return model
+        with self._models_lock:
+            return model if len(self._per_model) < self.max_models else OTHER
+
+    def observe_lookup(self, model: str, requested_tokens: int, hit_tokens: int) -> None:
         """Record one lookup: how many tokens were asked about and how many were cached."""
         if requested_tokens < 0 or hit_tokens < 0 or hit_tokens > requested_tokens:
             raise ValueError(
                 f"lookup counts must satisfy 0 <= hit_tokens <= requested_tokens, got "
                 f"requested_tokens={requested_tokens}, hit_tokens={hit_tokens}"
             )
-        children = self._per_tenant.get((model, cache_salt))
+        label = self.model_label(model)
+        children = self._per_model.get(label)
         if children is None:
-            children = self._per_tenant[model, cache_salt] = (
-                self._lookup_requested.labels(model, cache_salt),
-                self._lookup_hit.labels(model, cache_salt),
-            )
-        children[0].inc(requested_tokens)
-        children[1].inc(hit_tokens)
+            with self._models_lock:
+                children = self._per_model.get(label)
+                if children is None:
+                    children = self._per_model[label] = (
+                        self._lookups.labels(label),
+                        self._lookup_requested.labels(label),
+                        self._lookup_hit.labels(label),
+                    )
+                    self._model_totals[label] = [0, 0, 0]
+        children[0].inc()
+        children[1].inc(requested_tokens)
+        children[2].inc(hit_tokens)
+        totals = self._model_totals[label]
+        totals[0] += requested_tokens
+        totals[1] += hit_tokens
+        totals[2] += 1
+        self.history.add(requested_tokens, hit_tokens)
 
     def add_stored_bytes(self, n: int) -> None:
         """Count `n` KV bytes stored by clients."""
         self._stored_bytes.inc(n)
+        self._stored += n
 
     def add_retrieved_bytes(self, n: int) -> None:
         """Count `n` KV bytes retrieved by clients."""
         self._retrieved_bytes.inc(n)
+        self._retrieved += n
+
+    # -- views for the status ------------------------------------------------------------------
+
+    def models(self) -> list[ModelLookup]:
+        """Lookup totals per model label, busiest first."""
+        rows = [
+            ModelLookup(model=m, requested_tokens=t[0], hit_tokens=t[1], lookups=t[2])
+            for m, t in list(self._model_totals.items())
+        ]
+        return sorted(rows, key=lambda r: -r.requested_tokens)
+
+    def traffic(self) -> Traffic:
+        return Traffic(stored_bytes=self._stored, retrieved_bytes=self._retrieved)
+
+    def latency(self) -> list[LatencySummary]:
+        """Per operation (steps summed): count, mean and bucket-bound p50/p99."""
+        buckets: dict[str, dict[float, float]] = {}
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+        for family in self._request_duration.collect():
+            for s in family.samples:
+                op = s.labels["operation"]
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    by_le = buckets.setdefault(op, {})
+                    by_le[le] = by_le.get(le, 0.0) + s.value
+                elif s.name.endswith("_sum"):
+                    sums[op] = sums.get(op, 0.0) + s.value
+                elif s.name.endswith("_count"):
+                    counts[op] = counts.get(op, 0.0) + s.value
+        out = []
+        for op, by_le in sorted(buckets.items()):
+            n = counts.get(op, 0.0)
+            if not n:
+                continue
+            bounds = sorted(by_le)
+            cumulative = [by_le[b] for b in bounds]
+
+            out.append(
+                LatencySummary(
+                    operation=op,
+                    count=int(n),
+                    mean_s=sums.get(op, 0.0) / n,
+                    p50_s=_quantile_bound(bounds, cumulative, 0.5),
+                    p99_s=_quantile_bound(bounds, cumulative, 0.99),
+                )
+            )
+        return out
+
+    # -- scrape-time state -------------------------------------------------------------------
 
     def bind_state(self, snapshot: StateSnapshot) -> None:
-        """Export the engine's state, read from `snapshot()` (its `status()`) at each scrape.
+        """Export the server's state, read from `snapshot()` at each scrape.
 
         Binding again replaces the previous snapshot function.
         """
@@ -150,8 +323,14 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _quantile_bound(bounds: list[float], cumulative: list[float], q: float) -> float:
+    """The upper bound of the histogram bucket holding quantile `q`."""
+    i = bisect.bisect_left(cumulative, q * cumulative[-1])
+    return bounds[min(i, len(bounds) - 1)]
+
+
 class _StateCollector:
-    """Turns one `status()` snapshot into gauge and counter families at scrape time."""
+    """Turns one `ServerStatus` into gauge and counter families at scrape time."""
 
     def __init__(self, snapshot: StateSnapshot) -> None:
         self._snapshot = snapshot
@@ -170,92 +349,160 @@ class _StateCollector:
         return list(_state_families(status))
 
 
-def _state_families(status: dict[str, Any] | None) -> Iterator[Metric]:
-    """The state metrics filled from `status` (the engine's `status()` shape), or empty."""
-    l1: dict[str, Any] = status["l1"] if status is not None else {}
-    l2: dict[str, Any] = status["l2"] if status is not None else {}
-    sessions: dict[str, Any] = status["sessions"] if status is not None else {}
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], float(value))
+    return family
 
-    def gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, doc)
-        if status is not None:
-            family.add_metric([], float(value))
-        return family
 
-    def counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, doc)
-        if status is not None:
-            family.add_metric([], float(value))
-        return family
+def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], float(value))
+    return family
 
-    ready = status["ready"] if status is not None else None
-    yield gauge("kvtier_ready", "1 when the arena is ready and serving.", ready)
-    yield gauge("kvtier_l1_used_bytes", "Bytes allocated in the L1 arena.", l1.get("used_bytes"))
-    yield gauge(
-        "kvtier_l1_capacity_bytes", "Size of the L1 arena in bytes.", l1.get("capacity_bytes")
+
+def _state_families(status: ServerStatus | None) -> Iterator[Metric]:
+    """The state metrics filled from `status`, or empty families (for `describe`)."""
+    s = status
+    yield _gauge(
+        "kvtier_ready", "1 when the arena is ready and serving.", None if s is None else s.ready
     )
-    yield gauge("kvtier_l1_groups", "Chunk groups held in L1.", l1.get("groups"))
-    yield gauge(
-        "kvtier_l1_pinned_groups", "L1 chunk groups pinned by sessions.", l1.get("pinned_groups")
+    yield _gauge(
+        "kvtier_degraded",
+        "1 while the server serves with a failing part (an L2 tier): see /health.",
+        None if s is None else s.health == "degraded",
     )
-    yield counter("kvtier_evictions_total", "Chunk groups evicted from L1.", l1.get("evictions"))
-    yield counter(
-        "kvtier_evicted_bytes_total", "Bytes freed by L1 evictions.", l1.get("evicted_bytes")
+    yield _gauge(
+        "kvtier_uptime_seconds",
+        "Seconds since the server started.",
+        None if s is None else s.uptime_s,
+    )
+    yield _gauge(
+        "kvtier_l1_used_bytes",
+        "Bytes allocated in the L1 arena.",
+        None if s is None else s.l1.used_bytes,
+    )
+    yield _gauge(
+        "kvtier_l1_capacity_bytes",
+        "Size of the L1 arena in bytes.",
+        None if s is None else s.l1.capacity_bytes,
+    )
+    yield _gauge("kvtier_l1_groups", "Chunk groups held in L1.", None if s is None else s.l1.groups)
+    yield _gauge(
+        "kvtier_l1_pinned_groups",
+        "L1 chunk groups pinned by lookups.",
+        None if s is None else s.l1.pinned_groups,
     )
 
-    tier_families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-        "used_bytes": GaugeMetricFamily(
-            "kvtier_l2_used_bytes", "Bytes stored in an L2 tier.", labels=["tier"]
-        ),
-        "capacity_bytes": GaugeMetricFamily(
-            "kvtier_l2_capacity_bytes",
-            "Capacity of an L2 tier in bytes (0 = unbounded).",
-            labels=["tier"],
-        ),
-        "objects": GaugeMetricFamily(
-            "kvtier_l2_objects", "Objects stored in an L2 tier.", labels=["tier"]
-        ),
-        "hits": CounterMetricFamily(
-            "kvtier_l2_hits_total", "Reads an L2 tier served.", labels=["tier"]
-        ),
-        "misses": CounterMetricFamily(
-            "kvtier_l2_misses_total", "Reads an L2 tier could not serve.", labels=["tier"]
-        ),
-    }
-    for tier in l2.get("tiers", []):
-        for field, family in tier_families.items():
-            family.add_metric([str(tier["name"])], float(tier[field]))
-    yield from tier_families.values()
-
-    yield gauge(
-        "kvtier_write_queue_depth", "Objects waiting for L2 write-through.", l2.get("queue_depth")
+    evictions = CounterMetricFamily(
+        "kvtier_evictions", "Objects evicted to make room, by tier (l1 counts chunk groups).",
+        labels=["tier"],
+    )  # fmt: skip
+    evicted_bytes = CounterMetricFamily(
+        "kvtier_evicted_bytes", "Bytes freed by L1 evictions.", labels=["tier"]
     )
-    yield gauge(
+    if s is not None:
+        evictions.add_metric(["l1"], float(s.l1.evictions))
+        evicted_bytes.add_metric(["l1"], float(s.l1.evicted_bytes))
+        for tier in s.l2.tiers:
+            evictions.add_metric([tier.name], float(tier.extra.get("evictions", 0)))
+    yield evictions
+    yield evicted_bytes
+
+    per_tier: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
+        (GaugeMetricFamily("kvtier_l2_used_bytes", "Bytes stored in an L2 tier.", labels=["tier"]),
+         "used_bytes"),
+        (GaugeMetricFamily("kvtier_l2_capacity_bytes",
+                           "Capacity of an L2 tier in bytes (0 = unbounded).", labels=["tier"]),
+         "capacity_bytes"),
+        (GaugeMetricFamily("kvtier_l2_objects", "Objects stored in an L2 tier.", labels=["tier"]),
+         "objects"),
+        (CounterMetricFamily("kvtier_l2_hits", "Reads an L2 tier served.", labels=["tier"]),
+         "hits"),
+        (CounterMetricFamily("kvtier_l2_misses", "Reads an L2 tier could not serve.",
+                             labels=["tier"]), "misses"),
+        (CounterMetricFamily("kvtier_l2_errors",
+                             "Failed L2 operations (backend unreachable, I/O error).",
+                             labels=["tier"]), "errors"),
+        (CounterMetricFamily("kvtier_l2_corrupt",
+                             "L2 objects found damaged on read (deleted, never served).",
+                             labels=["tier"]), "corrupt"),
+        (GaugeMetricFamily("kvtier_l2_failing",
+                           "1 while an L2 tier's errors grow (the server reports degraded).",
+                           labels=["tier"]), "failing"),
+    ]  # fmt: skip
+    for family, field in per_tier:
+        if s is not None:
+            for tier in s.l2.tiers:
+                value = tier.name in s.l2.failing if field == "failing" else getattr(tier, field)
+                family.add_metric([tier.name], float(value))
+        yield family
+    latency = HistogramMetricFamily(
+        "kvtier_l2_operation_duration_seconds",
+        "Time one L2 tier took per call, by tier and operation (read, write).",
+        labels=["tier", "operation"],
+    )
+    if s is not None:
+        for tier in s.l2.tiers:
+            for operation, lat in (("read", tier.read_latency), ("write", tier.write_latency)):
+                running, buckets = 0, []
+                for bound, n in zip((*LATENCY_BOUNDS_S, math.inf), lat.buckets, strict=True):
+                    running += n
+                    buckets.append(("+Inf" if bound == math.inf else repr(bound), running))
+                latency.add_metric([tier.name, operation], buckets, lat.total_s)
+    yield latency
+
+    l2 = s.l2 if s is not None else None
+    yield _gauge(
+        "kvtier_write_queue_depth",
+        "Objects waiting for L2 write-through.",
+        None if l2 is None else l2.queue_depth,
+    )
+    yield _gauge(
         "kvtier_write_queue_capacity",
         "Capacity of the L2 write-through queue.",
-        l2.get("queue_capacity"),
+        None if l2 is None else l2.queue_capacity,
     )
-    yield counter(
-        "kvtier_write_queue_dropped_total",
+    yield _counter(
+        "kvtier_write_queue_dropped",
         "Objects the L2 write-through queue dropped because it was full.",
-        l2.get("dropped"),
+        None if l2 is None else l2.dropped,
     )
-    yield gauge("kvtier_sessions_active", "Sessions currently held.", sessions.get("active"))
-    yield counter(
-        "kvtier_sessions_created_total", "Sessions ever created.", sessions.get("created")
+    yield _counter(
+        "kvtier_write_queue_written",
+        "Objects the L2 writer handed to the tiers.",
+        None if l2 is None else l2.written,
     )
-    yield counter(
-        "kvtier_sessions_expired_total",
-        "Sessions ended by their idle timeout.",
-        sessions.get("expired"),
+    yield _counter(
+        "kvtier_l2_write_errors",
+        "Object writes an L2 tier failed (each tier counts separately).",
+        None if l2 is None else l2.write_errors,
     )
-    yield counter(
-        "kvtier_sessions_orphaned_total",
-        "Sessions dropped because their client went away.",
-        sessions.get("orphaned"),
+    sessions = s.sessions if s is not None else None
+    yield _gauge(
+        "kvtier_sessions_active",
+        "Sessions currently held.",
+        None if sessions is None else sessions.active,
     )
-    yield gauge(
+    yield _counter(
+        "kvtier_sessions_created",
+        "Sessions ever created.",
+        None if sessions is None else sessions.created,
+    )
+    yield _counter(
+        "kvtier_sessions_expired",
+        "Sessions that expired without end_session.",
+        None if sessions is None else sessions.expired,
+    )
+    yield _counter(
+        "kvtier_sessions_orphaned",
+        "Expired sessions that still held pinned chunks (requests abandoned mid-flight).",
+        None if sessions is None else sessions.orphaned,
+    )
+    yield _gauge(
         "kvtier_clients_connected",
         "Engine processes connected to the server.",
-        len(status["clients"]) if status is not None else None,
+        len(s.clients) if s is not None else None,
     )

@@ -21,7 +21,8 @@ from kvtier.config import ServerConfig
 from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic_thread
 from kvtier.server.admin import start_admin_server
 from kvtier.server.app import build_engine
-from tests.conftest import ServerProcess, start_server
+from kvtier.server.views import AdminViews
+from tests.conftest import ServerProcess, free_port, start_server
 
 from ..conftest import FakeClock
 
@@ -48,6 +49,20 @@ def get(srv: ServerProcess, path: str, **kw: Any) -> httpx.Response:
     return httpx.get(srv.admin_url + path, timeout=10, **kw)
 
 
+def token_file(srv: ServerProcess) -> Path:
+    """The file the server wrote its generated admin token to (it says where at start)."""
+    import re
+
+    m = re.search(r"token for changes: (\S+)\)", srv.output)
+    assert m, srv.output
+    return Path(m.group(1))
+
+
+def changes(srv: ServerProcess) -> dict[str, str]:
+    """Headers that let a request change the server (clear, end a session)."""
+    return auth(token_file(srv).read_text().strip())
+
+
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for family in text_string_to_metric_families(text):
@@ -72,6 +87,8 @@ def test_health_ok(server: ServerProcess) -> None:
 def test_status_shape(server: ServerProcess) -> None:
     status = get(server, "/status").json()
     assert status["ready"] is True and status["threads_healthy"] is True
+    assert status["health"] == "ok" and status["health_reasons"] == []
+    assert set(status) >= {"models", "hit_rate_history", "traffic", "latency", "clients"}
     assert status["config"]["l1_size"] == 64 << 20
     assert status["config"]["address"] == [server.address]
     assert status["l1"]["capacity_bytes"] == 64 << 20
@@ -122,7 +139,7 @@ def test_sessions_paging_and_bad_input(server: ServerProcess) -> None:
 
 def test_unknown_session_is_404(server: ServerProcess) -> None:
     assert get(server, "/sessions/no-such-request").status_code == 404
-    response = httpx.delete(server.admin_url + "/sessions/no-such-request")
+    response = httpx.delete(server.admin_url + "/sessions/no-such-request", headers=changes(server))
     assert response.status_code == 404
     assert "no-such-request" in response.json()["error"]
 
@@ -130,11 +147,12 @@ def test_unknown_session_is_404(server: ServerProcess) -> None:
 def test_clear_validates_its_body(server: ServerProcess) -> None:
     url = server.admin_url + "/clear"
     bad = [b"{not json", b"[1, 2]", b'{"model": 3}', b'{"modle": "x"}']
+    headers = {"Content-Type": "application/json", **changes(server)}
     for body in bad:
-        response = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+        response = httpx.post(url, content=body, headers=headers)
         assert response.status_code == 400, body
         assert "error" in response.json()
-    response = httpx.post(url, json={"model": "never-stored", "cache_salt": None})
+    response = httpx.post(url, json={"model": "never-stored", "cache_salt": None}, headers=headers)
     assert response.status_code == 200 and response.json() == {"cleared": 0}
 
 
@@ -151,6 +169,7 @@ def test_openapi_describes_every_route(server: ServerProcess) -> None:
         "/metrics",
         "/clear",
         "/",
+        "/login",
     }
     assert set(paths["/sessions/{request_id}"]) == {"get", "delete"}
     assert set(paths["/clear"]) == {"post"}
@@ -183,7 +202,6 @@ def test_off_loopback_requires_the_token() -> None:
         port = srv.admin_url.rsplit(":", 1)[1]
         base = f"http://127.0.0.1:{port}"  # bound to every interface; only ever use loopback
         routes = [
-            ("GET", "/health"),
             ("GET", "/status"),
             ("GET", "/sessions"),
             ("GET", "/sessions/x"),
@@ -192,21 +210,30 @@ def test_off_loopback_requires_the_token() -> None:
             ("GET", "/metrics"),
             ("POST", "/clear"),
             ("GET", "/openapi.json"),
-            ("GET", "/"),
-            ("GET", "/static/app.js"),
         ]
         for method, path in routes:
             for headers in ({}, auth("wrong-token"), {"Authorization": TOKEN}):
                 response = httpx.request(method, base + path, headers=headers, json={})
                 assert response.status_code == 401, (method, path, headers)
-        assert httpx.get(base + "/health", headers=auth(TOKEN)).status_code == 200
+        # Probes, the page and its assets never need the token (the page holds no data).
+        for path in ("/health", "/", "/static/app.js", "/static/style.css"):
+            assert httpx.get(base + path).status_code == 200, path
+        assert TOKEN not in httpx.get(base + "/").text
         assert httpx.get(base + "/status", headers=auth(TOKEN)).json()["ready"] is True
         assert httpx.post(base + "/clear", headers=auth(TOKEN), json={}).status_code == 200
-        # The browser page authenticates by ?token=, for itself and its assets only.
-        page = httpx.get(base + "/", params={"token": TOKEN})
-        assert page.status_code == 200 and f"/static/app.js?token={TOKEN}" in page.text
-        assert httpx.get(base + "/static/app.js", params={"token": TOKEN}).status_code == 200
+        # No token in URLs: a query parameter is no credential.
         assert httpx.get(base + "/status", params={"token": TOKEN}).status_code == 401
+        # The page logs in once; the HttpOnly cookie then carries its reads, never its changes.
+        assert httpx.post(base + "/login", json={"token": "wrong"}).status_code == 401
+        login = httpx.post(base + "/login", json={"token": TOKEN})
+        assert login.status_code == 200
+        set_cookie = login.headers["set-cookie"].lower()
+        assert "httponly" in set_cookie and "samesite=strict" in set_cookie
+        cookies = dict(login.cookies)
+        assert cookies["kvtier_admin"] != TOKEN  # a digest: the cookie is not the bearer token
+        assert httpx.get(base + "/status", cookies=cookies).status_code == 200
+        assert httpx.post(base + "/clear", cookies=cookies, json={}).status_code == 401
+        assert httpx.get(base + "/status", cookies=cookies).json()["config"]["admin_token"] == "***"
         assert srv.proc.poll() is None
         assert json.loads(cli("status", "--admin", base, "--token", TOKEN, "--json").stdout)[
             "ready"
@@ -217,6 +244,60 @@ def test_off_loopback_requires_the_token() -> None:
         assert "L1" in from_env.stdout
     finally:
         srv.stop()
+    assert TOKEN not in srv.output
+
+
+def test_loopback_changes_need_the_generated_token() -> None:
+    srv = start_server(*SERVER_ARGS)
+    try:
+        assert srv.admin_url is not None
+        path = token_file(srv)
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert path.parent.stat().st_mode & 0o777 == 0o700
+        token = path.read_text().strip()
+        assert len(token) >= 32 and token not in srv.output
+        base = srv.admin_url
+        assert httpx.get(base + "/status").status_code == 200  # reads stay open on loopback
+        for method, route in (("POST", "/clear"), ("DELETE", "/sessions/x")):
+            assert httpx.request(method, base + route, json={}).status_code == 401
+        assert httpx.post(base + "/clear", json={}, headers=auth(token)).status_code == 200
+        assert httpx.delete(base + "/sessions/x", headers=auth(token)).status_code == 404
+        # `kvtier clear` finds the token by the admin port, as the same user.
+        assert cli("clear", "--admin", base).stdout.strip() == "cleared 0 chunks"
+    finally:
+        srv.stop()
+    assert not path.exists(), "the token file is removed at shutdown"
+
+
+def test_dead_redis_tier_degrades_health_and_reaches_metrics_errors_and_log() -> None:
+    """Finding 3 of issue 13: a dead Redis tier no longer looks healthy."""
+    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0?connect_timeout=0.2&cooldown=0.5"
+    srv = start_server(*SERVER_ARGS, "--l2", dead)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            health = get(srv, "/health")
+            if health.json()["status"] == "degraded":
+                break
+            time.sleep(0.5)
+        assert health.status_code == 200, "degraded still serves: probes keep the server"
+        body = health.json()
+        assert body["status"] == "degraded" and "L2 tier redis is failing" in body["reasons"][0]
+        status = get(srv, "/status").json()
+        assert status["health"] == "degraded"
+        assert status["l2"]["failing"] == ["redis"] and status["l2"]["tiers"][0]["name"] == "redis"
+        assert any(e["code"] == "L2_ERROR" for e in status["recent_errors"])
+        assert all("hunter2" not in url for url in status["config"]["l2"])
+        got = metric_samples(get(srv, "/metrics").text)
+        assert got[("kvtier_l2_errors_total", (("tier", "redis"),))] > 0
+        assert got[("kvtier_l2_failing", (("tier", "redis"),))] == 1
+        assert got[("kvtier_degraded", ())] == 1
+        time.sleep(5)  # the tier keeps failing every check: the log line is rate-limited
+    finally:
+        srv.stop()
+    failing_lines = [line for line in srv.log if "L2 tier redis failing" in line]
+    assert len(failing_lines) == 1, failing_lines
+    assert "hunter2" not in srv.output
 
 
 # -- kvtier status / clear -----------------------------------------------------------------------
@@ -248,6 +329,34 @@ def test_cli_status_tables_and_json(server: ServerProcess) -> None:
     assert "64.0 MiB" in tables
     status = json.loads(cli("status", "--admin", server.admin_url, "--json").stdout)
     assert status["l1"]["capacity_bytes"] == 64 << 20 and status["threads_healthy"] is True
+
+
+def test_cli_version_and_config_mistakes_are_one_line() -> None:
+    assert cli("--version").stdout.strip().startswith("kvtier ")
+    mistakes = [
+        (["--l1-size", "2"], "--l1-size", "2GiB"),
+        (["--l1-size", "abc"], "--l1-size", "2GiB"),
+        (["--l1-size", "4KiB"], "--l1-size", "2GiB"),
+        (["--chunk-size", "0"], "--chunk-size", "--chunk-size 256"),
+        (["--chunk-size", "abc"], "--chunk-size", "--chunk-size 256"),
+        (["--log-level", "verbose"], "--log-level", "--log-level info"),
+        (["--hash-algorithm", "sha256_cbor"], "--hash-seed", "--hash-seed 0"),
+        (["--session-ttl", "-5"], "--session-ttl", "--session-ttl 600"),
+        (["--address", "/tmp/x.sock"], "--address", "ipc://"),
+    ]
+    for args, option, example in mistakes:
+        result = cli("serve", *args, "--admin-port", "-1", "--l2", "none", check=False)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, (args, result.stderr)
+        assert len(lines) == 1 and option in lines[0] and example in lines[0], (args, lines)
+        assert "Traceback" not in result.stderr
+
+
+def test_cli_serve_help_is_readable() -> None:
+    text = cli("serve", "--help").stdout
+    assert "<list[str]>" not in text and "<bool>" not in text
+    for name in ("blake3", "xxh3_128", "sha256_cbor", "SIZE", "SECONDS"):
+        assert name in text
 
 
 def test_cli_clear(server: ServerProcess) -> None:
@@ -291,10 +400,10 @@ def test_metrics_and_sessions_follow_a_client_workload(server: ServerProcess) ->
         assert hits == [2 * chunk, chunk, 0]
 
         got = metric_samples(get(server, "/metrics").text)
-        labels = (("cache_salt", ""), ("model", model))
+        labels = (("model", model),)
         assert got[("kvtier_lookup_hit_tokens_total", labels)] == sum(hits)
         assert got[("kvtier_lookup_requested_tokens_total", labels)] == requested
-        assert got[("kvtier_requests_total", (("operation", "Lookup"),))] >= 3
+        assert got[("kvtier_requests_total", (("operation", "lookup"), ("step", "lookup")))] >= 3
         assert got[("kvtier_stored_bytes_total", ())] >= 2 * kv_chunks(1, 0).nbytes
         assert got[("kvtier_clients_connected", ())] >= 1
         assert got[("kvtier_l1_used_bytes", ())] > 0
@@ -305,7 +414,15 @@ def test_metrics_and_sessions_follow_a_client_workload(server: ServerProcess) ->
         }
         assert lookup_delta == {"requested_tokens": requested, "hit_tokens": sum(hits)}
         me = [c for c in status["clients"] if c["client_id"] == client.client_id[:8]]
+        assert client.client_id not in json.dumps(status)
         assert me and me[0]["registrations"][0]["model"] == model
+        mine = [m for m in status["models"] if m["model"] == model]
+        assert mine == [
+            {"model": model, "requested_tokens": requested, "hit_tokens": sum(hits), "lookups": 3}
+        ]
+        assert status["traffic"]["stored_bytes"] >= 2 * kv_chunks(1, 0).nbytes
+        assert {r["operation"] for r in status["latency"]} >= {"lookup", "store", "register"}
+        assert sum(p[1] for p in status["hit_rate_history"]) >= requested
 
         page = get(server, "/sessions", params={"limit": 1000}).json()
         ids = [s["request_id"] for s in page["sessions"]]
@@ -322,12 +439,13 @@ def test_metrics_and_sessions_follow_a_client_workload(server: ServerProcess) ->
 
         # A clear removes pinned chunks from view at once too (issue 10, finding 7); their
         # slots are freed when the pins end.
-        assert httpx.post(server.admin_url + "/clear", json={"model": model}).json() == {
-            "cleared": 2
-        }
+        assert httpx.post(
+            server.admin_url + "/clear", json={"model": model}, headers=changes(server)
+        ).json() == {"cleared": 2}
         assert client.lookup("reader-d", tokens, model=model) == 0
         for request_id in ("writer", "reader-a", "reader-b", "reader-c"):
-            assert httpx.delete(server.admin_url + f"/sessions/{request_id}").status_code == 200
+            url = server.admin_url + f"/sessions/{request_id}"
+            assert httpx.delete(url, headers=changes(server)).status_code == 200
             assert get(server, f"/sessions/{request_id}").status_code == 404
         client.end_session("reader-d")
         assert cli("clear", "--admin", server.admin_url, "--model", model).stdout.strip() == (
@@ -358,7 +476,8 @@ def test_health_503_while_a_critical_thread_is_stalled(tmp_path: Path) -> None:
         "test-lazy", 3600.0, lambda: None, ThreadLevel.LOW, registry=registry, clock=clock
     )
     try:
-        with start_admin_server(engine, port=0, registry=registry) as admin:
+        views = AdminViews(engine, registry=registry)
+        with start_admin_server(views, port=0, registry=registry) as admin:
             stalled.start()
             lazy.start()
             assert stalled.wait_for_runs(1, timeout=10)  # the first cycle runs at start

@@ -24,7 +24,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 SCREENSHOT = REPO / "docs" / "status-page.png"
-TOKEN = "page-token/with?odd&chars"
+TOKEN = "page-token/with?odd&chars"  # typed into the page's sign-in, never put in a URL
 
 pytestmark = pytest.mark.browser
 
@@ -73,32 +73,65 @@ def as_int(text: str) -> int:
     return int(text.replace(",", ""))
 
 
-def test_status_page_shows_live_numbers(server: tuple[str, str], browser: Any) -> None:
-    from urllib.parse import quote
-
-    url, address = server
-    page = browser.new_page(viewport={"width": 1280, "height": 960})
-    problems: list[str] = []
+def watch(page: Any, problems: list[str], requested: list[str]) -> None:
+    """Collect console errors, failed requests and every URL the page asks for."""
     page.on(
         "console",
         lambda m: (
             problems.append(f"console {m.type}: {m.text}")
-            if m.type in ("error", "warning")
+            if m.type in ("error", "warning") and "401" not in m.text
             else None
         ),
     )
     page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
     page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
-    requested: list[str] = []
     page.on("request", lambda r: requested.append(r.url))
 
-    page.goto(f"{url}/?token={quote(TOKEN, safe='')}")
+
+def blue_pixels(page: Any) -> int:
+    """Pixels of the chart in the series colour (#2f6fde), not only the grid."""
+    return int(
+        page.evaluate(
+            """() => {
+            const c = document.getElementById('hit-rate-chart');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0;
+            for (let i = 0; i < d.length; i += 4) {
+                const near = Math.abs(d[i] - 47) < 24 && Math.abs(d[i + 1] - 111) < 24
+                    && Math.abs(d[i + 2] - 222) < 24 && d[i + 3] > 200;
+                if (near) n += 1;
+            }
+            return n;
+        }"""
+        )
+    )
+
+
+def test_status_page_shows_live_numbers(server: tuple[str, str], browser: Any) -> None:
+    url, address = server
+    context = browser.new_context(viewport={"width": 1280, "height": 1400})
+    page = context.new_page()
+    problems: list[str] = []
+    requested: list[str] = []
+    watch(page, problems, requested)
+
+    # No token in the URL: the page asks for it, while /health (never behind a token) shows.
+    page.goto(url + "/")
+    page.wait_for_selector("#login:not(.hidden)")
     page.wait_for_function("document.getElementById('health').textContent === 'healthy'")
+    page.fill("#login-token", "wrong")
+    page.click("#login-submit")
+    wait_for_text(page, "login-error", "wrong token")
+    page.fill("#login-token", TOKEN)
+    page.click("#login-submit")
+    page.wait_for_selector("#login", state="hidden")
+    wait_for_text(page, "l1-capacity", "64.0 MiB")
     assert text_of(page, "sessions-active") == "0"
     assert text_of(page, "lookup-hit-tokens") == "0"
     assert text_of(page, "l1-used") == "0 B"
-    assert text_of(page, "l1-capacity") == "64.0 MiB"
     assert text_of(page, "hit-rate") == "\u2013"  # the placeholder dash: no lookups yet
+    config = text_of(page, "config")
+    assert "l1_size" in config and "***" in config and TOKEN not in page.content()
 
     with Client(address) as client:
         chunk = client.chunk_size
@@ -111,9 +144,16 @@ def test_status_page_shows_live_numbers(server: tuple[str, str], browser: Any) -
         assert as_int(text_of(page, "lookup-requested-tokens")) == 4 * chunk
         assert text_of(page, "hit-rate") == "50.0 %"
         assert text_of(page, "l1-used") != "0 B"
+        assert text_of(page, "stored-bytes") == "2.0 KiB"
         assert text_of(page, "sessions-active") == "2"
         assert text_of(page, "clients-connected") == "1"
+        assert client.client_id[:8] in text_of(page, "clients")
+        assert client.client_id not in page.content()
+        assert "page-model rank 0/1 float16" in text_of(page, "clients")
         assert text_of(page, "threads") != "none"
+        assert "page-model" in text_of(page, "models") and "50.0 %" in text_of(page, "models")
+        latency = text_of(page, "latency")
+        assert "lookup" in latency and "store" in latency and "Reserve" not in latency
 
         # A second round moves every number again: 2 full hits out of 2 more chunks.
         assert client.lookup("page-reader-2", tokens[: 2 * chunk], model="page-model") == 2 * chunk
@@ -121,33 +161,41 @@ def test_status_page_shows_live_numbers(server: tuple[str, str], browser: Any) -
         assert as_int(text_of(page, "lookup-requested-tokens")) == 6 * chunk
         assert text_of(page, "hit-rate") == "66.7 %"
         assert text_of(page, "sessions-active") == "3"
-        wait_for_text(page, "hit-rate-recent", "100.0 %")
 
-    # The chart plotted the series: some pixels carry its colour (#2f6fde), not only the grid.
-    blue_pixels = page.evaluate(
-        """() => {
-            const c = document.getElementById('hit-rate-chart');
-            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-            let n = 0;
-            for (let i = 0; i < d.length; i += 4) {
-                const near = Math.abs(d[i] - 47) < 24 && Math.abs(d[i + 1] - 111) < 24
-                    && Math.abs(d[i + 2] - 222) < 24 && d[i + 3] > 200;
-                if (near) n += 1;
-            }
-            return n;
-        }"""
-    )
-    assert blue_pixels > 0
+    assert blue_pixels(page) > 0
     assert page.locator("#fetch-error").is_hidden()
-    assert all(r.startswith(url) or r.startswith("data:") for r in requested), requested
     SCREENSHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+    # A reload keeps the history (the server holds it) and the sign-in (an HttpOnly cookie).
+    page.reload()
+    wait_for_text(page, "lookup-hit-tokens", f"{4 * chunk:,}")
+    assert page.locator("#login").is_hidden()
+    page.wait_for_function("document.getElementById('history-span').textContent !== '\u2013'")
+    assert blue_pixels(page) > 0
+    assert page.evaluate("document.cookie") == "", "the cookie is HttpOnly: no script reads it"
+    assert all(r.startswith(url) or r.startswith("data:") for r in requested), requested
+    assert not [r for r in requested if "token" in r.lower()], "no token in any URL"
     assert problems == []
+    context.close()
 
 
-def test_status_page_without_token_shows_the_refusal(server: tuple[str, str], browser: Any) -> None:
-    url, _ = server
-    page = browser.new_page()
-    response = page.goto(url + "/")
-    assert response is not None and response.status == 401
-    assert "Bearer" in page.content()
+def test_status_page_shows_degraded_health(browser: Any) -> None:
+    from tests.conftest import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0?connect_timeout=0.2&cooldown=0.5"
+    srv = start_server("--l1-size", "64MiB", "--l2", dead)
+    try:
+        assert srv.admin_url is not None
+        page = browser.new_page()
+        page.goto(srv.admin_url + "/")  # loopback without --admin-token: reads are open
+        page.wait_for_function(
+            "document.getElementById('health').textContent === 'degraded'", timeout=20_000
+        )
+        assert "L2 tier redis is failing" in text_of(page, "health-reasons")
+        page.wait_for_function(
+            "document.getElementById('l2-tiers').textContent.includes('failing')"
+        )
+        page.close()
+    finally:
+        srv.stop()

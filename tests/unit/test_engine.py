@@ -127,19 +127,19 @@ def test_a_silent_client_loses_its_staging_slots(engine: Engine, clock: FakeCloc
     connect(engine)
     tokens = tok(range(2 * CS))
     reserved = call(engine, p.Reserve("r", tokens, "m", 1, 0, 0, 2 * CS, SHAPE, "float32", 2))
-    assert engine.l1.stats()["staging_shards"] == 2
+    assert engine.l1.stats().staging_shards == 2
     clock.now += 11  # past --client-timeout without a heartbeat
     summary = engine.reap()
     assert summary.extra_info["dead_clients"] == 1
     # Its process (this one) is alive, so it may still write: the slots are fenced, not freed.
     stats = engine.l1.stats()
-    assert stats["staging_shards"] == 0 and stats["fenced_slots"] == 2
+    assert stats.staging_shards == 0 and stats.fenced_slots == 2
     assert engine.l1.used_bytes == 8192
     assert call(engine, p.Heartbeat()).code == ErrorCode.NOT_CONNECTED  # it must say Hello again
     connect(engine)
     late = call(engine, p.Commit(reserved.reservation_id))
     assert late.code == ErrorCode.LEASE_EXPIRED  # the acknowledgement frees them
-    assert engine.l1.used_bytes == 0 and engine.l1.stats()["fenced_slots"] == 0
+    assert engine.l1.used_bytes == 0 and engine.l1.stats().fenced_slots == 0
 
 
 def test_expired_sessions_holding_pins_count_as_orphans(engine: Engine) -> None:
@@ -150,9 +150,8 @@ def test_expired_sessions_holding_pins_count_as_orphans(engine: Engine) -> None:
     call(engine, p.Lookup("abandoned", tokens, "m"))
     call(engine, p.Lookup("finished", tokens, "m"))
     call(engine, p.EndSession("finished"))
-    assert engine.l1.stats()["pinned_groups"] == 2
+    assert engine.l1.stats().pinned_groups == 2
     engine.sessions.clock = lambda: 10**12  # far past the ttl for the session manager only
     engine.sessions.cleanup_expired()
-    sessions = engine.status()["sessions"]
-    assert sessions["orphaned"] == 1 and sessions["expired"] == 1
-    assert engine.l1.stats()["pinned_groups"] == 0
+    assert engine.orphaned_sessions == 1 and engine.sessions.orphaned_count == 1
+    assert engine.l1.stats().pinned_groups == 0

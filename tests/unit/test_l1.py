@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
+from kvtier.snapshots import L1Stats
 from kvtier.storage.arena import PAGE_SIZE
 from kvtier.storage.l1 import L1Store
 
@@ -140,8 +141,8 @@ def test_lru_evicts_least_recently_used_first() -> None:
     assert all(l1.is_complete(k) for k in (a, c, d))
     store(l1, key(5))
     assert evicted[-1] == (c, PAGE)
-    assert l1.stats()["evictions"] == 2
-    assert l1.stats()["evicted_bytes"] == 2 * PAGE
+    assert l1.stats().evictions == 2
+    assert l1.stats().evicted_bytes == 2 * PAGE
 
 
 def test_commit_makes_a_group_most_recent() -> None:
@@ -235,7 +236,7 @@ def test_pinned_groups_survive_eviction_pressure() -> None:
     for k in (a, b, c):
         store(l1, k)
     l1.pin("req", [a, b], ranks=[0], lease_s=30)
-    assert l1.stats()["pinned_groups"] == 2
+    assert l1.stats().pinned_groups == 2
     for i in range(10, 15):
         store(l1, key(i))
     assert l1.is_complete(a) and l1.is_complete(b)
@@ -289,11 +290,11 @@ def test_staging_leases_expire() -> None:
     l1.reserve(k, 0, PAGE, owner="w", lease_s=10)
     clock.now += 5
     assert l1.reclaim_staging() == 0
-    assert l1.stats()["staging_shards"] == 1
+    assert l1.stats().staging_shards == 1
     clock.now += 6
     assert l1.reclaim_staging() == 1
     assert l1.used_bytes == 0 and l1.num_groups == 0
-    assert l1.stats()["staging_shards"] == 0
+    assert l1.stats().staging_shards == 0
     with pytest.raises(UnknownReservationError):
         l1.commit(k, 0, owner="w")
 
@@ -325,7 +326,7 @@ def test_mark_retrieved_releases_after_every_rank() -> None:
     assert l1.pinned_keys("req") == []
     assert l1.mark_retrieved("req", 1) is False
     assert l1.mark_retrieved("nobody", 0) is False
-    assert l1.stats()["pinned_groups"] == 0
+    assert l1.stats().pinned_groups == 0
     assert l1.drop(k)
 
 
@@ -337,9 +338,9 @@ def test_pin_replaces_the_previous_pin() -> None:
     l1.pin("req", [a], ranks=[0], lease_s=30)
     l1.pin("req", [a, b], ranks=[0], lease_s=30)
     assert l1.pinned_keys("req") == [a, b]
-    assert l1.stats()["pinned_groups"] == 2
+    assert l1.stats().pinned_groups == 2
     l1.pin("req", [b], ranks=[0], lease_s=30)
-    assert l1.stats()["pinned_groups"] == 1
+    assert l1.stats().pinned_groups == 1
     assert l1.drop(a) and not l1.drop(b)
     assert l1.unpin("req") is True
     assert l1.unpin("req") is False
@@ -372,7 +373,7 @@ def test_pin_leases_expire_and_renew() -> None:
         l1.renew("b", 10)
     clock.now += 6
     assert l1.reclaim_pins() == 1
-    assert l1.stats()["pinned_groups"] == 0
+    assert l1.stats().pinned_groups == 0
 
 
 def test_acquire_and_release_are_counted() -> None:
@@ -452,18 +453,16 @@ def test_stats_track_everything() -> None:
     store(l1, key(2))
     l1.reserve(key(3), 0, 10, owner="w", lease_s=30)
     l1.pin("req", [key(2)], ranks=[0], lease_s=30)
-    assert l1.stats() == {
-        "capacity_bytes": 10 * PAGE,
-        "used_bytes": 6 * PAGE,
-        "groups": 3,
-        "ready_groups": 2,
-        "staging_shards": 1,
-        "pinned_groups": 1,
-        "evictions": 0,
-        "evicted_bytes": 0,
-        "fenced_slots": 0,
-        "fenced_bytes": 0,
-    }
+    assert l1.stats() == L1Stats(
+        capacity_bytes=10 * PAGE,
+        used_bytes=6 * PAGE,
+        groups=3,
+        ready_groups=2,
+        staging_shards=1,
+        pinned_groups=1,
+        evictions=0,
+        evicted_bytes=0,
+    )
     assert l1.capacity_bytes == 10 * PAGE and l1.used_bytes == 6 * PAGE
     assert l1.num_groups == 3 and l1.num_ready_groups == 2
 
@@ -516,4 +515,4 @@ def test_random_operations_keep_the_index_consistent(ops: list[tuple[str, int, i
             assert start + length <= next_start
         ready_bytes = sum(length for _, length in ranges)
         assert ready_bytes + sum(staging.values()) == l1.used_bytes <= l1.capacity_bytes
-        assert l1.stats()["staging_shards"] == len(staging)
+        assert l1.stats().staging_shards == len(staging)

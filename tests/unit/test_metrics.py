@@ -2,143 +2,232 @@
 
 from __future__ import annotations
 
-import copy
+import re
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.metrics import REQUEST_DURATION_BUCKETS, Metrics
+from kvtier._version import __version__
+from kvtier.metrics import OPERATIONS, REQUEST_DURATION_BUCKETS, HitRateHistory, Metrics
+from kvtier.snapshots import (
+    ClientInfo,
+    L1Stats,
+    L2Summary,
+    LookupTotals,
+    PrefetchStats,
+    ServerStatus,
+    SessionCounts,
+    Traffic,
+)
+from kvtier.storage.tiers.base import Latency, TierStats
 
-STATUS: dict[str, Any] = {
-    "version": "0.1.0",
-    "uptime_s": 12.5,
-    "ready": True,
-    "config": {"l1_size": 1 << 30},
-    "l1": {
-        "capacity_bytes": 1 << 30,
-        "used_bytes": 3 << 20,
-        "groups": 7,
-        "ready_groups": 6,
-        "pinned_groups": 2,
-        "staging_shards": 1,
-        "evictions": 11,
-        "evicted_bytes": 5 << 20,
-    },
-    "l2": {
-        "queue_depth": 3,
-        "queue_capacity": 1024,
-        "policy": "drop",
-        "submitted": 40,
-        "written": 30,
-        "dropped": 4,
-        "write_errors": 0,
-        "tiers": [
-            {
-                "name": "disk",
-                "used_bytes": 9 << 20,
-                "capacity_bytes": 50 << 30,
-                "objects": 9,
-                "hits": 5,
-                "misses": 2,
-                "corrupt": 0,
-                "errors": 0,
-            },
-            {
-                "name": "redis",
-                "used_bytes": 1 << 20,
-                "capacity_bytes": 0,
-                "objects": 1,
-                "hits": 0,
-                "misses": 8,
-                "corrupt": 1,
-                "errors": 3,
-            },
+
+def tier_stats(name: str, **fields: Any) -> TierStats:
+    """A tier's stats with zeros where the test does not care."""
+    base: dict[str, Any] = dict(
+        name=name, kind=name, url=f"{name}://x", healthy=True, last_error="", objects=0,
+        used_bytes=0, capacity_bytes=0, hits=0, misses=0, corrupt=0, errors=0,
+        layout_mismatches=0, size_mismatches=0, puts=0, bytes_written=0, bytes_read=0,
+        read_latency=Latency(), write_latency=Latency(),
+    )  # fmt: skip
+    return TierStats(**{**base, **fields})
+
+
+STATUS = ServerStatus(
+    version="0.1.0",
+    uptime_s=12.5,
+    ready=True,
+    health="degraded",
+    health_reasons=["L2 tier redis is failing"],
+    threads_healthy=True,
+    config={"l1_size": 1 << 30},
+    l1=L1Stats(
+        capacity_bytes=1 << 30,
+        used_bytes=3 << 20,
+        groups=7,
+        ready_groups=6,
+        staging_shards=1,
+        pinned_groups=2,
+        evictions=11,
+        evicted_bytes=5 << 20,
+    ),
+    l2=L2Summary(
+        queue_depth=3,
+        queue_capacity=1024,
+        submitted=40,
+        written=30,
+        dropped=4,
+        tiers=[
+            tier_stats(
+                "disk",
+                used_bytes=9 << 20,
+                capacity_bytes=50 << 30,
+                objects=9,
+                hits=5,
+                misses=2,
+                extra={"evictions": 6},
+            ),
+            tier_stats(
+                "redis",
+                used_bytes=1 << 20,
+                objects=1,
+                misses=8,
+                corrupt=1,
+                errors=3,
+                healthy=False,
+                read_latency=Latency(count=2, total_s=0.003, buckets=(0, 0, 0, 1, 1, *[0] * 8)),
+            ),
         ],
-    },
-    "clients": [
-        {"client_id": "a", "connected_s": 3.0, "last_seen_s": 0.1, "registrations": []},
-        {"client_id": "b", "connected_s": 2.0, "last_seen_s": 0.2, "registrations": []},
+        failing=["redis"],
+    ),
+    clients=[
+        ClientInfo(client_id="a", connected_s=3.0, last_seen_s=0.1, registrations=[]),
+        ClientInfo(client_id="b", connected_s=2.0, last_seen_s=0.2, registrations=[]),
     ],
-    "sessions": {"active": 4, "created": 20, "expired": 3, "orphaned": 1},
-    "lookup": {"requested_tokens": 1024, "hit_tokens": 512},
-    "recent_errors": [],
-}
+    sessions=SessionCounts(active=4, created=20, expired=3, orphaned=1),
+    lookup=LookupTotals(requested_tokens=1024, hit_tokens=512),
+    models=[],
+    hit_rate_history=[],
+    traffic=Traffic(stored_bytes=0, retrieved_bytes=0),
+    latency=[],
+    prefetch=PrefetchStats(in_flight=0, started=0, refused=0, loaded_groups=0),
+    lock_hold={},
+    recent_errors=[],
+)
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def samples(metrics: Metrics) -> Samples:
     """Every sample of a render, parsed back from the text format, keyed by (name, labels)."""
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    out: Samples = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for sample in family.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
 
 
-def test_request_instruments_count_and_time() -> None:
+def test_request_instruments_use_user_facing_operations() -> None:
     m = Metrics()
-    m.observe_request("lookup", 80e-6)
-    m.observe_request("lookup", 0.2)
-    m.observe_request("store", 7.0)
-    m.count_error("store", "NO_SPACE")
-    m.count_error("store", "NO_SPACE")
+    m.observe_request("Lookup", 80e-6)
+    m.observe_request("Lookup", 0.2)
+    m.observe_request("Reserve", 7.0)
+    m.observe_request("Commit", 0.001)
+    m.count_error("Commit", "NO_SPACE")
+    m.count_error("Reserve", "NO_SPACE")
     got = samples(m)
-    assert got[("kvtier_requests_total", (("operation", "lookup"),))] == 2
-    assert got[("kvtier_requests_total", (("operation", "store"),))] == 1
-    lookup = ("operation", "lookup")
-    assert got[("kvtier_request_duration_seconds_count", (lookup,))] == 2
-    assert got[("kvtier_request_duration_seconds_sum", (lookup,))] == pytest.approx(0.20008)
-    assert got[("kvtier_request_duration_seconds_bucket", (("le", "5e-05"), lookup))] == 0
-    assert got[("kvtier_request_duration_seconds_bucket", (("le", "0.0001"), lookup))] == 1
-    assert got[("kvtier_request_duration_seconds_bucket", (("le", "0.25"), lookup))] == 2
-    store_inf = (("le", "+Inf"), ("operation", "store"))
-    assert got[("kvtier_request_duration_seconds_bucket", store_inf)] == 1
-    store_5s = (("le", "5.0"), ("operation", "store"))
-    assert got[("kvtier_request_duration_seconds_bucket", store_5s)] == 0
+    lookup = (("operation", "lookup"), ("step", "lookup"))
+    assert got[("kvtier_requests_total", lookup)] == 2
+    assert got[("kvtier_requests_total", (("operation", "store"), ("step", "reserve")))] == 1
+    assert got[("kvtier_requests_total", (("operation", "store"), ("step", "commit")))] == 1
+    assert got[("kvtier_request_duration_seconds_count", lookup)] == 2
+    assert got[("kvtier_request_duration_seconds_sum", lookup)] == pytest.approx(0.20008)
+    assert got[("kvtier_request_duration_seconds_bucket", (("le", "5e-05"), *lookup))] == 0
+    assert got[("kvtier_request_duration_seconds_bucket", (("le", "0.0001"), *lookup))] == 1
+    assert got[("kvtier_request_duration_seconds_bucket", (("le", "0.25"), *lookup))] == 2
     errors = (("code", "NO_SPACE"), ("operation", "store"))
     assert got[("kvtier_request_errors_total", errors)] == 2
     assert REQUEST_DURATION_BUCKETS[0] == 50e-6 and REQUEST_DURATION_BUCKETS[-1] == 5.0
+    # No wire names in any label value, and no `_created` series.
+    text = m.render().decode()
+    for wire in ("Reserve", "Commit", "RetrieveDone", "Lookup"):
+        assert f'"{wire}"' not in text
+    assert "_created" not in text
+    assert set(OPERATIONS) >= {"Reserve", "Commit", "Retrieve", "RetrieveDone", "StoreInline"}
 
 
-def test_lookup_and_byte_counters() -> None:
+def test_latency_summary_per_operation() -> None:
     m = Metrics()
-    m.observe_lookup("llama", "", 512, 256)
-    m.observe_lookup("llama", "", 256, 256)
-    m.observe_lookup("llama", "tenant-b", 256, 0)
+    for _ in range(99):
+        m.observe_request("Lookup", 80e-6)
+    m.observe_request("Lookup", 0.2)
+    m.observe_request("Retrieve", 0.003)
+    m.observe_request("RetrieveDone", 0.0004)
+    rows = {r.operation: r for r in m.latency()}
+    assert rows["lookup"].count == 100 and rows["lookup"].p50_s == 100e-6
+    assert rows["lookup"].p99_s == 100e-6 and rows["lookup"].mean_s == pytest.approx(0.0020792)
+    assert rows["retrieve"].count == 2 and rows["retrieve"].p99_s == 5e-3
+
+
+def test_lookup_and_byte_counters_label_models_never_salts() -> None:
+    m = Metrics()
+    m.observe_lookup("llama", 512, 256)
+    m.observe_lookup("llama", 256, 256)
+    m.observe_lookup("qwen", 256, 0)
     m.add_stored_bytes(4096)
     m.add_stored_bytes(100)
     m.add_retrieved_bytes(8192)
     got = samples(m)
-    plain = (("cache_salt", ""), ("model", "llama"))
-    salted = (("cache_salt", "tenant-b"), ("model", "llama"))
-    assert got[("kvtier_lookup_requested_tokens_total", plain)] == 768
-    assert got[("kvtier_lookup_hit_tokens_total", plain)] == 512
-    assert got[("kvtier_lookup_requested_tokens_total", salted)] == 256
-    assert got[("kvtier_lookup_hit_tokens_total", salted)] == 0
+    llama, qwen = (("model", "llama"),), (("model", "qwen"),)
+    assert got[("kvtier_lookup_requested_tokens_total", llama)] == 768
+    assert got[("kvtier_lookup_hit_tokens_total", llama)] == 512
+    assert got[("kvtier_lookups_total", llama)] == 2
+    assert got[("kvtier_lookup_requested_tokens_total", qwen)] == 256
+    assert got[("kvtier_lookup_hit_tokens_total", qwen)] == 0
     assert got[("kvtier_stored_bytes_total", ())] == 4196
     assert got[("kvtier_retrieved_bytes_total", ())] == 8192
+    assert "cache_salt" not in m.render().decode()
+    assert [(r.model, r.requested_tokens, r.hit_tokens, r.lookups) for r in m.models()] == [
+        ("llama", 768, 512, 2),
+        ("qwen", 256, 0, 1),
+    ]
+    assert m.traffic() == Traffic(stored_bytes=4196, retrieved_bytes=8192)
+
+
+def test_model_labels_are_bounded() -> None:
+    m = Metrics(max_models=3)
+    for i in range(50):
+        m.observe_lookup(f"model-{i}", 10, 5)
+    models = {r.model: r for r in m.models()}
+    assert set(models) == {"model-0", "model-1", "model-2", "other"}
+    assert models["other"].lookups == 47 and models["other"].requested_tokens == 470
+    text = m.render().decode()
+    assert len(set(re.findall(r'model="([^"]+)"', text))) == 4
 
 
 def test_lookup_refuses_impossible_counts() -> None:
     m = Metrics()
     with pytest.raises(ValueError, match="hit_tokens=600"):
-        m.observe_lookup("llama", "", 512, 600)
+        m.observe_lookup("llama", 512, 600)
     with pytest.raises(ValueError, match="requested_tokens=-1"):
-        m.observe_lookup("llama", "", -1, 0)
+        m.observe_lookup("llama", -1, 0)
+
+
+def test_hit_rate_history_sums_per_interval() -> None:
+    history = HitRateHistory(interval_s=10.0, max_points=2)
+    history.add(100, 50, now=1000.0)
+    history.add(100, 100, now=1009.9)
+    history.add(10, 0, now=1010.0)
+    history.add(10, 10, now=1031.0)
+    points = [(p.time, p.requested_tokens, p.hit_tokens) for p in history.points()]
+    assert points == [(1010.0, 10, 0), (1030.0, 10, 10)]  # the oldest fell off
+
+
+def test_build_info_process_and_uptime() -> None:
+    m = Metrics()
+    m.bind_state(lambda: STATUS)
+    got = samples(m)
+    build = [k for k in got if k[0] == "kvtier_build_info"]
+    assert len(build) == 1 and ("version", __version__) in build[0][1]
+    assert got[("kvtier_uptime_seconds", ())] == 12.5
+    assert got[("process_resident_memory_bytes", ())] > 0
+    assert ("process_cpu_seconds_total", ()) in got
 
 
 def test_state_collector_exports_status_at_scrape_time() -> None:
-    state = copy.deepcopy(STATUS)
+    state = {"status": STATUS}
     m = Metrics()
-    m.bind_state(lambda: state)
+    m.bind_state(lambda: state["status"])
     got = samples(m)
     expected = {
         "kvtier_ready": 1,
+        "kvtier_degraded": 1,
         "kvtier_l1_used_bytes": 3 << 20,
         "kvtier_l1_capacity_bytes": 1 << 30,
-        "kvtier_evictions_total": 11,
-        "kvtier_evicted_bytes_total": 5 << 20,
+        "kvtier_evicted_bytes_total": None,
         "kvtier_write_queue_depth": 3,
         "kvtier_write_queue_dropped_total": 4,
         "kvtier_sessions_active": 4,
@@ -148,48 +237,72 @@ def test_state_collector_exports_status_at_scrape_time() -> None:
         "kvtier_clients_connected": 2,
     }
     for name, value in expected.items():
-        assert got[(name, ())] == value, name
-    assert got[("kvtier_l2_used_bytes", (("tier", "disk"),))] == 9 << 20
-    assert got[("kvtier_l2_capacity_bytes", (("tier", "disk"),))] == 50 << 30
-    assert got[("kvtier_l2_used_bytes", (("tier", "redis"),))] == 1 << 20
-    assert got[("kvtier_l2_capacity_bytes", (("tier", "redis"),))] == 0
-    assert got[("kvtier_l2_misses_total", (("tier", "redis"),))] == 8
+        if value is not None:
+            assert got[(name, ())] == value, name
+    tier = lambda name: (("tier", name),)  # noqa: E731
+    assert got[("kvtier_evictions_total", tier("l1"))] == 11
+    assert got[("kvtier_evictions_total", tier("disk"))] == 6
+    assert got[("kvtier_evicted_bytes_total", tier("l1"))] == 5 << 20
+    assert got[("kvtier_l2_used_bytes", tier("disk"))] == 9 << 20
+    assert got[("kvtier_l2_capacity_bytes", tier("disk"))] == 50 << 30
+    assert got[("kvtier_l2_used_bytes", tier("redis"))] == 1 << 20
+    assert got[("kvtier_l2_misses_total", tier("redis"))] == 8
+    assert got[("kvtier_l2_errors_total", tier("redis"))] == 3
+    assert got[("kvtier_l2_corrupt_total", tier("redis"))] == 1
+    assert got[("kvtier_l2_failing", tier("redis"))] == 1
+    assert got[("kvtier_l2_failing", tier("disk"))] == 0
 
     # Read again at the next scrape, not cached at bind time.
-    state["l1"]["used_bytes"] = 5 << 20
-    state["sessions"]["active"] = 0
-    state["clients"].pop()
+    state["status"] = msgspec.structs.replace(
+        STATUS,
+        l1=msgspec.structs.replace(STATUS.l1, used_bytes=5 << 20),
+        sessions=msgspec.structs.replace(STATUS.sessions, active=0),
+        clients=STATUS.clients[:1],
+    )
     got = samples(m)
     assert got[("kvtier_l1_used_bytes", ())] == 5 << 20
     assert got[("kvtier_sessions_active", ())] == 0
     assert got[("kvtier_clients_connected", ())] == 1
 
 
-def test_rebinding_replaces_the_state_source() -> None:
-    first, second = copy.deepcopy(STATUS), copy.deepcopy(STATUS)
-    second["l1"]["used_bytes"] = 42
+def test_l2_latency_per_tier_from_the_tiers_stats() -> None:
     m = Metrics()
-    m.bind_state(lambda: first)
+    m.bind_state(lambda: STATUS)
+    got = samples(m)
+    read = (("operation", "read"), ("tier", "redis"))
+    assert got[("kvtier_l2_operation_duration_seconds_count", read)] == 2
+    assert got[("kvtier_l2_operation_duration_seconds_sum", read)] == pytest.approx(0.003)
+    le_1ms = (("le", "0.001"), ("operation", "read"), ("tier", "redis"))
+    assert got[("kvtier_l2_operation_duration_seconds_bucket", le_1ms)] == 1
+    le_inf = (("le", "+Inf"), ("operation", "read"), ("tier", "redis"))
+    assert got[("kvtier_l2_operation_duration_seconds_bucket", le_inf)] == 2
+
+
+def test_rebinding_replaces_the_state_source() -> None:
+    second = msgspec.structs.replace(STATUS, l1=msgspec.structs.replace(STATUS.l1, used_bytes=42))
+    m = Metrics()
+    m.bind_state(lambda: STATUS)
     m.bind_state(lambda: second)
     assert samples(m)[("kvtier_l1_used_bytes", ())] == 42
 
 
 def test_failing_snapshot_keeps_request_metrics(caplog: pytest.LogCaptureFixture) -> None:
-    def broken() -> dict[str, Any]:
+    def broken() -> ServerStatus:
         raise RuntimeError("engine lock poisoned")
 
     m = Metrics()
-    m.observe_request("lookup", 0.001)
+    m.observe_request("Lookup", 0.001)
     m.bind_state(broken)
     got = samples(m)
-    assert got[("kvtier_requests_total", (("operation", "lookup"),))] == 1
+    assert got[("kvtier_requests_total", (("operation", "lookup"), ("step", "lookup")))] == 1
     assert ("kvtier_l1_used_bytes", ()) not in got
     assert "engine lock poisoned" in caplog.text
 
 
 def test_each_instance_has_its_own_registry() -> None:
     a, b = Metrics(), Metrics()
-    a.observe_request("lookup", 0.001)
+    a.observe_request("Lookup", 0.001)
+    labels = (("operation", "lookup"), ("step", "lookup"))
     assert a.registry is not b.registry and a.registry is not REGISTRY
-    assert ("kvtier_requests_total", (("operation", "lookup"),)) not in samples(b)
-    assert REGISTRY.get_sample_value("kvtier_requests_total", {"operation": "lookup"}) is None
+    assert ("kvtier_requests_total", labels) not in samples(b)
+    assert REGISTRY.get_sample_value("kvtier_requests_total", dict(labels)) is None

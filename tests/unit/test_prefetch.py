@@ -60,7 +60,7 @@ def test_loads_leading_groups_complete_in_l2(arena: Arena, tmp_path: Path) -> No
                 tiers.tiers[0].put(key.shard(rank), bytes([i * 2 + rank]) * NBYTES, LAYOUT)
     l1 = L1Store(arena.size)
     assert run_job(l1, arena, tiers, chain) == chain[:2]
-    assert l1.stats()["pinned_groups"] == 0
+    assert l1.stats().pinned_groups == 0
     assert l1.count_prefix(chain) == 2
     offset, size, _ = l1.get_shard(chain[1], 1) or (0, 0, "")
     assert bytes(arena.view(offset, size)) == bytes([3]) * NBYTES
@@ -79,7 +79,7 @@ def test_a_corrupted_shard_ends_the_run_and_leaves_no_staging(arena: Arena, tmp_
     victim.write_bytes(bytes(data))
     l1 = L1Store(arena.size)
     assert run_job(l1, arena, tiers, chain) == chain[:1]
-    assert l1.stats()["staging_shards"] == 0
+    assert l1.stats().staging_shards == 0
     assert disk.stats().corrupt == 1
     tiers.close()
 

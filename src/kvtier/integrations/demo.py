@@ -249,24 +249,112 @@ def _document(
         )
 
 
-def _table(steps: Sequence[DemoStep]) -> Table:
-    table = Table(title="Time to first token: full recompute against kvtier")
+@dataclass(frozen=True)
+class StepSummary:
+    """One prompt of a scenario over every repeat: medians and the spread (min, max)."""
+
+    scenario: str
+    step: str
+    prompt_tokens: int
+    hit_tokens: int  # the median over repeats (every repeat starts cold, so they agree)
+    baseline: tuple[float, float, float]  # (median, min, max) seconds
+    kvtier: tuple[float, float, float]
+
+    @property
+    def speedup(self) -> float | None:
+        """Median full TTFT over median kvtier TTFT; None where nothing was reused (a miss is
+        the same computation both ways: any ratio there is noise)."""
+        if self.hit_tokens == 0:
+            return None
+        return self.baseline[0] / self.kvtier[0]
+
+
+def _spread(values: Sequence[float]) -> tuple[float, float, float]:
+    return float(np.median(values)), float(min(values)), float(max(values))
+
+
+def summarize(runs: Sequence[Sequence[DemoStep]]) -> list[StepSummary]:
+    """Steps of several runs of the same prompts, grouped by (scenario, step), in run order."""
+    out = []
+    for steps in zip(*runs, strict=True):
+        first = steps[0]
+        out.append(
+            StepSummary(
+                first.scenario,
+                first.step,
+                first.prompt_tokens,
+                int(np.median([s.hit_tokens for s in steps])),
+                _spread([s.ttft_baseline for s in steps]),
+                _spread([s.ttft_kvtier for s in steps]),
+            )
+        )
+    return out
+
+
+def _ms(spread: tuple[float, float, float]) -> str:
+    median, lo, hi = (v * 1e3 for v in spread)
+    return f"{median:.1f} ms ({lo:.1f}-{hi:.1f})"
+
+
+def _table(rows: Sequence[StepSummary], repeats: int) -> Table:
+    table = Table(
+        title=f"Time to first token (TTFT): full recompute against kvtier, median (min-max) of "
+        f"{repeats} run{'s' if repeats > 1 else ''}"
+    )
     for name in ("scenario", "step", "prompt", "hit", "hit %", "full", "kvtier", "speedup"):
         table.add_column(
             name, justify="left" if name in ("scenario", "step") else "right", no_wrap=True
         )
-    for s in steps:
+    for r in rows:
+        speedup = r.speedup
         table.add_row(
-            s.scenario,
-            s.step,
-            str(s.prompt_tokens),
-            str(s.hit_tokens),
-            f"{s.hit_tokens / s.prompt_tokens:.0%}",
-            f"{s.ttft_baseline * 1e3:.0f} ms",
-            f"{s.ttft_kvtier * 1e3:.0f} ms",
-            f"{s.ttft_baseline / s.ttft_kvtier:.1f}x",
+            r.scenario,
+            r.step,
+            str(r.prompt_tokens),
+            str(r.hit_tokens),
+            f"{r.hit_tokens / r.prompt_tokens:.0%}",
+            _ms(r.baseline),
+            _ms(r.kvtier),
+            f"{speedup:.1f}x" if speedup is not None else "- (miss)",
         )
     return table
+
+
+def plot_scenarios(rows: Sequence[StepSummary], path: Path, *, title: str) -> Path:
+    """A PNG with one panel per scenario: median TTFT per step, whiskers from min to max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(r.scenario for r in rows))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4.2), dpi=120,
+                             squeeze=False)  # fmt: skip
+    for ax, scenario in zip(axes[0], scenarios, strict=True):
+        mine = [r for r in rows if r.scenario == scenario]
+        xs = np.arange(len(mine))
+        series = (
+            ("baseline", "o", "C0", "full recompute (no kvtier)"),
+            ("kvtier", "s", "C1", "kvtier: reuse cached prefix"),
+        )
+        for attr, marker, color, label in series:
+            spreads = np.asarray([getattr(r, attr) for r in mine]) * 1e3
+            median = spreads[:, 0]
+            err = np.vstack([median - spreads[:, 1], spreads[:, 2] - median])
+            ax.errorbar(xs, median, yerr=err, fmt="-" + marker, color=color, capsize=3,
+                        label=label)  # fmt: skip
+        ax.set_xticks(xs, [f"{r.step}\n{r.prompt_tokens} tok" for r in mine], fontsize=8)
+        ax.set_title(scenario)
+        ax.set_ylabel("time to first token (ms)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def run_demo(
@@ -274,12 +362,17 @@ def run_demo(
     output_dir: Path,
     *,
     quick: bool = False,
+    repeats: int = 5,
     console: Console | None = None,
 ) -> Path:
-    """Runs both scenarios against the server at `address` (or one started here when None),
-    prints the TTFT table and returns the path of the PNG plot it writes in `output_dir`."""
+    """Runs both scenarios `repeats` times against the server at `address` (or one started here
+    when None), prints the TTFT table of medians and returns the path of the PNG plot it writes
+    in `output_dir`. Each repeat uses a fresh model name, so each one starts cold."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     console = console or Console()
     size = QUICK if quick else FULL
+    runs: list[list[DemoStep]] = []
     with contextlib.ExitStack() as stack:
         if address is None:
             address = stack.enter_context(serve(size.chunk_size))
@@ -297,29 +390,32 @@ def run_demo(
             vocab_size=1024,
             max_positions=8192,
         )
-        # A fresh name per run, so every run starts cold even against a long-lived server.
-        kv = KVTierCache(model, client, f"kvtier-demo-{uuid.uuid4().hex[:8]}", store_generated=True)
         full_prefill(model, np.arange(64))  # warm-up: first calls pay one-time setup
-        rng = np.random.default_rng(0)
-        steps: list[DemoStep] = []
-        total = size.turns + size.questions
+        total = (size.turns + size.questions) * repeats
+        chunk_size = client.chunk_size
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("prefill with and without kvtier", total=total)
-            for scenario in (_chat(model, kv, size, rng), _document(model, kv, size, rng)):
-                for step in scenario:
-                    steps.append(step)
-                    progress.advance(task)
-    console.print(_table(steps))
+            for _ in range(repeats):
+                # A fresh name per run: every run starts cold, even against a long-lived server.
+                name = f"kvtier-demo-{uuid.uuid4().hex[:8]}"
+                kv = KVTierCache(model, client, name, store_generated=True)
+                rng = np.random.default_rng(0)  # the same prompts in every run
+                steps: list[DemoStep] = []
+                for scenario in (_chat(model, kv, size, rng), _document(model, kv, size, rng)):
+                    for step in scenario:
+                        steps.append(step)
+                        progress.advance(task)
+                runs.append(steps)
+    rows = summarize(runs)
+    console.print(_table(rows, repeats))
     console.print(
         f"model: random-weight Llama, {size.num_layers} layers, hidden {size.hidden_size}; "
-        f"chunk size {kv.chunk_size} tokens"
+        f"chunk size {chunk_size} tokens; a speedup is shown only where kvtier had a hit"
     )
-    path = plot_ttft(
-        [s.prompt_tokens for s in steps],
-        [s.ttft_baseline for s in steps],
-        [s.ttft_kvtier for s in steps],
+    path = plot_scenarios(
+        rows,
         Path(output_dir) / "kvtier-demo-ttft.png",
-        title="kvtier demo: time to first token",
+        title=f"kvtier demo: time to first token (median, min-max of {repeats} runs)",
     )
     console.print(f"wrote the TTFT plot to {path}")
     return path
@@ -333,8 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--address", default=None)
     parser.add_argument("--output-dir", type=Path, default=Path(os.getcwd()))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    run_demo(args.address, args.output_dir, quick=args.quick)
+    run_demo(args.address, args.output_dir, quick=args.quick, repeats=args.repeats)
     return 0
 
 

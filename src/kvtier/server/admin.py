@@ -2,8 +2,15 @@
 the status page, served by uvicorn on a background thread of the server process.
 
 Every backend call may wait for the engine lock, so handlers run it on the thread pool rather
-than on the event loop. With a token set, every route needs `Authorization: Bearer <token>`; the
-status page and its assets also take `?token=`, since a browser cannot add headers to a page load.
+than on the event loop.
+
+Access, per route (`ACCESS`): `/health`, the page and its assets are always open (probes must not
+need a secret; the page holds no data). Reads (status, sessions, metrics...) are open on loopback
+when no `--admin-token` was given, and need the token otherwise. Changes (clear, ending a session)
+always need the token: without `--admin-token` the server generates one into a 0600 file that
+`kvtier clear` reads (`kvtier.config.admin_token_file`). The token travels in an
+`Authorization: Bearer` header, or, for the page's reads, in an HttpOnly SameSite=Strict cookie
+set by `POST /login`; never in a URL.
 """
 
 from __future__ import annotations
@@ -11,19 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import html
 import ipaddress
 import json
 import logging
+import secrets
 import socket
 import threading
-import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import msgspec
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -35,14 +42,17 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import kvtier
+from kvtier._version import __version__
+from kvtier.config import ADMIN_TOKEN_ENV
 from kvtier.metrics import Metrics
 from kvtier.periodic import PeriodicThreadRegistry
+from kvtier.server.views import Health
+from kvtier.snapshots import ServerStatus, SessionInfo
 
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
-TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+COOKIE = "kvtier_admin"
 DEFAULT_SESSIONS_LIMIT = 50
 MAX_SESSIONS_LIMIT = 1000
 
@@ -54,19 +64,19 @@ class AdminBackend(Protocol):
 
     metrics: Metrics
 
-    def is_ready(self) -> bool:
-        """True once the arena is ready and the server serves requests."""
+    def health(self) -> Health:
+        """ok, degraded (serving with a failing part) or unavailable, with the reasons."""
         ...
 
-    def status(self) -> dict[str, Any]:
-        """A JSON-safe snapshot: version, config, l1, l2, clients, sessions, lookup, errors."""
+    def status(self) -> ServerStatus:
+        """The typed snapshot of the whole server."""
         ...
 
-    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[SessionInfo]]:
         """(total, one page of sessions, newest first)."""
         ...
 
-    def get_session(self, request_id: str) -> dict[str, Any] | None:
+    def get_session(self, request_id: str) -> SessionInfo | None:
         """The session named `request_id`, or None."""
         ...
 
@@ -106,6 +116,11 @@ def _json_error(status_code: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status_code)
 
 
+def _struct_response(value: Any, status_code: int = 200) -> Response:
+    """A msgspec Struct (or anything msgspec encodes) as a JSON response."""
+    return Response(msgspec.json.encode(value), status_code, media_type="application/json")
+
+
 def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     """An integer query parameter within [lo, hi]; BadRequestError names it otherwise."""
     raw = request.query_params.get(name)
@@ -123,9 +138,7 @@ def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> i
 class _Handlers:
     """The route handlers over one backend and one thread registry."""
 
-    def __init__(
-        self, backend: AdminBackend, registry: PeriodicThreadRegistry, token: str | None
-    ) -> None:
+    def __init__(self, backend: AdminBackend, registry: PeriodicThreadRegistry, token: str) -> None:
         self.backend = backend
         self.registry = registry
         self.token = token
@@ -134,28 +147,20 @@ class _Handlers:
         return await run_in_threadpool(partial(fn, *args, **kwargs))
 
     async def health(self, request: Request) -> Response:
-        reasons: list[str] = []
-        if not await self._call(self.backend.is_ready):
-            reasons.append(
-                "the server is not ready: its L1 arena is not up (starting or shutting down)"
-            )
-        health = await self._call(self.registry.health)
-        for item in health["unhealthy"]:
-            reasons.append(f"{item['level']} thread {item['name']!r} stalled: {item['reason']}")
-        if reasons:
-            return JSONResponse({"status": "unavailable", "reasons": reasons}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        health = await self._call(self.backend.health)
+        body: dict[str, Any] = {"status": health.state}
+        if health.reasons:
+            body["reasons"] = health.reasons
+        return JSONResponse(body, status_code=503 if health.state == "unavailable" else 200)
 
     async def status(self, request: Request) -> Response:
-        status = await self._call(self.backend.status)
-        status["threads_healthy"] = await self._call(self.registry.is_healthy)
-        return JSONResponse(status)
+        return _struct_response(await self._call(self.backend.status))
 
     async def list_sessions(self, request: Request) -> Response:
         offset = _query_int(request, "offset", 0, 0, 2**62)
         limit = _query_int(request, "limit", DEFAULT_SESSIONS_LIMIT, 1, MAX_SESSIONS_LIMIT)
         total, sessions = await self._call(self.backend.list_sessions, offset, limit)
-        return JSONResponse(
+        return _struct_response(
             {"total": total, "offset": offset, "limit": limit, "sessions": sessions}
         )
 
@@ -164,7 +169,7 @@ class _Handlers:
         session = await self._call(self.backend.get_session, request_id)
         if session is None:
             return _json_error(404, f"no session with request_id {request_id!r}")
-        return JSONResponse(session)
+        return _struct_response(session)
 
     async def end_session(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -204,12 +209,25 @@ class _Handlers:
 
     async def index(self, request: Request) -> Response:
         page = (STATIC_DIR / "index.html").read_text(encoding="utf-8")
-        if self.token is not None:
-            # The page's own asset loads cannot carry a header: pass the token along in their URLs.
-            query = html.escape("?token=" + urllib.parse.quote(self.token, safe=""))
-            for asset in ("/static/style.css", "/static/app.js"):
-                page = page.replace(f'"{asset}"', f'"{asset}{query}"')
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+
+    async def login(self, request: Request) -> Response:
+        """Trade the token for a cookie, so the page's reads carry it without a URL."""
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+        candidate = body.get("token") if isinstance(body, dict) else None
+        if not isinstance(candidate, str) or not hmac.compare_digest(
+            candidate.encode(), self.token.encode()
+        ):
+            return _json_error(401, "wrong token (see --admin-token, or the server's token file)")
+        response = JSONResponse({"ok": True})
+        response.set_cookie(
+            COOKIE, cookie_value(self.token), httponly=True, samesite="strict", path="/",
+            max_age=86400,
+        )  # fmt: skip
+        return response
 
 
 def _endpoints(h: _Handlers) -> list[_Endpoint]:
@@ -221,16 +239,18 @@ def _endpoints(h: _Handlers) -> list[_Endpoint]:
             "/health",
             "GET",
             h.health,
-            "Readiness: 200 when serving, 503 with reasons before the arena is ready or while a "
-            "critical or high periodic thread is stalled.",
-            {"200": "Serving.", "503": "Not serving; `reasons` says why."},
+            "Health, never behind a token: 200 `ok`; 200 `degraded` with `reasons` while an L2 "
+            "tier is failing (L1 still serves); 503 `unavailable` before the arena is ready or "
+            "while a critical or high periodic thread is stalled.",
+            {"200": "Serving (ok or degraded).", "503": "Not serving; `reasons` says why."},
         ),
         _Endpoint(
             "/status",
             "GET",
             h.status,
-            "Server snapshot: config, L1, L2 tiers, clients, sessions, lookups, recent errors.",
-            {"200": "The snapshot, plus `threads_healthy`."},
+            "Server snapshot: health, config (credentials redacted), L1, L2 tiers, clients, "
+            "sessions, lookups per model, hit-rate history, traffic, latency, recent errors.",
+            {"200": "The snapshot."},
         ),
         _Endpoint(
             "/sessions",
@@ -304,9 +324,28 @@ def _endpoints(h: _Handlers) -> list[_Endpoint]:
             "/",
             "GET",
             h.index,
-            "The status page (pass `?token=` when the API needs one).",
+            "The status page (it asks for the token when reads need one).",
             {"200": "HTML."},
             content_type="text/html",
+        ),
+        _Endpoint(
+            "/login",
+            "POST",
+            h.login,
+            "Trade the admin token for an HttpOnly cookie that the status page's reads carry.",
+            {"200": "Cookie set.", "401": "Wrong token."},
+            request_body={
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"token": {"type": "string"}},
+                            "required": ["token"],
+                        }
+                    }
+                },
+            },
         ),
     ]
 
@@ -329,7 +368,7 @@ def _openapi(endpoints: list[_Endpoint], secured: bool) -> dict[str, Any]:
         paths.setdefault(ep.path, {})[ep.method.lower()] = operation
     schema: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": "kvtier admin API", "version": kvtier.__version__},
+        "info": {"title": "kvtier admin API", "version": __version__},
         "paths": paths,
     }
     if secured:
@@ -341,36 +380,63 @@ def _openapi(endpoints: list[_Endpoint], secured: bool) -> dict[str, Any]:
 # -- auth ----------------------------------------------------------------------------------------
 
 
-class _BearerAuth:
-    """ASGI middleware: every HTTP request needs the bearer token (the page may use ?token=)."""
+#: who may call a route: anyone, a reader (open on loopback without --admin-token) or the token
+OPEN, READ, WRITE = "open", "read", "write"
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+
+def cookie_value(token: str) -> str:
+    """What the login cookie holds: a digest of the token, not the token (cookie-safe text, and
+    a leaked cookie does not give the bearer token that changes need)."""
+    return hmac.new(token.encode(), b"kvtier admin cookie", "sha256").hexdigest()
+
+
+def access_of(method: str, path: str) -> str:
+    """The access level a request needs (see the module docstring)."""
+    if path in ("/health", "/", "/login") or path.startswith("/static/"):
+        return OPEN
+    return READ if method in ("GET", "HEAD") else WRITE
+
+
+class _TokenAuth:
+    """ASGI middleware enforcing `access_of`: the token from a bearer header, or (for reads) the
+    cookie `POST /login` sets."""
+
+    def __init__(self, app: ASGIApp, token: str, open_reads: bool) -> None:
         self.app = app
         self._token = token.encode()
+        self._cookie = cookie_value(token).encode()
+        self._open_reads = open_reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._authorized(scope):
+        if scope["type"] != "http" or self._allowed(scope):
             await self.app(scope, receive, send)
             return
         response = JSONResponse(
-            {"error": "unauthorized: send 'Authorization: Bearer <token>' (see --admin-token)"},
+            {
+                "error": "unauthorized: send 'Authorization: Bearer <token>' (--admin-token, or "
+                "the token file the server wrote at start)"
+            },
             status_code=401,
             headers={"WWW-Authenticate": 'Bearer realm="kvtier"'},
         )
         await response(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _allowed(self, scope: Scope) -> bool:
+        access = access_of(scope["method"], scope["path"])
+        if access == OPEN or (access == READ and self._open_reads):
+            return True
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, credential = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    return hmac.compare_digest(credential.strip(), self._token)
-        path: str = scope["path"]
-        if scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/static/")):
-            query = urllib.parse.parse_qs(scope["query_string"].decode("latin-1"))
-            for candidate in query.get("token", []):
-                if hmac.compare_digest(candidate.encode(), self._token):
+                if scheme.lower() == b"bearer" and hmac.compare_digest(
+                    credential.strip(), self._token
+                ):
                     return True
+            elif name == b"cookie" and access == READ:
+                for part in value.split(b";"):
+                    key, _, cookie = part.strip().partition(b"=")
+                    if key == COOKIE.encode() and hmac.compare_digest(cookie, self._cookie):
+                        return True
         return False
 
 
@@ -380,18 +446,19 @@ class _BearerAuth:
 def create_admin_app(
     backend: AdminBackend,
     *,
-    token: str | None = None,
+    token: str,
+    open_reads: bool = False,
     registry: PeriodicThreadRegistry | None = None,
 ) -> Starlette:
     """The admin ASGI app over `backend`; `registry` (default: the process-wide one) gives
-    thread health, and `token`, when set, is required on every request."""
-    if token is not None and not token:
-        raise ValueError("the admin token must not be empty (--admin-token / KVTIER_ADMIN_TOKEN)")
+    thread health. `token` guards changes always and reads unless `open_reads`."""
+    if not token:
+        raise ValueError(f"the admin token must not be empty (--admin-token / {ADMIN_TOKEN_ENV})")
     handlers = _Handlers(
         backend, registry if registry is not None else PeriodicThreadRegistry.get_instance(), token
     )
     endpoints = _endpoints(handlers)
-    schema = _openapi(endpoints, secured=token is not None)
+    schema = _openapi(endpoints, secured=True)
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(schema)
@@ -405,7 +472,8 @@ def create_admin_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        logger.info("admin API up (%s)", "token required" if token else "no token")
+        reads = "open on loopback" if open_reads else "need the token"
+        logger.info("admin API up (reads %s)", reads)
         yield
         logger.info("admin API down")
 
@@ -421,8 +489,7 @@ def create_admin_app(
         lifespan=lifespan,
         exception_handlers={BadRequestError: bad_request, HTTPException: http_error},
     )
-    if token is not None:
-        app.add_middleware(_BearerAuth, token=token)
+    app.add_middleware(_TokenAuth, token=token, open_reads=open_reads)
     return app
 
 
@@ -442,10 +509,11 @@ def is_loopback(host: str) -> bool:
 class AdminServer:
     """A running admin API: uvicorn on a daemon thread. Use `start_admin_server` to make one."""
 
-    def __init__(self, server: uvicorn.Server, sock: socket.socket, host: str) -> None:
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, host: str, token: str) -> None:
         self._server = server
         self._socket = sock
         self.host = host
+        self.token = token  # what the changing routes need (generated unless configured)
         self.port: int = sock.getsockname()[1]
         self._thread = threading.Thread(target=self._run, name="kvtier-admin-http", daemon=True)
         self._error: BaseException | None = None
@@ -502,16 +570,19 @@ def start_admin_server(
 ) -> AdminServer:
     """Serve the admin API on host:port (0 = a free port) from a background thread.
 
-    Off loopback a token is mandatory: the API can clear the cache and end sessions.
+    With `token` None (no --admin-token) a random one guards the changing routes; read it from
+    `AdminServer.token` (the server writes it to its token file). Off loopback a configured token
+    is mandatory: reads would otherwise be open to other machines.
     """
     if not is_loopback(host) and token is None:
         raise ValueError(
             f"the admin API would listen on {host!r}, reachable from other machines, without a "
-            f"token: set --admin-token or {TOKEN_ENV}, or bind --admin-host 127.0.0.1"
+            f"token: set --admin-token or {ADMIN_TOKEN_ENV}, or bind --admin-host 127.0.0.1"
         )
     if not 0 <= port <= 65535:
         raise ValueError(f"admin port must be in [0, 65535] (--admin-port), got {port}")
-    app = create_admin_app(backend, token=token, registry=registry)
+    effective = token if token is not None else secrets.token_urlsafe(32)
+    app = create_admin_app(backend, token=effective, open_reads=token is None, registry=registry)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -521,11 +592,13 @@ def start_admin_server(
     except OSError as exc:
         sock.close()
         raise OSError(
-            exc.errno, f"cannot listen on {host}:{port} for the admin API (--admin-port): {exc}"
+            exc.errno,
+            f"cannot listen on {host}:{port} for the admin API (--admin-port): "
+            f"{exc.strerror or exc}",
         ) from exc
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2
     )
-    server = AdminServer(uvicorn.Server(config), sock, host)
+    server = AdminServer(uvicorn.Server(config), sock, host, effective)
     server._start(startup_timeout)
     return server

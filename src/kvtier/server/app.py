@@ -9,24 +9,33 @@ anywhere asks whether there is one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import FrameType
 
-from kvtier.config import ServerConfig, format_size
+from kvtier.config import ServerConfig, admin_token_file, format_size
 from kvtier.hashing import TokenHasher
 from kvtier.metrics import Metrics
-from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic_thread
+from kvtier.periodic import (
+    PeriodicThread,
+    PeriodicThreadRegistry,
+    ThreadLevel,
+    create_periodic_thread,
+)
 from kvtier.server.admin import AdminServer, start_admin_server
-from kvtier.server.auth import Authenticator, is_local_address, redact
+from kvtier.server.auth import Authenticator, is_local_address
 from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.transport import Transport
+from kvtier.server.views import AdminViews
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
 from kvtier.storage.arena import Arena, default_arena_name
@@ -40,6 +49,9 @@ __all__ = ["KVTierServer", "build_engine", "build_tiers"]
 logger = logging.getLogger(__name__)
 
 _SWITCH_INTERVAL_S = 0.001
+
+#: seconds between looks at the L2 tiers' error counters (what makes /health say degraded)
+TIER_WATCH_INTERVAL_S = 2.0
 
 
 def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
@@ -140,6 +152,7 @@ class KVTierServer:
                 f"{', '.join(exposed)} is reachable from other machines: give "
                 "--auth-tokens-file so that only clients with a credential get in"
             )
+        self.token_file: Path | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         self.tiers = build_tiers(config, config.arena_name)
         self.tiers.start()
@@ -148,6 +161,18 @@ class KVTierServer:
         except BaseException:
             self.tiers.close()
             raise
+        # The admin views (status, health, sessions, clear) over the engine; the tier watch
+        # turns failing L2 tiers into degraded health, recent errors and a rate-limited log line.
+        self.views = AdminViews(self.engine)
+        if self.tiers.tiers:
+            watch: PeriodicThread = create_periodic_thread(
+                f"tier-watch-{config.arena_name}",
+                TIER_WATCH_INTERVAL_S,
+                self.views.check_tiers,
+                ThreadLevel.LOW,
+                start=True,
+            )
+            self.engine.threads.append(watch)  # the engine stops it at close
         try:
             if config.admin_port >= 0:
                 self.admin = self._start_admin()
@@ -162,13 +187,27 @@ class KVTierServer:
         """The admin API; a port already in use costs the API, never the cache service."""
         cfg = self.config
         try:
-            return start_admin_server(
-                self.engine, host=cfg.admin_host, port=cfg.admin_port, token=cfg.admin_token
+            admin = start_admin_server(
+                self.views, host=cfg.admin_host, port=cfg.admin_port, token=cfg.admin_token
             )
         except OSError as exc:
-            self.admin_error = f"disabled: {exc}"
-            logger.error("admin API disabled: %s (choose another --admin-port)", exc)
+            reason = exc.strerror or exc
+            self.admin_error = f"disabled: {reason}"
+            logger.error("admin API disabled: %s", reason)
             return None
+        if cfg.admin_token is None:
+            # Changes (clear, end a session) need a credential even on loopback: a token only
+            # this user can read, which `kvtier clear` picks up by the admin port.
+            try:
+                path = admin_token_file(admin.port, create_dir=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    os.fchmod(f.fileno(), 0o600)
+                    f.write(admin.token + "\n")
+                self.token_file = path
+            except (OSError, ValueError) as exc:
+                logger.error("admin token file not written (%s): pass --admin-token", exc)
+        return admin
 
     def run(self) -> None:
         """Serve until a signal (or `stop_event`) says stop, then shut down cleanly."""
@@ -176,7 +215,7 @@ class KVTierServer:
             signal.signal(signum, self._on_signal)
         assert self.transport is not None
         cfg = self.config
-        l2 = ", ".join(map(redact, cfg.l2_urls(self.engine.arena.name))) or "none"
+        l2 = ", ".join(cfg.l2_display(self.engine.arena.name)) or "none"
         print(f"kvtier: listening on {', '.join(self.transport.addresses)}", flush=True)
         print(
             f"kvtier: L1 {format_size(self.engine.arena.size)} in /dev/shm/{self.engine.arena.name}"
@@ -185,7 +224,8 @@ class KVTierServer:
             flush=True,
         )
         if self.admin is not None:
-            print(f"admin: {self.admin.url}", flush=True)
+            where = f" (token for changes: {self.token_file})" if self.token_file else ""
+            print(f"admin: {self.admin.url}{where}", flush=True)
         elif self.admin_error:
             print(f"admin: {self.admin_error}", flush=True)
         print("kvtier: ready", flush=True)
@@ -207,4 +247,8 @@ class KVTierServer:
         if self.admin is not None:
             self.admin.stop()
             self.admin = None
+        if self.token_file is not None:
+            with contextlib.suppress(OSError):
+                self.token_file.unlink()
+            self.token_file = None
         self.engine.close()

@@ -36,6 +36,7 @@ from kvtier.errors import (
     InvalidArgumentError,
     KVTierError,
     LeaseExpiredError,
+    NoSpaceError,
     NotConnectedError,
     ProtocolVersionError,
     UnknownReservationError,
@@ -57,6 +58,7 @@ from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.lookups import LookupBook
 from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
+from kvtier.snapshots import ErrorRecord, Registration
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
@@ -144,9 +146,9 @@ class Engine:
         self.layouts = LayoutRegistry()
         self.leases = LeaseBook(clock)
         self.lookups = LookupBook(config, self.l1, self.tiers, self.prefetcher, self.metrics)
-        self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
+        self.recent_errors: deque[ErrorRecord] = deque(maxlen=50)
         self._ending: set[str] = set()  # sessions being ended on purpose, not expired
-        self._orphaned = 0  # expired sessions that still held pins
+        self.orphaned_sessions = 0  # expired sessions that still held pins
         self._session_tokens = 0  # tokens held by all sessions together
         self._shed_sessions = 0  # ended early to keep within --max-sessions/--max-session-tokens
         self._lease_expired_count = 0  # commits and retrieve-dones answered LEASE_EXPIRED
@@ -154,7 +156,6 @@ class Engine:
         #: periodic threads the assembler started for this engine (the lease reaper)
         self.threads: list[PeriodicThread] = []
         self._registry = parts.registry
-        self.metrics.bind_state(self.status)
 
     # -- the one entry point --------------------------------------------------------------------
 
@@ -210,13 +211,13 @@ class Engine:
 
     def _record_error(self, operation: str, exc: KVTierError) -> None:
         self.metrics.count_error(operation, exc.code.name)
-        self._recent_errors.append(
-            {
-                "time": time.time(),
-                "operation": operation,
-                "code": exc.code.name,
-                "message": redact(exc.message),
-            }
+        self.recent_errors.append(
+            ErrorRecord(
+                time=time.time(),
+                operation=operation,
+                code=exc.code.name,
+                message=redact(exc.message),
+            )
         )
 
     def _dispatch(
@@ -396,13 +397,19 @@ class Engine:
             req.chunk_shape,
             req.dtype,
         )
-        registration = {
-            "model": req.model,
-            "world_size": req.world_size,
-            "worker_id": req.worker_id,
-            "chunk_shape": list(layout.chunk_shape),
-            "dtype": layout.dtype,
-        }
+        if layout.nbytes * req.world_size > self.arena.size:
+            raise NoSpaceError(
+                f"one chunk of {req.model!r} needs {layout.nbytes * req.world_size} bytes "
+                f"({req.world_size} ranks of {layout.nbytes}), more than the whole L1 of "
+                f"{self.arena.size} bytes: restart the server with a larger --l1-size"
+            )
+        registration = Registration(
+            model=req.model,
+            world_size=req.world_size,
+            worker_id=req.worker_id,
+            chunk_shape=list(layout.chunk_shape),
+            dtype=layout.dtype,
+        )
         if registration not in client.registrations:
             client.registrations.append(registration)
         return p.Ok()
@@ -488,7 +495,7 @@ class Engine:
             self.lookups.forget(session.request_id)
             held_pins = self.l1.unpin(session.request_id)
             if held_pins and session.request_id not in self._ending:
-                self._orphaned += 1  # the engine abandoned it mid-flight, holding cache
+                self.orphaned_sessions += 1  # the engine abandoned it mid-flight, holding cache
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -855,65 +862,14 @@ class Engine:
         """The longest and total hold of the engine lock, per operation."""
         return self._lock.stats()
 
-    def status(self) -> dict[str, Any]:
-        """The JSON-safe picture of the server the admin API and metrics read."""
-        now = self.clock()
-        with self._lock.hold("status"):
-            l1 = self.l1.stats()
-            clients = [
-                {
-                    # A prefix only: a client id is the capability its leases are held by.
-                    "client_id": c.client_id[:8],
-                    "connected_s": now - c.connected_at,
-                    "last_seen_s": now - c.last_seen,
-                    "registrations": list(c.registrations),
-                }
-                for c in self.leases.peers.values()
-            ]
-            recent = list(self._recent_errors)
-        return {
-            "version": __version__,
-            "uptime_s": time.time() - self.started_at,
-            "ready": self.is_ready(),
-            "config": self.config.to_dict(),
-            "l1": {k: l1[k] for k in l1},
-            "l2": self.tiers.summary(),
-            "clients": clients,
-            "sessions": {
-                "active": self.sessions.active_count(),
-                "created": self.sessions.created_count,
-                # expired: left without end_session (SessionManager calls these orphans);
-                # orphaned: those of them that still held pins when they expired
-                "expired": self.sessions.orphaned_count,
-                "orphaned": self._orphaned,
-                **msgspec.structs.asdict(self.session_bounds()),
-            },
-            "fencing": msgspec.structs.asdict(self.fencing_stats()),
-            "lookup": {
-                "requested_tokens": self.lookups.requested_tokens,
-                "hit_tokens": self.lookups.hit_tokens,
-            },
-            "prefetch": {
-                "in_flight": self.prefetcher.in_flight,
-                "started": self.prefetcher.started,
-                "refused": self.prefetcher.refused,
-                "loaded_groups": self.prefetcher.loaded_groups,
-            },
-            "lock_hold": {
-                op: {"count": s.count, "total_s": s.total_s, "max_s": s.max_s}
-                for op, s in self.lock_stats().items()
-            },
-            "recent_errors": recent,
-        }
-
     def fencing_stats(self) -> FencingStats:
         """The quarantine of lapsed slots now (see `server/fencing.py`)."""
         with self._lock.hold("status"):
             l1 = self.l1.stats()
             return FencingStats(
                 lapsed=self.leases.num_lapsed,
-                fenced_slots=l1["fenced_slots"],
-                fenced_bytes=l1["fenced_bytes"],
+                fenced_slots=l1.fenced_slots,
+                fenced_bytes=l1.fenced_bytes,
                 lease_expired=self._lease_expired_count,
             )
 
@@ -921,32 +877,19 @@ class Engine:
         """Tokens held by sessions and sessions shed to stay within the bounds."""
         return SessionBounds(tokens=self._session_tokens, shed=self._shed_sessions)
 
-    def _session_dict(self, session: Session) -> dict[str, Any]:
-        data = session.to_dict()
-        data["pinned_chunks"] = len(self.l1.pinned_keys(session.request_id))
-        return data
+    def lookup_totals(self) -> tuple[int, int]:
+        """(tokens asked about, tokens found cached) by every lookup since start."""
+        return self.lookups.requested_tokens, self.lookups.hit_tokens
 
-    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        sessions = sorted(self.sessions.sessions(), key=lambda s: s.created_at, reverse=True)
-        with self._lock:
-            page = [self._session_dict(s) for s in sessions[offset : offset + limit]]
-        return len(sessions), page
-
-    def get_session(self, request_id: str) -> dict[str, Any] | None:
-        session = self.sessions.peek(request_id)
-        if session is None:
-            return None
-        with self._lock:
-            return self._session_dict(session)
+    @property
+    def lock(self) -> TimedLock:
+        """The lock every read of the engine's state takes (the admin views use it)."""
+        return self._lock
 
     def end_session(self, request_id: str) -> bool:
+        """End a session on purpose and drop its pins; False if there was none."""
         with self._lock:
             return self._remove_session(request_id) is not None
-
-    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        with self._lock:
-            cleared = self.l1.clear(model=model, cache_salt=cache_salt)
-        return cleared + self.tiers.clear(model=model, cache_salt=cache_salt)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -19,12 +19,12 @@ import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtier.errors import LeaseExpiredError, UnauthorizedError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.auth import ANONYMOUS, Credential
 from kvtier.server.fencing import ProcessWatch, Watch
+from kvtier.snapshots import Registration
 
 __all__ = ["Expired", "LeaseBook", "Peer", "Reservation", "RetrieveLease"]
 
@@ -36,7 +36,7 @@ class Peer:
     client_id: str
     connected_at: float
     last_seen: float
-    registrations: list[dict[str, Any]] = field(default_factory=list)
+    registrations: list[Registration] = field(default_factory=list)
     credential: Credential = ANONYMOUS  # what its Hello's token allows
     watch: ProcessWatch | None = None  # its process, when the server can watch it (same host)
 

@@ -166,7 +166,7 @@ class LookupBook:
         hit_tokens = hit * self._chunk_size
         self.requested_tokens += num_tokens
         self.hit_tokens += hit_tokens
-        self._metrics.observe_lookup(model, salt, num_tokens, hit_tokens)
+        self._metrics.observe_lookup(model, num_tokens, hit_tokens)
         return hit_tokens
 
     def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int) -> None:

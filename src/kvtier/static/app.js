@@ -1,23 +1,28 @@
 // kvtier status page: polls the admin API every 2 s and draws what it reads.
-// No dependencies; every value is written with textContent, never as HTML.
+// No dependencies; every value is written with textContent, never as HTML. The hit-rate history
+// comes from the server (a reload loses nothing). When reads need the admin token, the page asks
+// for it once and trades it for an HttpOnly cookie (POST /login): the token never enters a URL.
 "use strict";
 
 const REFRESH_MS = 2000;
-const HISTORY_POINTS = 150; // 5 minutes at one point per refresh
-const MIN_CHART_POINTS = 30;
+const MIN_CHART_SPAN_S = 300; // the chart shows at least the last 5 minutes
 
-const token = new URLSearchParams(window.location.search).get("token");
-const samples = []; // {t, overall, recent} with rates in [0, 1] or null
-let previousLookup = null;
+let history = []; // [[start_time_s, requested_tokens, hit_tokens], ...] from the server
+let needLogin = false;
 
 function $(id) {
   return document.getElementById(id);
 }
 
+class Unauthorized extends Error {}
+
 async function getJSON(path) {
-  const headers = { Accept: "application/json" };
-  if (token) headers.Authorization = "Bearer " + token;
-  const response = await fetch(path, { headers, cache: "no-store" });
+  const response = await fetch(path, {
+    headers: { Accept: "application/json" },
+    cache: "no-store",
+    credentials: "same-origin",
+  });
+  if (response.status === 401) throw new Unauthorized(path);
   const body = await response.json();
   // /health answers 503 with a useful body; everything else must be 2xx.
   if (!response.ok && path !== "/health") {
@@ -46,6 +51,12 @@ function formatRate(rate) {
   return rate === null ? "–" : (rate * 100).toFixed(1) + " %";
 }
 
+function formatSeconds(s) {
+  if (s < 1e-3) return (s * 1e6).toFixed(0) + " µs";
+  if (s < 1) return (s * 1e3).toPrecision(3) + " ms";
+  return s.toPrecision(3) + " s";
+}
+
 function formatDuration(seconds) {
   const s = Math.floor(seconds);
   if (s < 60) return s + " s";
@@ -72,8 +83,8 @@ function fillRows(tbodyId, rows, columns) {
   }
   for (const cells of rows) {
     const tr = document.createElement("tr");
-    for (const cell of cells) {
-      const td = document.createElement("td");
+    cells.forEach((cell, i) => {
+      const td = document.createElement(columns === 0 && i === 0 ? "th" : "td");
       if (cell instanceof Node) {
         td.appendChild(cell);
       } else if (typeof cell === "object" && cell !== null) {
@@ -83,7 +94,7 @@ function fillRows(tbodyId, rows, columns) {
         td.textContent = cell;
       }
       tr.appendChild(td);
-    }
+    });
     tbody.appendChild(tr);
   }
 }
@@ -97,20 +108,6 @@ function fillBar(used, capacity) {
   outer.appendChild(inner);
   outer.title = formatBytes(used) + (capacity > 0 ? " of " + formatBytes(capacity) : "");
   return outer;
-}
-
-function recordHitRate(lookup) {
-  const overall = lookup.requested_tokens > 0 ? lookup.hit_tokens / lookup.requested_tokens : null;
-  let recent = null;
-  if (previousLookup !== null) {
-    const asked = lookup.requested_tokens - previousLookup.requested_tokens;
-    const hit = lookup.hit_tokens - previousLookup.hit_tokens;
-    recent = asked > 0 ? hit / asked : null;
-  }
-  previousLookup = { requested_tokens: lookup.requested_tokens, hit_tokens: lookup.hit_tokens };
-  samples.push({ t: Date.now(), overall, recent });
-  if (samples.length > HISTORY_POINTS) samples.shift();
-  return { overall, recent };
 }
 
 function drawChart() {
@@ -140,41 +137,26 @@ function drawChart() {
     ctx.stroke();
     ctx.fillText(level * 100 + "%", 4, y + 4);
   }
-  // The window grows with the history up to HISTORY_POINTS, so a fresh page is readable too.
-  const span = Math.min(HISTORY_POINTS, Math.max(samples.length, MIN_CHART_POINTS));
-  ctx.fillText("last " + formatDuration((span * REFRESH_MS) / 1000), left, height - 4);
+  const now = Date.now() / 1000;
+  const first = history.length ? history[0][0] : now;
+  const start = Math.min(first, now - MIN_CHART_SPAN_S);
+  const span = Math.max(now - start, 1);
+  ctx.fillText("last " + formatDuration(span), left, height - 4);
+  setText("history-span", history.length + " intervals");
 
-  const step = plotW / (span - 1);
-  const offset = span - samples.length;
-  const series = [
-    ["recent", "#2f6fde", 2],
-    ["overall", "#9aa3b5", 1],
-  ];
-  for (const [key, color, lineWidth] of series) {
-    ctx.strokeStyle = color;
-    ctx.lineWidth = lineWidth;
+  const x = (t) => left + (plotW * (t - start)) / span;
+  const y = (rate) => top + plotH * (1 - rate);
+  const points = history.filter((p) => p[1] > 0).map((p) => [x(p[0]), y(p[2] / p[1])]);
+  ctx.strokeStyle = "#2f6fde";
+  ctx.fillStyle = "#2f6fde";
+  ctx.lineWidth = 2;
+  ctx.beginPath();
+  points.forEach(([px, py], i) => (i ? ctx.lineTo(px, py) : ctx.moveTo(px, py)));
+  ctx.stroke();
+  for (const [px, py] of points) {
     ctx.beginPath();
-    let drawing = false;
-    samples.forEach((point, i) => {
-      const value = point[key];
-      if (value === null) {
-        drawing = false;
-        return;
-      }
-      const x = left + (offset + i) * step;
-      const y = top + plotH * (1 - value);
-      if (drawing) ctx.lineTo(x, y);
-      else ctx.moveTo(x, y);
-      drawing = true;
-    });
-    ctx.stroke();
-    ctx.fillStyle = color;
-    samples.forEach((point, i) => {
-      if (point[key] === null) return;
-      ctx.beginPath();
-      ctx.arc(left + (offset + i) * step, top + plotH * (1 - point[key]), lineWidth, 0, 2 * Math.PI);
-      ctx.fill();
-    });
+    ctx.arc(px, py, 3, 0, 2 * Math.PI);
+    ctx.fill();
   }
 }
 
@@ -182,11 +164,16 @@ function renderStatus(status) {
   setText("version", status.version);
   setText("uptime", formatDuration(status.uptime_s));
 
-  const rates = recordHitRate(status.lookup);
-  setText("hit-rate", formatRate(rates.overall));
-  setText("hit-rate-recent", formatRate(rates.recent));
-  setText("lookup-hit-tokens", formatCount(status.lookup.hit_tokens));
-  setText("lookup-requested-tokens", formatCount(status.lookup.requested_tokens));
+  const lookup = status.lookup;
+  const overall = lookup.requested_tokens > 0 ? lookup.hit_tokens / lookup.requested_tokens : null;
+  history = status.hit_rate_history;
+  const last = history.length ? history[history.length - 1] : null;
+  setText("hit-rate", formatRate(overall));
+  setText("hit-rate-recent", formatRate(last && last[1] > 0 ? last[2] / last[1] : null));
+  setText("lookup-hit-tokens", formatCount(lookup.hit_tokens));
+  setText("lookup-requested-tokens", formatCount(lookup.requested_tokens));
+  setText("stored-bytes", formatBytes(status.traffic.stored_bytes));
+  setText("retrieved-bytes", formatBytes(status.traffic.retrieved_bytes));
   drawChart();
 
   const l1 = status.l1;
@@ -200,6 +187,8 @@ function renderStatus(status) {
   $("l1-bar").style.width = Math.min(100, l1Fill) + "%";
 
   const l2 = status.l2;
+  const failing = new Set(l2.failing);
+  const mean = (lat) => (lat.count ? formatSeconds(lat.total_s / lat.count) : "–");
   fillRows(
     "l2-tiers",
     l2.tiers.map((tier) => [
@@ -208,19 +197,68 @@ function renderStatus(status) {
       formatCount(tier.objects),
       formatCount(tier.hits),
       formatCount(tier.misses),
-      formatCount(tier.errors + tier.corrupt),
+      formatCount(tier.errors),
+      formatCount(tier.corrupt),
+      mean(tier.read_latency) + " / " + mean(tier.write_latency),
+      failing.has(tier.name)
+        ? { text: "failing" + (tier.last_error ? ": " + tier.last_error : ""), className: "bad" }
+        : { text: "ok", className: "ok" },
     ]),
-    6,
+    9,
   );
   setText("l2-queue", formatCount(l2.queue_depth) + " / " + formatCount(l2.queue_capacity));
   setText("l2-written", formatCount(l2.written));
   setText("l2-dropped", formatCount(l2.dropped));
+
+  fillRows(
+    "models",
+    status.models.map((m) => [
+      m.model,
+      formatCount(m.lookups),
+      formatRate(m.requested_tokens ? m.hit_tokens / m.requested_tokens : null),
+      formatCount(m.hit_tokens) + " / " + formatCount(m.requested_tokens),
+    ]),
+    4,
+  );
+  fillRows(
+    "latency",
+    status.latency.map((r) => [
+      r.operation,
+      formatCount(r.count),
+      formatSeconds(r.mean_s),
+      formatSeconds(r.p50_s),
+      formatSeconds(r.p99_s),
+    ]),
+    5,
+  );
+  fillRows(
+    "clients",
+    status.clients.map((c) => [
+      c.client_id,
+      formatDuration(c.connected_s),
+      c.last_seen_s.toFixed(1) + " s ago",
+      c.registrations
+        .map((r) => r.model + " rank " + r.worker_id + "/" + r.world_size + " " + r.dtype
+          + "[" + r.chunk_shape.join(", ") + "]")
+        .join("; ") || "–",
+    ]),
+    4,
+  );
 
   setText("sessions-active", formatCount(status.sessions.active));
   setText("sessions-created", formatCount(status.sessions.created));
   setText("sessions-expired", formatCount(status.sessions.expired));
   setText("sessions-orphaned", formatCount(status.sessions.orphaned));
   setText("clients-connected", formatCount(status.clients.length));
+
+  fillRows(
+    "config",
+    Object.entries(status.config).map(([key, value]) => [
+      key,
+      Array.isArray(value) ? value.join(", ") : value === null ? "–" : String(value),
+    ]),
+    0,
+  );
 
   const errors = status.recent_errors.slice().reverse().slice(0, 20);
   fillRows(
@@ -247,25 +285,54 @@ function renderThreads(threads) {
 
 function renderHealth(health) {
   const badge = $("health");
-  const ok = health.status === "ok";
-  badge.textContent = ok ? "healthy" : "unavailable";
-  badge.className = "badge " + (ok ? "ok" : "bad");
-  badge.title = ok ? "" : (health.reasons || []).join("\n");
+  const labels = { ok: ["healthy", "ok"], degraded: ["degraded", "warn"] };
+  const [text, cls] = labels[health.status] || ["unavailable", "bad"];
+  badge.textContent = text;
+  badge.className = "badge " + cls;
+  const reasons = health.reasons || [];
+  const banner = $("health-reasons");
+  banner.textContent = reasons.join(" · ");
+  banner.classList.toggle("hidden", reasons.length === 0);
+}
+
+function showLogin(show) {
+  needLogin = show;
+  $("login").classList.toggle("hidden", !show);
+  $("dashboard").classList.toggle("hidden", show);
+}
+
+async function login(event) {
+  event.preventDefault();
+  const response = await fetch("/login", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ token: $("login-token").value }),
+    credentials: "same-origin",
+  });
+  if (!response.ok) {
+    setText("login-error", "wrong token");
+    return;
+  }
+  $("login-token").value = "";
+  setText("login-error", "");
+  showLogin(false);
+  await refresh();
 }
 
 async function refresh() {
   try {
-    const [status, threads, health] = await Promise.all([
-      getJSON("/status"),
-      getJSON("/threads"),
-      getJSON("/health"),
-    ]);
+    renderHealth(await getJSON("/health")); // never needs the token
+    const [status, threads] = await Promise.all([getJSON("/status"), getJSON("/threads")]);
+    showLogin(false);
     renderStatus(status);
     renderThreads(threads);
-    renderHealth(health);
     $("fetch-error").classList.add("hidden");
     setText("last-update", "updated " + new Date().toLocaleTimeString());
   } catch (err) {
+    if (err instanceof Unauthorized) {
+      if (!needLogin) showLogin(true);
+      return;
+    }
     const banner = $("fetch-error");
     banner.textContent = "cannot read the admin API: " + err.message;
     banner.classList.remove("hidden");
@@ -280,4 +347,7 @@ async function loop() {
   window.setTimeout(loop, REFRESH_MS);
 }
 
-document.addEventListener("DOMContentLoaded", loop);
+document.addEventListener("DOMContentLoaded", () => {
+  $("login").addEventListener("submit", login);
+  loop();
+});

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
+from kvtier.snapshots import L1Stats
 from kvtier.storage.arena import Allocator
 
 __all__ = ["L1Store", "ShardState"]
@@ -117,20 +118,20 @@ class L1Store:
     def num_ready_groups(self) -> int:
         return self._ready_groups
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> L1Stats:
         """Counters for metrics and the status page."""
-        return {
-            "capacity_bytes": self._alloc.capacity,
-            "used_bytes": self._alloc.used_bytes,
-            "groups": len(self._groups),
-            "ready_groups": self._ready_groups,
-            "staging_shards": len(self._staging),
-            "pinned_groups": self._held_groups,
-            "evictions": self._evictions,
-            "evicted_bytes": self._evicted_bytes,
-            "fenced_slots": self._fenced_slots,
-            "fenced_bytes": self._fenced_bytes,
-        }
+        return L1Stats(
+            capacity_bytes=self._alloc.capacity,
+            used_bytes=self._alloc.used_bytes,
+            groups=len(self._groups),
+            ready_groups=self._ready_groups,
+            staging_shards=len(self._staging),
+            pinned_groups=self._held_groups,
+            evictions=self._evictions,
+            evicted_bytes=self._evicted_bytes,
+            fenced_slots=self._fenced_slots,
+            fenced_bytes=self._fenced_bytes,
+        )
 
     # ---------------------------------------------------------------- write path
 

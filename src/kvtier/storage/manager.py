@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 
 from kvtier.keys import ObjectKey
+from kvtier.snapshots import L2Summary
 from kvtier.storage.tiers.base import L2Tier
 
 logger = logging.getLogger(__name__)
@@ -281,24 +282,21 @@ class TierManager:
             out[tier.name] = msgspec.to_builtins(tier.stats())
         return out
 
-    #: the per-tier numbers the server's status reports (0 where a tier does not track one)
-    TIER_FIELDS = ("used_bytes", "capacity_bytes", "objects", "hits", "misses", "corrupt", "errors")
-
-    def summary(self) -> dict[str, Any]:
-        """The L2 part of the server's status: the queue, the writer, then one row per tier."""
-        stats = self.stats()
-        out: dict[str, Any] = {
-            name: stats[name]
-            for name in (
-                "queue_depth", "queue_capacity", "policy", "submitted", "written", "dropped",
-                "write_errors",
-            )
-        }  # fmt: skip
-        out["tiers"] = [
-            {"name": t.name, **{k: stats[t.name].get(k, 0) for k in self.TIER_FIELDS}}
-            for t in self._tiers
-        ]
-        return out
+    def summary(self) -> L2Summary:
+        """The L2 part of the server's status: the queue, the writer, then each tier's stats."""
+        with self._cond:
+            n = dict(self._n)
+        return L2Summary(
+            queue_depth=self._queue.qsize(),
+            queue_capacity=self.queue_size,
+            policy=self.policy,
+            submitted=n["submitted"],
+            written=n["written"],
+            dropped=n["dropped"],
+            write_errors=n["write_errors"],
+            read_errors=n["read_errors"],
+            tiers=[tier.stats() for tier in self._tiers],
+        )
 
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
         """Clear matching objects in every tier; the total removed (writes still queued stay)."""

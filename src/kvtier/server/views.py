@@ -1,0 +1,281 @@
+"""The admin views of a running server: status, health, sessions and clear, read from the engine
+and returned as typed snapshots (`kvtier.snapshots`).
+
+The admin API, the metrics collector and `kvtier status` read these; the engine only serves
+requests. `TierWatch` turns growing L2 error counters into what an operator sees: `/health`
+degraded with the reason, an entry in the recent errors, and one log line per tier at most every
+`log_every_s` seconds (a dead Redis fails every call: one line per call would flood the log).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from kvtier._version import __version__
+from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
+from kvtier.server.engine import Engine
+from kvtier.session import Session
+from kvtier.snapshots import (
+    ClientInfo,
+    ErrorRecord,
+    L2Summary,
+    LookupTotals,
+    PrefetchStats,
+    ServerStatus,
+    SessionCounts,
+    SessionInfo,
+)
+
+__all__ = ["AdminViews", "Health", "TierWatch"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Health:
+    """What `/health` answers: "ok", "degraded" (still serving) or "unavailable"."""
+
+    state: str
+    reasons: list[str]
+
+
+@dataclass
+class _TierState:
+    errors: int = 0
+    corrupt: int = 0
+    healthy: bool = True
+    failing_since: float | None = None
+    last_growth: float = float("-inf")
+    last_log: float = float("-inf")
+
+
+class TierWatch:
+    """Notices L2 tiers whose error or corruption counters grow; a tier is failing while its
+    errors grew within the last `window_s` seconds."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 30.0,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self.window_s = window_s
+        self.log_every_s = log_every_s
+        self._tiers: dict[str, _TierState] = {}
+
+    def observe(self, summary: L2Summary, now: float, wall: float) -> list[ErrorRecord]:
+        """Compare `summary` with the last look; the errors to record: one per tier whose errors
+        or corruption grew, or that turned unhealthy by its own account."""
+        records = []
+        for row in summary.tiers:
+            state = self._tiers.get(row.name)
+            if state is None:  # the first look sets the baseline: counts from before are history
+                state = self._tiers[row.name] = _TierState(errors=row.errors, corrupt=row.corrupt)
+            new_errors, new_corrupt = row.errors - state.errors, row.corrupt - state.corrupt
+            state.errors, state.corrupt = row.errors, row.corrupt
+            if new_corrupt > 0:
+                message = (
+                    f"L2 tier {row.name}: {new_corrupt} corrupt object(s) found on read "
+                    "(deleted, never served)"
+                )
+                records.append(ErrorRecord(time=wall, operation=f"l2 {row.name}",
+                                           code="L2_CORRUPT", message=message))  # fmt: skip
+                logger.warning("%s", message)
+            turned_unhealthy = not row.healthy and state.healthy
+            state.healthy = row.healthy
+            if new_errors <= 0 and row.healthy:
+                if state.failing_since is not None and now - state.last_growth > self.window_s:
+                    logger.warning("L2 tier %s recovered: no new errors for %.0f s", row.name,
+                                   self.window_s)  # fmt: skip
+                    state.failing_since = None
+                continue
+            state.last_growth = now
+            if state.failing_since is None:
+                state.failing_since = now
+            if new_errors <= 0 and not turned_unhealthy:
+                continue  # still down, nothing new to say
+            last = f": {row.last_error}" if row.last_error else ""
+            message = (
+                f"L2 tier {row.name} failing: {row.errors} errors in total, {max(new_errors, 0)} "
+                f"new{last}; chunks it holds are not served until it recovers"
+            )
+            records.append(ErrorRecord(time=wall, operation=f"l2 {row.name}", code="L2_ERROR",
+                                       message=message))  # fmt: skip
+            if now - state.last_log >= self.log_every_s:
+                state.last_log = now
+                logger.warning("%s (this line repeats at most every %.0f s)", message,
+                               self.log_every_s)  # fmt: skip
+        return records
+
+    def annotate(self, summary: L2Summary, now: float) -> L2Summary:
+        """`summary` with `failing` filled in: tiers unhealthy by their own account, or whose
+        errors grew within the window."""
+        failing = []
+        for row in summary.tiers:
+            state = self._tiers.get(row.name)
+            grew = state is not None and now - state.last_growth <= self.window_s
+            if grew or not row.healthy:
+                failing.append(row.name)
+        return msgspec.structs.replace(summary, failing=failing)
+
+
+class AdminViews:
+    """Status, health, sessions and clear over one engine (what the admin API calls)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        registry: PeriodicThreadRegistry | None = None,
+        watch: TierWatch | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = engine.metrics
+        self.registry = registry or PeriodicThreadRegistry.get_instance()
+        self.watch = watch or TierWatch()
+        self.metrics.bind_state(self.status)
+
+    # -- health and status -----------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        return self.engine.is_ready()
+
+    def _l2(self) -> L2Summary:
+        return self.watch.annotate(self.engine.tiers.summary(), time.monotonic())
+
+    def check_tiers(self) -> ThreadRunSummary:
+        """One look at the tiers' counters (run every few seconds by a periodic thread)."""
+        records = self.watch.observe(self.engine.tiers.summary(), time.monotonic(), time.time())
+        for record in records:
+            self.engine.recent_errors.append(record)
+        failing = self._l2().failing
+        return ThreadRunSummary(
+            success=True,
+            message=f"failing tiers: {', '.join(failing)}" if failing else "all tiers healthy",
+            extra_info={"failing": failing},
+        )
+
+    def health(self) -> Health:
+        """Unavailable when the server cannot serve; degraded when an L2 tier is failing."""
+        reasons: list[str] = []
+        if not self.engine.is_ready():
+            reasons.append(
+                "the server is not ready: its L1 arena is not up (starting or shutting down)"
+            )
+        for item in self.registry.health()["unhealthy"]:
+            reasons.append(f"{item['level']} thread {item['name']!r} stalled: {item['reason']}")
+        if reasons:
+            return Health("unavailable", reasons)
+        l2 = self._l2()
+        for row in l2.tiers:
+            if row.name in l2.failing:
+                last = f", last: {row.last_error}" if row.last_error else ""
+                reasons.append(
+                    f"L2 tier {row.name} is failing ({row.errors} errors so far{last}); L1 still "
+                    "serves, chunks only that tier holds are recomputed"
+                )
+        return Health("degraded" if reasons else "ok", reasons)
+
+    def status(self) -> ServerStatus:
+        """The picture of the server that the admin API, the page and the metrics read."""
+        e = self.engine
+        now = e.clock()
+        with e.lock.hold("status"):
+            l1 = e.l1.stats()
+            clients = [
+                ClientInfo(
+                    # a prefix: enough to tell clients apart, never the whole id (a credential
+                    # of the connection that made it: issue 10, finding 5)
+                    client_id=c.client_id[:8],
+                    connected_s=now - c.connected_at,
+                    last_seen_s=now - c.last_seen,
+                    registrations=list(c.registrations),
+                )
+                for c in e.leases.peers.values()
+            ]
+            recent = list(e.recent_errors)
+            requested, hit = e.lookup_totals()
+        health = self.health()
+        fencing, bounds = e.fencing_stats(), e.session_bounds()
+        return ServerStatus(
+            version=__version__,
+            uptime_s=time.time() - e.started_at,
+            ready=e.is_ready(),
+            health=health.state,
+            health_reasons=health.reasons,
+            threads_healthy=self.registry.is_healthy(),
+            config=e.config.to_dict(),
+            l1=l1,
+            l2=self._l2(),
+            clients=clients,
+            sessions=SessionCounts(
+                active=e.sessions.active_count(),
+                created=e.sessions.created_count,
+                # expired: left without end_session (SessionManager calls these orphans);
+                # orphaned: those of them that still held pinned chunks when they expired
+                expired=e.sessions.orphaned_count,
+                orphaned=e.orphaned_sessions,
+                tokens=bounds.tokens,
+                shed=bounds.shed,
+            ),
+            fencing=fencing,
+            lookup=LookupTotals(requested_tokens=requested, hit_tokens=hit),
+            models=self.metrics.models(),
+            hit_rate_history=self.metrics.history.points(),
+            traffic=self.metrics.traffic(),
+            latency=self.metrics.latency(),
+            prefetch=PrefetchStats(
+                in_flight=e.prefetcher.in_flight,
+                started=e.prefetcher.started,
+                refused=e.prefetcher.refused,
+                loaded_groups=e.prefetcher.loaded_groups,
+            ),
+            lock_hold=e.lock_stats(),
+            recent_errors=recent,
+        )
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def _session_info(self, session: Session) -> SessionInfo:
+        return SessionInfo(
+            request_id=session.request_id,
+            num_tokens=session.num_tokens,
+            num_chunks_hashed=session.num_chunks_processed,
+            created_at=session.created_at,
+            last_access=session.last_access,
+            lookup_ipc_key=session.lookup_ipc_key,
+            pinned_chunks=len(self.engine.l1.pinned_keys(session.request_id)),
+        )
+
+    def list_sessions(self, offset: int, limit: int) -> tuple[int, list[SessionInfo]]:
+        """(total, one page of sessions, newest first)."""
+        e = self.engine
+        sessions = sorted(e.sessions.sessions(), key=lambda s: s.created_at, reverse=True)
+        with e.lock.hold("sessions"):
+            page = [self._session_info(s) for s in sessions[offset : offset + limit]]
+        return len(sessions), page
+
+    def get_session(self, request_id: str) -> SessionInfo | None:
+        """The session named `request_id`, or None."""
+        session = self.engine.sessions.peek(request_id)
+        if session is None:
+            return None
+        with self.engine.lock.hold("sessions"):
+            return self._session_info(session)
+
+    def end_session(self, request_id: str) -> bool:
+        """End the session named `request_id` and drop its pins; False if there was none."""
+        return self.engine.end_session(request_id)
+
+    # -- clear -----------------------------------------------------------------------------
+
+    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+        """Drop cached chunks matching the filters (None = any) from L1 and L2; how many."""
+        e = self.engine
+        with e.lock.hold("clear"):
+            cleared = e.l1.clear(model=model, cache_salt=cache_salt)
+        return cleared + e.tiers.clear(model=model, cache_salt=cache_salt)

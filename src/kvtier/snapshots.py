@@ -1,0 +1,197 @@
+"""Typed snapshots of a running server: what the admin JSON, the status page, `kvtier status` and
+the Prometheus metrics read.
+
+Each is a frozen msgspec Struct, encoded as-is by the admin API, so a field renamed here is
+renamed everywhere (and mypy sees every reader); no consumer reads a dict by string key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvtier.server.fencing import FencingStats
+from kvtier.server.locking import HoldStats
+from kvtier.storage.tiers.base import TierStats
+
+__all__ = [
+    "ClientInfo",
+    "ErrorRecord",
+    "HitRatePoint",
+    "L1Stats",
+    "L2Summary",
+    "LatencySummary",
+    "LookupTotals",
+    "ModelLookup",
+    "PrefetchStats",
+    "Registration",
+    "ServerStatus",
+    "SessionCounts",
+    "SessionInfo",
+    "Traffic",
+]
+
+
+class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
+    """The shared-memory L1 at one instant."""
+
+    capacity_bytes: int
+    used_bytes: int
+    groups: int  # chunk groups held (a group is one chunk's shards, one per rank)
+    ready_groups: int  # groups whose every rank's shard is committed
+    staging_shards: int  # shards reserved and not yet committed
+    pinned_groups: int  # groups a lookup pinned against eviction
+    evictions: int
+    evicted_bytes: int
+    fenced_slots: int = 0  # lapsed slots quarantined until their owner can no longer touch them
+    fenced_bytes: int = 0
+
+
+class L2Summary(msgspec.Struct, frozen=True, kw_only=True):
+    """The write-through queue and every L2 tier's stats, in read order."""
+
+    queue_depth: int = 0
+    queue_capacity: int = 0
+    policy: str = "drop"
+    submitted: int = 0
+    written: int = 0
+    dropped: int = 0
+    write_errors: int = 0
+    read_errors: int = 0
+    tiers: list[TierStats] = msgspec.field(default_factory=list)
+    #: tiers that are unhealthy now or whose errors grew within the server's health window
+    failing: list[str] = msgspec.field(default_factory=list)
+
+
+class Registration(msgspec.Struct, frozen=True, kw_only=True):
+    """A layout a client registered for one rank of one model."""
+
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_shape: list[int]
+    dtype: str
+
+
+class ClientInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A connected engine process."""
+
+    client_id: str  # the id's first 8 characters: the whole id is never shown
+    connected_s: float
+    last_seen_s: float
+    registrations: list[Registration]
+
+
+class SessionCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """Sessions now and since start.
+
+    `expired` counts sessions that expired without `end_session`; `orphaned` counts those of
+    them that still held pinned chunks when they expired (requests abandoned mid-flight).
+    """
+
+    active: int
+    created: int
+    expired: int
+    orphaned: int
+    tokens: int = 0  # tokens held by all sessions together (--max-session-tokens)
+    shed: int = 0  # sessions ended early, longest-idle first, to stay within the bounds
+
+
+class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One session, as `GET /sessions` lists it."""
+
+    request_id: str
+    num_tokens: int
+    num_chunks_hashed: int
+    created_at: float  # wall clock
+    last_access: float
+    lookup_ipc_key: str | None
+    pinned_chunks: int
+
+
+class LookupTotals(msgspec.Struct, frozen=True, kw_only=True):
+    """Tokens lookups asked about and found cached, since start."""
+
+    requested_tokens: int
+    hit_tokens: int
+
+
+class ModelLookup(msgspec.Struct, frozen=True, kw_only=True):
+    """Lookup totals of one model (models past the label bound are summed as "other")."""
+
+    model: str
+    requested_tokens: int
+    hit_tokens: int
+    lookups: int
+
+
+class HitRatePoint(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Lookups in one interval of the server's hit-rate history (wall-clock start time)."""
+
+    time: float
+    requested_tokens: int
+    hit_tokens: int
+
+
+class Traffic(msgspec.Struct, frozen=True, kw_only=True):
+    """KV bytes clients moved through the server since start."""
+
+    stored_bytes: int
+    retrieved_bytes: int
+
+
+class LatencySummary(msgspec.Struct, frozen=True, kw_only=True):
+    """Request latency of one user-facing operation, from the request-duration histogram.
+
+    p50/p99 are the upper bounds of the buckets that hold those quantiles.
+    """
+
+    operation: str
+    count: int
+    mean_s: float
+    p50_s: float
+    p99_s: float
+
+
+class PrefetchStats(msgspec.Struct, frozen=True, kw_only=True):
+    """L2 loads that lookups started (jobs run off the request path, at most N at once)."""
+
+    in_flight: int
+    started: int
+    refused: int  # lookups answered from L1 alone because N jobs were running
+    loaded_groups: int
+
+
+class ErrorRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A failed request or a tier failure, as the recent-errors list shows it."""
+
+    time: float  # wall clock
+    operation: str
+    code: str
+    message: str
+
+
+class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything `GET /status` returns."""
+
+    version: str
+    uptime_s: float
+    ready: bool
+    health: str  # "ok", "degraded" (a tier is failing: L1 still serves) or "unavailable"
+    health_reasons: list[str]
+    threads_healthy: bool
+    config: dict[str, Any]  # ServerConfig's fields, credentials redacted
+    l1: L1Stats
+    l2: L2Summary
+    clients: list[ClientInfo]
+    sessions: SessionCounts
+    fencing: FencingStats
+    lookup: LookupTotals
+    models: list[ModelLookup]
+    hit_rate_history: list[HitRatePoint]
+    traffic: Traffic
+    latency: list[LatencySummary]
+    prefetch: PrefetchStats
+    lock_hold: dict[str, HoldStats]  # per operation: how long it held the engine lock
+    recent_errors: list[ErrorRecord]
