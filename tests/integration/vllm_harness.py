@@ -289,7 +289,7 @@ class Harness:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, *, forward: bool = True) -> Any:
+    def step(self, *, forward: bool = True, after_schedule: Any = None) -> Any:
         """One engine step: schedule, run every worker connector around a fake forward pass
         (which writes `token_kv` for the tokens it computes), feed the outputs back."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -298,6 +298,8 @@ class Harness:
         meta = out.kv_connector_metadata
         for new in out.scheduled_new_reqs:  # tokens not computed: local prefix cache + kvtier
             self.num_cached[new.req_id] = new.num_computed_tokens
+        if after_schedule is not None:
+            after_schedule()
         finished_sending: set[str] | None = None
         invalid: set[int] = set()
         sending_counts: dict[str, int] = {}

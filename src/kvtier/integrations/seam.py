@@ -142,6 +142,8 @@ class LazyClient:
         """`get()`, or None (logged) when kvtier cannot be reached now."""
         try:
             return self.get()
+        except InvalidArgumentError:
+            raise  # a refused configuration is the operator's to fix, not a recompute
         except KVTierError as exc:
             logger.warning("%s: kvtier at %s is not reachable, recomputing: %s", what, self.address, exc)
             return None
