@@ -6,6 +6,7 @@ configuration (`ServerConfig`), stored names (`ChunkKey`, `ObjectKey`) and the e
 torch and transformers are never imported here (see `kvtier.integrations`).
 """
 
+from kvtier._version import __version__
 from kvtier.client import Client
 from kvtier.config import ServerConfig
 from kvtier.errors import ErrorCode, KVTierError
@@ -19,8 +20,6 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 from kvtier.session import Session, SessionManager
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ChunkHash",

@@ -15,24 +15,27 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
 import zmq
 
 from kvtier import protocol as p
+from kvtier.copying import copy_pairs
 from kvtier.errors import (
     BadArrayError,
     ErrorCode,
+    InvalidArgumentError,
     KVTierError,
     NotConnectedError,
     error_from_code,
 )
 from kvtier.hashing import TokenHasher, TokenIds, token_bytes
+from kvtier.slots import RetrievedSlots, StoreSlots
 from kvtier.storage.arena import Arena
 
-__all__ = ["Client"]
+__all__ = ["Client", "LookupHandle", "RetrievedSlots", "StoreSlots"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,59 @@ class _NoReply(NotConnectedError):
 
 
 _PROBE_TIMEOUT = 5.0  # how long a heartbeat waits before it calls the server unreachable
+_GOODBYE_TIMEOUT = 0.5  # how long close() waits for the server to hear its goodbye
+
+
+def _check_address(address: object) -> None:
+    """A ZMQ address kvtier can connect to, or InvalidArgumentError naming the fix."""
+    if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
+        raise InvalidArgumentError(
+            f"address {address!r} needs a scheme: ipc:///tmp/kvtier.sock or tcp://host:port "
+            "(the --address the server was started with)"
+        )
+
+
+class LookupHandle:
+    """A lookup whose L2 loads may still run on the server; `poll()` until it has a result."""
+
+    _BACKOFF_S = (0.0005, 0.001, 0.002, 0.005, 0.01)  # result()'s waits between polls
+
+    def __init__(self, client: Client, request_id: str, hit_tokens: int | None) -> None:
+        self._client = client
+        self.request_id = request_id
+        self._hit_tokens = hit_tokens
+
+    def poll(self) -> int | None:
+        """The hit tokens once known, else None; one round trip at most."""
+        if self._hit_tokens is None:
+            reply, _ = self._client._call(p.LookupPoll(self.request_id))
+            assert isinstance(reply, p.LookupReply)
+            if not reply.pending:
+                self._hit_tokens = reply.hit_tokens
+        return self._hit_tokens
+
+    def result(self, timeout: float | None = None) -> int:
+        """Poll until the hit is known; NotConnectedError when `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in itertools.count():
+            hit = self.poll()
+            if hit is not None:
+                return hit
+            pause = self._BACKOFF_S[min(attempt, len(self._BACKOFF_S) - 1)]
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NotConnectedError(
+                        f"lookup of request {self.request_id!r} still loading from L2 after "
+                        f"{timeout:g}s (LookupHandle.result(timeout=...))"
+                    )
+                pause = min(pause, left)
+            time.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def __repr__(self) -> str:
+        state = "pending" if self._hit_tokens is None else f"hit_tokens={self._hit_tokens}"
+        return f"LookupHandle({self.request_id!r}, {state})"
 
 
 class Client:
@@ -99,14 +155,22 @@ class Client:
         *,
         hasher: TokenHasher | None = None,
         timeout: float = 30.0,
+        connect_timeout: float = 2.0,
         transfer: Transfer = "auto",
         heartbeat_interval: float = 1.0,
         client_id: str | None = None,
     ) -> None:
         if transfer not in ("auto", "shm", "inline"):
-            raise ValueError(f"transfer must be 'auto', 'shm' or 'inline', got {transfer!r}")
+            raise InvalidArgumentError(
+                f"transfer must be 'auto', 'shm' or 'inline', got {transfer!r}"
+            )
+        _check_address(address)
+        for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+            if not value > 0:
+                raise InvalidArgumentError(f"{name} must be > 0 seconds, got {value!r}")
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.hasher = hasher
         self.client_id = client_id or uuid.uuid4().hex
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -117,6 +181,7 @@ class Client:
         self._world_sizes: dict[str, int] = {}
         self._registrations: dict[tuple[str, int, int], p.Register] = {}
         self._closed = False
+        self._hello_timeout = connect_timeout  # the first handshake fails fast
         self._transfer = transfer
         self._arena: Arena | None = None
         self._arena_bytes: npt.NDArray[np.uint8] | None = None
@@ -124,12 +189,16 @@ class Client:
         self._rejoin_lock = threading.Lock()
         self._unreachable_since: float | None = None  # monotonic time of the first missed reply
         try:
-            self.server = self._socket_hello()
+            try:
+                self.server = self._socket_hello()
+            except _NoReply as exc:
+                raise NotConnectedError(exc.message) from None
             if transfer != "inline":
                 self._attach_arena(transfer)
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
+        self._hello_timeout = timeout
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop,
@@ -180,9 +249,14 @@ class Client:
         """Open this thread's socket and shake hands on it."""
         if self._closed:
             raise NotConnectedError("the client is closed")
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
+        try:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise NotConnectedError("the client is closed") from None
+            raise NotConnectedError(f"cannot connect to {self.address!r}: {exc}") from exc
         with self._sockets_lock:
             self._sockets.append(sock)
         self._local.socket = sock
@@ -196,7 +270,7 @@ class Client:
             contract_info=dict(self.hasher.contract_info()) if self.hasher else {},
             host_id=p.local_host_id(),
         )
-        reply, _ = self._call_on(sock, hello)
+        reply, _ = self._call_on(sock, hello, timeout=self._hello_timeout)
         assert isinstance(reply, p.HelloReply)
         return reply
 
@@ -209,6 +283,10 @@ class Client:
         unreachable: later requests raise NotConnectedError at once instead of each waiting out
         the timeout, until a heartbeat gets an answer again.
         """
+        if self._closed:
+            raise NotConnectedError(
+                f"the client is closed: {type(msg).__name__} needs a new Client({self.address!r})"
+            )
         if self._unreachable_since is not None and not probe:
             raise NotConnectedError(
                 f"kvtier at {self.address} has not answered for "
@@ -223,10 +301,12 @@ class Client:
             except _Forgotten:
                 self._rejoin(sock)  # the server restarted: shake hands again, then retry once
                 result = self._call_on(sock, msg, payloads, timeout)
-        except _NoReply:
+        except _NoReply as exc:
             if self._unreachable_since is None:
                 self._unreachable_since = time.monotonic()
-            raise
+            raise NotConnectedError(exc.message) from None
+        except zmq.ZMQError as exc:  # the context went away under this call: close() ran
+            raise NotConnectedError(f"the client is closed ({exc})") from None
         self._unreachable_since = None
         return result
 
@@ -258,6 +338,8 @@ class Client:
         timeout: float | None = None,
     ) -> tuple[p.Reply, list[zmq.Frame]]:
         timeout = self.timeout if timeout is None else timeout
+        if self._closed:
+            raise NotConnectedError("the client is closed")
         seq = next(self._seq).to_bytes(8, "little")
         sock.send_multipart([seq, p.encode(msg), *payloads], copy=False)
         deadline = time.monotonic() + timeout
@@ -305,6 +387,7 @@ class Client:
         self._registrations[model, world_size, worker_id] = register  # replayed on a rejoin
         self._world_sizes[model] = world_size
 
+    @overload
     def lookup(
         self,
         request_id: str,
@@ -313,11 +396,86 @@ class Client:
         model: str,
         world_size: int = 1,
         cache_salt: str = "",
-    ) -> int:
-        """Leading tokens whose chunks every rank has cached (pinned until retrieved)."""
-        reply, _ = self._call(p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt))
+        wait: Literal[True] = True,
+    ) -> int: ...
+
+    @overload
+    def lookup(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        *,
+        model: str,
+        world_size: int = 1,
+        cache_salt: str = "",
+        wait: Literal[False],
+    ) -> LookupHandle: ...
+
+    def lookup(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        *,
+        model: str,
+        world_size: int = 1,
+        cache_salt: str = "",
+        wait: bool = True,
+    ) -> int | LookupHandle:
+        """Leading tokens whose chunks every rank has cached (pinned until retrieved).
+
+        Chunks that must first load from an L2 tier load on the server; with `wait=False` this
+        returns at once a `LookupHandle` to poll while they do (a scheduler step is not held up).
+        """
+        msg = p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt, wait)
+        reply, _ = self._call(msg)
         assert isinstance(reply, p.LookupReply)
-        return reply.hit_tokens
+        if wait:
+            return reply.hit_tokens
+        return LookupHandle(self, request_id, None if reply.pending else reply.hit_tokens)
+
+    def store_slots(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        *,
+        model: str,
+        worker_id: int = 0,
+        start: int = 0,
+        end: int,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> StoreSlots:
+        """Slots to write this rank's chunks [start, end) into; commits on leaving `with`."""
+        num_chunks = max(0, (end - start) // self.chunk_size)
+        fields = self._fields(
+            request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
+            cache_salt, world_size,
+        )  # fmt: skip
+        return StoreSlots(self, fields)
+
+    def retrieve_slots(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        *,
+        model: str,
+        worker_id: int = 0,
+        start: int = 0,
+        end: int,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        cache_salt: str = "",
+        world_size: int | None = None,
+    ) -> RetrievedSlots:
+        """Read-only views of this rank's leading cached chunks of [start, end)."""
+        num_chunks = max(0, (end - start) // self.chunk_size)
+        fields = self._fields(
+            request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
+            cache_salt, world_size,
+        )  # fmt: skip
+        return RetrievedSlots(self, fields)
 
     def store(
         self,
@@ -339,26 +497,9 @@ class Client:
         rows, fields = self._range(
             request_id, tokens, kv, "kv", model, worker_id, start, end, cache_salt, world_size
         )
-        num_chunks = rows.shape[0]
-        if self._arena_bytes is None:
-            reply, _ = self._call(p.StoreInline(**fields), [rows[i] for i in range(num_chunks)])
-            assert isinstance(reply, p.StoreReply)
-            return reply.stored_chunks * self.chunk_size
-        reserved, _ = self._call(p.Reserve(**fields))
-        assert isinstance(reserved, p.ReserveReply)
-        if not reserved.reservation_id:
-            return len(reserved.offsets) * self.chunk_size  # everything was already stored
-        nbytes, arena = reserved.chunk_nbytes, self._arena_bytes
-        try:
-            for i, offset in enumerate(reserved.offsets):
-                if offset >= 0:
-                    arena[offset : offset + nbytes] = rows[i]
-        except BaseException:
-            self._call(p.Abort(reserved.reservation_id))
-            raise
-        reply, _ = self._call(p.Commit(reserved.reservation_id))
-        assert isinstance(reply, p.StoreReply)
-        return reply.stored_chunks * self.chunk_size
+        with StoreSlots(self, fields) as slots:
+            copy_pairs([(view, rows[i]) for i, view in slots.targets()])
+            return slots.commit()
 
     def retrieve(
         self,
@@ -376,26 +517,14 @@ class Client:
         """Copy this rank's shards of chunks [start, end) into `out` (num_chunks, *chunk_shape).
 
         Returns the tokens retrieved from `start`: it stops at the first chunk not cached.
+        Raises LeaseExpiredError when the server's lease on the slots lapsed during the copy.
         """
         rows, fields = self._range(
             request_id, tokens, out, "out", model, worker_id, start, end, cache_salt, world_size
         )
-        inline = self._arena_bytes is None
-        reply, frames = self._call(p.Retrieve(**fields, inline=inline))
-        assert isinstance(reply, p.RetrieveReply)
-        if inline:
-            for i, frame in enumerate(frames):
-                rows[i] = np.frombuffer(frame.buffer, dtype=np.uint8)
-            return reply.num_chunks * self.chunk_size
-        nbytes, arena = reply.chunk_nbytes, self._arena_bytes
-        assert arena is not None
-        try:
-            for i, offset in enumerate(reply.offsets):
-                rows[i] = arena[offset : offset + nbytes]
-        finally:
-            if reply.lease_id:
-                self._call(p.RetrieveDone(reply.lease_id))
-        return reply.num_chunks * self.chunk_size
+        with RetrievedSlots(self, fields) as got:
+            copy_pairs([(rows[i], view) for i, view in enumerate(got.views)])
+        return got.num_tokens
 
     def _range(
         self,
@@ -417,20 +546,41 @@ class Client:
             # sized for the whole prompt, `end=hit`); a smaller array is the server's to refuse
             rows = rows[: max(0, (end - start) // self.chunk_size)]
         num_chunks = rows.shape[0]
-        fields = {
+        end = start + num_chunks * self.chunk_size if end is None else end
+        fields = self._fields(
+            request_id, tokens, model, worker_id, start, end, shape, dtype, num_chunks,
+            cache_salt, world_size,
+        )  # fmt: skip
+        return rows, fields
+
+    def _fields(
+        self,
+        request_id: str,
+        tokens: TokenIds,
+        model: str,
+        worker_id: int,
+        start: int,
+        end: int,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        num_chunks: int,
+        cache_salt: str,
+        world_size: int | None,
+    ) -> dict[str, Any]:
+        """The fields of a RangeRequest (the server checks them against the layout)."""
+        return {
             "request_id": request_id,
             "tokens": _tokens(tokens),
             "model": model,
             "world_size": world_size or self._world_sizes.get(model, 1),
             "worker_id": worker_id,
             "start": start,
-            "end": start + num_chunks * self.chunk_size if end is None else end,
-            "chunk_shape": shape,
-            "dtype": dtype,
+            "end": end,
+            "chunk_shape": [int(d) for d in chunk_shape],
+            "dtype": str(dtype).removeprefix("torch."),
             "num_chunks": num_chunks,
             "cache_salt": cache_salt,
         }
-        return rows, fields
 
     def release(self, request_id: str) -> None:
         """Drop the request's lookup pins (the engine computed those chunks itself)."""
@@ -443,13 +593,19 @@ class Client:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Disconnect; idempotent. The server reclaims anything still leased to this client."""
+        """Say goodbye and disconnect; idempotent. The server reclaims what this client holds."""
         if self._closed:
             return
-        self._closed = True
         self._stop.set()
         if self._heartbeat.is_alive() and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=2)
+        if self._unreachable_since is None:
+            self._hello_timeout = _GOODBYE_TIMEOUT  # if this thread needs a socket first
+            try:  # best effort: a server that does not hear it notices the missing heartbeats
+                self._call_on(self._socket(), p.Goodbye(), timeout=_GOODBYE_TIMEOUT)
+            except (KVTierError, zmq.ZMQError) as exc:
+                logger.debug("goodbye not answered: %s", exc)
+        self._closed = True
         self._ctx.destroy(linger=0)
         self._arena_bytes = None
         for arena in [*self._retired_arenas, self._arena]:

@@ -94,6 +94,12 @@ class ServerConfig:
     l2_queue_policy: str = _opt(
         "drop", "When the write-through queue is full: drop (and count) or block"
     )
+    max_prefetch_jobs: int = _opt(
+        8, "Lookups loading from L2 at once; more are answered from L1 alone (like LMCache)"
+    )
+    handler_threads: int = _opt(
+        4, "Threads that handle requests with long prompts or inline bytes, off the I/O thread"
+    )
     admin_host: str = _opt(
         "127.0.0.1", "Admin HTTP host; any non-loopback host requires --admin-token"
     )
@@ -107,6 +113,10 @@ class ServerConfig:
             raise ValueError(f"--l1-size must be positive, got {self.l1_size}")
         if self.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be positive, got {self.chunk_size}")
+        if self.max_prefetch_jobs < 1:
+            raise ValueError(f"--max-prefetch-jobs must be >= 1, got {self.max_prefetch_jobs}")
+        if self.handler_threads < 1:
+            raise ValueError(f"--handler-threads must be >= 1, got {self.handler_threads}")
         if not self.address:
             raise ValueError("at least one --address is required")
         if self.l2_queue_policy not in ("drop", "block"):

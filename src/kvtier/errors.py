@@ -26,6 +26,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_RESERVATION = 11
     INVALID_ARGUMENT = 12
     NOT_CONNECTED = 13
+    LEASE_EXPIRED = 14
     INTERNAL = 99
 
 
@@ -120,6 +121,13 @@ class NotConnectedError(KVTierError):
     code = ErrorCode.NOT_CONNECTED
 
 
+class LeaseExpiredError(KVTierError):
+    """A staging or retrieve lease lapsed before the client finished with its slots: a store's
+    chunks were not stored, a retrieve's copied bytes cannot be vouched for (discard them)."""
+
+    code = ErrorCode.LEASE_EXPIRED
+
+
 class InternalError(KVTierError):
     """A bug in kvtier: the handler failed in a way it did not anticipate."""
 
@@ -142,6 +150,7 @@ _BY_CODE: dict[int, type[KVTierError]] = {
         UnknownReservationError,
         InvalidArgumentError,
         NotConnectedError,
+        LeaseExpiredError,
         InternalError,
     )
 }

@@ -66,13 +66,25 @@ class Register(_Msg):
 
 
 class Lookup(_Msg):
-    """How many leading tokens are cached for every rank; pins those chunks for the request."""
+    """How many leading tokens are cached for every rank; pins those chunks for the request.
+
+    When chunks must first load from L2, the server starts a prefetch job: with `wait` it answers
+    once the job is done, without it at once with `pending` (then the client polls).
+    """
 
     request_id: str
     tokens: bytes
     model: str
     world_size: int = 1
     cache_salt: str = ""
+    wait: bool = True
+
+
+class LookupPoll(_Msg):
+    """The result of the request's pending lookup; `wait` answers only once it is done."""
+
+    request_id: str
+    wait: bool = False
 
 
 class RangeRequest(_Msg):
@@ -139,11 +151,16 @@ class EndSession(_Msg):
     request_id: str
 
 
+class Goodbye(_Msg):
+    """The client closes on purpose: the server forgets it and reclaims what it still holds."""
+
+
 Request = (
     Hello
     | Heartbeat
     | Register
     | Lookup
+    | LookupPoll
     | Reserve
     | Commit
     | Abort
@@ -152,6 +169,7 @@ Request = (
     | RetrieveDone
     | Release
     | EndSession
+    | Goodbye
 )
 
 REQUEST_TAGS = frozenset(t.__name__ for t in Request.__args__)  # type: ignore[attr-defined]
@@ -177,7 +195,10 @@ class Ok(_Msg):
 
 
 class LookupReply(_Msg):
+    """Tokens hit and pinned; while `pending`, L2 loads still run and `hit_tokens` is 0."""
+
     hit_tokens: int
+    pending: bool = False
 
 
 class ReserveReply(_Msg):

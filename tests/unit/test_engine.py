@@ -46,7 +46,7 @@ def engine(clock: FakeClock) -> Iterator[Engine]:
 
 
 def call(engine: Engine, msg: Any, payloads: list[bytes] | None = None, who: bytes = CLIENT) -> Any:
-    frames = engine.handle(who, p.encode(msg), payloads or [])
+    frames = engine.call(who, p.encode(msg), payloads or [])
     reply = p.decode_reply(frames[0])
     return (reply, frames[1:]) if isinstance(msg, p.Retrieve) else reply
 

@@ -1,8 +1,10 @@
-"""prefetch: groups that every rank has in L2 come up into L1, the first failure ends the run."""
+"""Prefetcher: groups that every rank has in L2 come up into L1 on a worker thread, the first
+failure ends the run, and at most max_jobs run at once."""
 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ from kvtier.keys import ChunkKey
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
-from kvtier.storage.prefetch import prefetch
+from kvtier.storage.prefetch import Prefetcher
 from kvtier.storage.tiers.disk import DiskTier
 
 NBYTES = 4096
@@ -30,6 +32,25 @@ def keys(n: int, ws: int = 2) -> list[ChunkKey]:
     return [ChunkKey("m", "", ws, bytes([i]) * 32) for i in range(n)]
 
 
+def run_job(l1: L1Store, arena: Arena, tiers: TierManager, chain: list[ChunkKey]) -> list[ChunkKey]:
+    """One prefetch job to its end; what on_done saw, checked to be held while it ran."""
+    lock = threading.RLock()
+    done = threading.Event()
+    seen: list[ChunkKey] = []
+
+    def on_done(loaded: list[ChunkKey]) -> None:
+        seen.extend(loaded)
+        assert l1.stats()["pinned_groups"] == len(loaded)  # held while the caller pins them
+        done.set()
+
+    prefetcher = Prefetcher(l1, arena, tiers, lock, max_jobs=2, lease_s=5)
+    assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
+    assert done.wait(10)
+    prefetcher.close()
+    assert prefetcher.in_flight == 0
+    return seen
+
+
 def test_loads_leading_groups_complete_in_l2(arena: Arena, tmp_path: Path) -> None:
     tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
     chain = keys(4)
@@ -38,9 +59,7 @@ def test_loads_leading_groups_complete_in_l2(arena: Arena, tmp_path: Path) -> No
             if (i, rank) != (2, 1):  # chunk 2 lacks rank 1's shard: the run ends before it
                 tiers.tiers[0].put(key.shard(rank), bytes([i * 2 + rank]) * NBYTES, LAYOUT)
     l1 = L1Store(arena.size)
-    with prefetch(l1, arena, tiers, chain, nbytes=NBYTES, layout=LAYOUT, lease_s=5) as loaded:
-        assert loaded == chain[:2]
-        assert l1.stats()["pinned_groups"] == 2  # held while the caller pins them
+    assert run_job(l1, arena, tiers, chain) == chain[:2]
     assert l1.stats()["pinned_groups"] == 0
     assert l1.count_prefix(chain) == 2
     offset, size, _ = l1.get_shard(chain[1], 1) or (0, 0, "")
@@ -59,8 +78,28 @@ def test_a_corrupted_shard_ends_the_run_and_leaves_no_staging(arena: Arena, tmp_
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     l1 = L1Store(arena.size)
-    with prefetch(l1, arena, tiers, chain, nbytes=NBYTES, layout=LAYOUT, lease_s=5) as loaded:
-        assert loaded == chain[:1]
+    assert run_job(l1, arena, tiers, chain) == chain[:1]
     assert l1.stats()["staging_shards"] == 0
     assert disk.stats()["corrupt"] == 1
+    tiers.close()
+
+
+def test_at_most_max_jobs_run_at_once(arena: Arena, tmp_path: Path) -> None:
+    tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
+    lock = threading.RLock()
+    l1 = L1Store(arena.size)
+    prefetcher = Prefetcher(l1, arena, tiers, lock, max_jobs=2, lease_s=5)
+    finished = threading.Semaphore(0)
+    with lock:  # the jobs cannot end while the test holds the lock
+        assert prefetcher.submit(
+            keys(1), nbytes=NBYTES, layout=LAYOUT, on_done=lambda _: finished.release()
+        )
+        assert prefetcher.submit(
+            keys(1), nbytes=NBYTES, layout=LAYOUT, on_done=lambda _: finished.release()
+        )
+        assert not prefetcher.submit(keys(1), nbytes=NBYTES, layout=LAYOUT, on_done=lambda _: None)
+        assert prefetcher.refused == 1
+    assert finished.acquire(timeout=10) and finished.acquire(timeout=10)
+    prefetcher.close()
+    assert prefetcher.in_flight == 0 and prefetcher.started == 2
     tiers.close()

@@ -27,28 +27,25 @@ class KVTierServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.stop_event = threading.Event()
-        self.tiers: TierManager | None = None
         self.admin: AdminServer | None = None
         self.transport: Transport | None = None
         self.admin_error = ""
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
-        l2_urls = config.l2_urls(config.arena_name)
-        if l2_urls:
-            tiers = [open_tier(url) for url in l2_urls]
-            for i, tier in enumerate(tiers):  # two tiers of one kind: disk, disk-2, ...
-                if any(t.name == tier.name for t in tiers[:i]):
-                    tier.name = f"{tier.name}-{i + 1}"
-            self.tiers = TierManager(
-                tiers,
-                queue_size=config.l2_queue_size,
-                policy="block" if config.l2_queue_policy == "block" else "drop",
-            )
-            self.tiers.start()
+        tiers = [open_tier(url) for url in config.l2_urls(config.arena_name)]
+        for i, tier in enumerate(tiers):  # two tiers of one kind: disk, disk-2, ...
+            if any(t.name == tier.name for t in tiers[:i]):
+                tier.name = f"{tier.name}-{i + 1}"
+        # No L2 is an empty tier manager: the engine never asks whether there is one.
+        self.tiers = TierManager(
+            tiers,
+            queue_size=config.l2_queue_size,
+            policy="block" if config.l2_queue_policy == "block" else "drop",
+        )
+        self.tiers.start()
         try:
             self.engine = Engine(config, tiers=self.tiers)
         except BaseException:
-            if self.tiers is not None:
-                self.tiers.close()
+            self.tiers.close()
             raise
         try:
             if config.admin_port >= 0:

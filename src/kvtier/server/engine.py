@@ -1,10 +1,13 @@
 """Request handlers: everything the server does, without sockets.
 
-`Engine.handle(identity, header, payloads)` takes one request's frames and returns the reply's
-frames; the transport only moves frames. Every failure becomes a typed error reply. State is
-mutated under one re-entrant lock, held per request: the transport thread is its main user, the
-lease reaper, session expiry, L2 write completions and the admin API the others. The only I/O
-under it is a lookup's L2 reads, which that lookup is waiting for anyway.
+`Engine.handle(identity, header, payloads, respond)` takes one request's frames and answers
+through `respond(frames)` exactly once: at once for most requests, later (from a worker thread)
+for a lookup that waits on L2 loads. Every failure becomes a typed error reply.
+
+State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
+L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
+only for short sections: hashing a prompt, building names, tier I/O and encoding big replies
+happen outside it. Its longest hold per operation is measured (`lock_stats()`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-import kvtier
 from kvtier import protocol as p
+from kvtier._version import __version__
 from kvtier.config import ServerConfig
 from kvtier.errors import (
     BadArrayError,
@@ -28,6 +33,7 @@ from kvtier.errors import (
     InternalError,
     InvalidArgumentError,
     KVTierError,
+    LeaseExpiredError,
     MisalignedRangeError,
     NoSpaceError,
     NotConnectedError,
@@ -46,18 +52,89 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 from kvtier.server.layouts import LayoutRegistry
-from kvtier.server.leases import LeaseBook, Peer, Reservation, RetrieveLease
+from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
+from kvtier.server.locking import HoldStats, TimedLock
+from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
 from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
-from kvtier.storage.prefetch import prefetch
+from kvtier.storage.prefetch import Prefetcher
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "Respond"]
 
 logger = logging.getLogger(__name__)
 
 _instances = itertools.count()
+
+#: how a request is answered: the reply's frames, header first; called exactly once
+Respond = Callable[[list[Any]], None]
+
+
+class _Answer:
+    """Answers one request exactly once, now or later, from any thread; times it."""
+
+    __slots__ = ("_engine", "_respond", "_t0", "operation")
+
+    def __init__(self, engine: Engine, respond: Respond) -> None:
+        self._engine = engine
+        self._respond = respond
+        self._t0 = time.perf_counter()
+        self.operation = "unknown"
+
+    def frames(self, frames: list[Any]) -> None:
+        self._engine.metrics.observe_request(self.operation, time.perf_counter() - self._t0)
+        self._respond(frames)
+
+    def reply(self, reply: p.Reply) -> None:
+        self.frames([p.encode(reply)])
+
+    def error(self, exc: BaseException) -> None:
+        if not isinstance(exc, KVTierError):  # a bug: still answer, so no client times out
+            logger.error("handler for %s failed", self.operation, exc_info=exc)
+            exc = InternalError(f"{self.operation} failed inside the server: {exc!r}")
+        self._engine._record_error(self.operation, exc)
+        self.frames([p.error_reply(exc)])
+
+
+@dataclass(slots=True)
+class _LookupJob:
+    """A lookup waiting on L2 loads: answered to `waiters` when done, kept for one poll."""
+
+    request_id: str
+    keys: list[ChunkKey]
+    num_tokens: int
+    model: str
+    cache_salt: str
+    world_size: int
+    done: bool = False
+    hit_tokens: int = 0
+    waiters: list[_Answer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Committed:
+    """A commit's outcome and the shards it hands to the L2 write-through."""
+
+    result: p.StoreReply | KVTierError
+    shards: list[Shard]
+
+
+#: prompts at least this long are hashed and named on a handler thread, not the transport's
+_OFFLOAD_TOKEN_BYTES = 4096 * 4
+
+
+def _offloaded(req: p.Request) -> bool:
+    """Whether a request is long work: a big prompt to hash, or KV bytes to move inline."""
+    match req:
+        case p.StoreInline():
+            return True
+        case p.Retrieve():
+            return req.inline or len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+        case p.Lookup() | p.Reserve():
+            return len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+        case _:
+            return False
 
 
 class Engine:
@@ -86,9 +163,28 @@ class Engine:
             prefault=config.prefault,
         )
         self.l1 = L1Store(self.arena.size, clock=clock)
-        self.tiers = tiers
+        self.tiers = (
+            tiers
+            if tiers is not None
+            else TierManager([], policy="block" if config.l2_queue_policy == "block" else "drop")
+        )
         self.metrics = Metrics()
-        self._lock = threading.RLock()
+        self._lock = TimedLock()
+        self.prefetcher = Prefetcher(
+            self.l1,
+            self.arena,
+            self.tiers,
+            self._lock,
+            max_jobs=config.max_prefetch_jobs,
+            lease_s=config.staging_lease,
+        )
+        self._lookups: dict[str, _LookupJob] = {}
+        self._write_through = WriteThrough(self.tiers)
+        # Requests with big prompts or inline bytes run here, so the transport thread only
+        # decodes, routes and replies (see `_offloaded`).
+        self._handlers = ThreadPoolExecutor(
+            max_workers=config.handler_threads, thread_name_prefix="kvtier-handler"
+        )
         self._registry = registry or PeriodicThreadRegistry.get_instance()
         self.sessions = SessionManager(
             self.hasher,
@@ -120,26 +216,53 @@ class Engine:
     # -- the one entry point --------------------------------------------------------------------
 
     def handle(
-        self, identity: bytes, header: bytes | memoryview, payloads: Sequence[Any] = ()
-    ) -> list[Any]:
-        """One request's frames in, the reply's frames out (header first); never raises."""
-        t0 = time.perf_counter()
-        operation = "unknown"
+        self,
+        identity: bytes,
+        header: bytes | memoryview,
+        payloads: Sequence[Any],
+        respond: Respond,
+    ) -> None:
+        """One request's frames in; its reply goes to `respond`, now or later. Never raises."""
+        answer = _Answer(self, respond)
         try:
             request = p.decode_request(header)
-            operation = type(request).__name__
-            with self._lock:
-                frames = self._dispatch(identity, request, payloads)
-        except KVTierError as exc:
-            frames = [p.error_reply(exc)]
-            self._record_error(operation, exc)
-        except Exception as exc:  # a bug: still answer, so no client waits for a timeout
-            logger.exception("handler for %s failed", operation)
-            err = InternalError(f"{operation} failed inside the server: {exc!r}")
-            frames = [p.error_reply(err)]
-            self._record_error(operation, err)
-        self.metrics.observe_request(operation, time.perf_counter() - t0)
-        return frames
+        except Exception as exc:
+            answer.error(exc)
+            return
+        answer.operation = type(request).__name__
+        if _offloaded(request):
+            try:
+                self._handlers.submit(self._run, identity, request, payloads, answer)
+                return
+            except RuntimeError:  # the pool is shut down: the server is closing
+                pass
+        self._run(identity, request, payloads, answer)
+
+    def _run(
+        self, identity: bytes, request: p.Request, payloads: Sequence[Any], answer: _Answer
+    ) -> None:
+        try:
+            frames = self._dispatch(identity, request, payloads, answer)
+        except Exception as exc:
+            answer.error(exc)
+            return
+        if frames is not None:
+            answer.frames(frames)
+
+    def call(
+        self, identity: bytes, header: bytes | memoryview, payloads: Sequence[Any] = ()
+    ) -> list[Any]:
+        """`handle` for callers that can wait: the reply's frames (tests, in-process use)."""
+        done = threading.Event()
+        out: list[Any] = []
+
+        def respond(frames: list[Any]) -> None:
+            out.extend(frames)
+            done.set()
+
+        self.handle(identity, header, payloads, respond)
+        done.wait()
+        return out
 
     def _record_error(self, operation: str, exc: KVTierError) -> None:
         self.metrics.count_error(operation, exc.code.name)
@@ -152,41 +275,62 @@ class Engine:
             }
         )
 
-    def _dispatch(self, identity: bytes, req: p.Request, payloads: Sequence[Any]) -> list[Any]:
+    def _dispatch(
+        self, identity: bytes, req: p.Request, payloads: Sequence[Any], answer: _Answer
+    ) -> list[Any] | None:
+        """Route a request; the reply's frames, or None when `answer` is kept for later."""
+        op = answer.operation
         if isinstance(req, p.Hello):
-            return [p.encode(self._hello(identity, req))]
-        client = self.leases.peer(identity)
+            with self._lock.hold(op):
+                return [p.encode(self._hello(identity, req))]
+        with self._lock.hold(op):
+            client = self.leases.peer(identity)
         if client is None:
             raise NotConnectedError(f"send Hello before {type(req).__name__}: no handshake yet")
         client_id = client.client_id
         match req:
             case p.Heartbeat():
-                reply: p.Reply = p.Ok()
+                reply: p.Reply | None = p.Ok()
             case p.Register():
-                reply = self._register(client, req)
+                with self._lock.hold(op):
+                    reply = self._register(client, req)
             case p.Lookup():
-                reply = self._lookup(req)
+                reply = self._lookup(req, answer)
+            case p.LookupPoll():
+                reply = self._poll(req, answer)
             case p.Reserve():
-                reply = self._reserve(client_id, req)
+                reply = self._reserve(client_id, req, self._range_keys(req))
             case p.Commit():
-                reply = self._commit(client_id, req.reservation_id)
+                with self._lock.hold(op):
+                    committed = self._commit(client_id, req.reservation_id)
+                reply = self._write_committed(committed, answer)
             case p.Abort():
-                reply = self._abort(client_id, req.reservation_id)
+                with self._lock.hold(op):
+                    reply = self._abort(client_id, req.reservation_id)
             case p.StoreInline():
-                reply = self._store_inline(client_id, req, payloads)
+                reply = self._store_inline(client_id, req, payloads, answer)
             case p.Retrieve():
                 return self._retrieve(client_id, req)
             case p.RetrieveDone():
-                reply = self._retrieve_done(client_id, req.lease_id)
+                with self._lock.hold(op):
+                    reply = self._retrieve_done(client_id, req.lease_id)
             case p.Release():
                 self._require_session(req.request_id)
-                self.l1.unpin(req.request_id)
+                with self._lock.hold(op):
+                    self.l1.unpin(req.request_id)
                 reply = p.Ok()
             case p.EndSession():
                 self._require_session(req.request_id)
-                self._remove_session(req.request_id)
+                with self._lock.hold(op):
+                    self._remove_session(req.request_id)
                 reply = p.Ok()
-        return [p.encode(reply)]
+            case p.Goodbye():
+                with self._lock.hold(op):
+                    self._goodbye(client_id)
+                reply = p.Ok()
+            case _:
+                raise InternalError(f"no handler for {type(req).__name__}")
+        return None if reply is None else [p.encode(reply)]
 
     # -- handshake and registration -------------------------------------------------------------
 
@@ -195,7 +339,7 @@ class Engine:
             raise ProtocolVersionError(
                 f"client speaks protocol version {req.protocol_version}, this server speaks "
                 f"{p.PROTOCOL_VERSION}: install matching kvtier versions "
-                f"(server {kvtier.__version__})"
+                f"(server {__version__})"
             )
         server_info = self.hasher.contract_info()
         if req.contract is not None and req.contract != self.contract:
@@ -212,7 +356,7 @@ class Engine:
             )
         self.leases.connect(identity, req.client_id)
         return p.HelloReply(
-            server_version=kvtier.__version__,
+            server_version=__version__,
             protocol_version=p.PROTOCOL_VERSION,
             contract=self.contract,
             contract_info=dict(server_info),
@@ -238,7 +382,12 @@ class Engine:
             client.registrations.append(registration)
         return p.Ok()
 
-    # -- sessions and names -----------------------------------------------------------------------
+    def _goodbye(self, client_id: str) -> None:
+        """A client closed on purpose: forget it and reclaim what it still holds."""
+        logger.info("client %s closed", client_id)
+        self._reclaim(self.leases.disconnect(client_id))
+
+    # -- sessions and names (no engine lock: sessions guard themselves) -------------------------
 
     def _session(self, request_id: str, tokens: bytes) -> Session:
         if len(tokens) % 4:
@@ -249,10 +398,7 @@ class Engine:
         session.set_tokens(tokens)
         return session
 
-    def _range_keys(
-        self,
-        req: p.RangeRequest,
-    ) -> list[ChunkKey]:
+    def _range_keys(self, req: p.RangeRequest) -> list[ChunkKey]:
         cs = self.chunk_size
         if req.start % cs or req.end % cs or req.start < 0 or req.start > req.end:
             raise MisalignedRangeError(
@@ -274,21 +420,25 @@ class Engine:
 
         Kept per session and extended as it grows: a repeated lookup of a long prompt builds no
         new keys. Hashes are chained, so when the last cached key still carries the hash at its
-        position, every earlier one does too; otherwise the cache is rebuilt.
+        position, every earlier one does too; otherwise the cache is rebuilt. The cached list is
+        replaced, never changed in place, so two threads naming one session at once at worst
+        both build the same keys.
         """
         hashes = session.get_hashes(0, end)
         cache: dict[tuple[str, str, int], list[ChunkKey]] = session.extras.setdefault(
             "chunk_keys", {}
         )
-        keys = cache.setdefault((model, salt, world_size), [])
+        slot = (model, salt, world_size)
+        keys = cache.get(slot, [])
         n = len(hashes)
         valid = min(len(keys), n)  # the cached keys agree with these hashes up to here
         if valid and keys[valid - 1].chunk_hash != hashes[valid - 1]:
-            keys.clear()
+            keys = []
         elif len(keys) >= n:
             return keys[:n]  # a shorter range of a prompt already named: keep the rest cached
-        keys.extend(ChunkKey(model, salt, world_size, h) for h in hashes[len(keys) :])
-        return keys[:]
+        keys = keys + [ChunkKey(model, salt, world_size, h) for h in hashes[len(keys) :]]
+        cache[slot] = keys
+        return keys
 
     def _require_session(self, request_id: str) -> Session:
         session = self.sessions.get(request_id)
@@ -309,137 +459,214 @@ class Engine:
 
     def _on_session_destroyed(self, session: Session) -> None:
         with self._lock:
+            job = self._lookups.pop(session.request_id, None)
+            if job is not None and not job.done:
+                job.done = True  # its loads finish, but nothing is pinned for it any more
+                self._answer_job(job)
             held_pins = self.l1.unpin(session.request_id)
             if held_pins and session.request_id not in self._ending:
                 self._orphaned += 1  # the engine abandoned it mid-flight, holding cache
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def _lookup(self, req: p.Lookup) -> p.LookupReply:
+    def _lookup(self, req: p.Lookup, answer: _Answer) -> p.LookupReply | None:
+        """Pin and report the cached prefix; loads from L2 run as a job, answered when done."""
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
         session = self._session(req.request_id, req.tokens)
         num_tokens = session.num_tokens
-        keys = self._keys(
-            session,
-            req.model,
-            req.cache_salt,
-            req.world_size,
-            num_tokens - num_tokens % self.chunk_size,
-        )
-        hit = self.l1.count_prefix(keys)
-        if hit:
-            self.l1.pin(
-                req.request_id,
-                keys[:hit],
-                ranks=range(req.world_size),
-                lease_s=self.config.pin_lease,
+        end = num_tokens - num_tokens % self.chunk_size
+        keys = self._keys(session, req.model, req.cache_salt, req.world_size, end)
+        layout = self.layouts.get(req.model, req.world_size)
+        with self._lock.hold(answer.operation):
+            running = self._lookups.get(req.request_id)
+            if running is not None and not running.done:
+                # A lookup of a request whose previous lookup still loads joins that load.
+                return self._wait_or_pending(running, req.wait, answer)
+            hit = self.l1.count_prefix(keys)
+            if hit < len(keys) and layout is not None and self.tiers.tiers:
+                if hit:  # hold what is hit while the rest loads
+                    self._pin(req.request_id, keys[:hit], req.world_size)
+                job = _LookupJob(
+                    req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size
+                )
+                started = self.prefetcher.submit(
+                    keys[hit:],
+                    nbytes=layout.nbytes,
+                    layout=layout.text,
+                    on_done=lambda _loaded: self._lookup_loaded(job),
+                )
+                if started:
+                    self._lookups[req.request_id] = job
+                    return self._wait_or_pending(job, req.wait, answer)
+            self._lookups.pop(req.request_id, None)  # a done job nobody polled
+            hit_tokens = self._finish_lookup(
+                req.request_id, keys, hit, num_tokens, req.model, req.cache_salt, req.world_size
             )
-        if hit < len(keys) and self.tiers is not None:
-            hit = self._prefetch(req, keys, hit)
-        if hit:
-            self.l1.touch(keys[:hit])
-        else:
-            self.l1.unpin(req.request_id)
-        hit_tokens = hit * self.chunk_size
-        self._lookup_requested += session.num_tokens
-        self._lookup_hit += hit_tokens
-        self.metrics.observe_lookup(req.model, req.cache_salt, session.num_tokens, hit_tokens)
         return p.LookupReply(hit_tokens)
 
-    def _prefetch(self, req: p.Lookup, keys: list[ChunkKey], hit: int) -> int:
-        """Extend an L1 hit with the following chunks every rank has in L2, and pin them."""
-        assert self.tiers is not None
-        layout = self.layouts.get(req.model, req.world_size)
-        if layout is None:
-            return hit  # no worker told us the layout: nothing in L2 can be checked or loaded
-        with prefetch(
-            self.l1,
-            self.arena,
-            self.tiers,
-            keys[hit:],
-            nbytes=layout.nbytes,
-            layout=layout.text,
-            lease_s=self.config.staging_lease,
-        ) as loaded:
-            if loaded:
-                hit += len(loaded)
-                self.l1.pin(
-                    req.request_id,
-                    keys[:hit],
-                    ranks=range(req.world_size),
-                    lease_s=self.config.pin_lease,
+    def _wait_or_pending(
+        self, job: _LookupJob, wait: bool, answer: _Answer
+    ) -> p.LookupReply | None:
+        if wait:
+            job.waiters.append(answer)
+            return None
+        return p.LookupReply(0, pending=True)
+
+    def _lookup_loaded(self, job: _LookupJob) -> None:
+        """The job's loads ended (under the lock, the loaded groups still held)."""
+        if self._lookups.get(job.request_id) is not job:
+            return  # the session ended meanwhile: nothing is pinned for it
+        hit = self.l1.count_prefix(job.keys)
+        job.hit_tokens = self._finish_lookup(
+            job.request_id,
+            job.keys,
+            hit,
+            job.num_tokens,
+            job.model,
+            job.cache_salt,
+            job.world_size,
+        )
+        job.done = True
+        if job.waiters:
+            self._answer_job(job)
+
+    def _answer_job(self, job: _LookupJob) -> None:
+        for waiter in job.waiters:
+            waiter.reply(p.LookupReply(job.hit_tokens))
+        job.waiters.clear()
+
+    def _finish_lookup(
+        self,
+        request_id: str,
+        keys: list[ChunkKey],
+        hit: int,
+        num_tokens: int,
+        model: str,
+        salt: str,
+        world_size: int,
+    ) -> int:
+        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens."""
+        if hit:
+            self._pin(request_id, keys[:hit], world_size)
+            self.l1.touch(keys[:hit])
+        else:
+            self.l1.unpin(request_id)
+        hit_tokens = hit * self.chunk_size
+        self._lookup_requested += num_tokens
+        self._lookup_hit += hit_tokens
+        self.metrics.observe_lookup(model, salt, num_tokens, hit_tokens)
+        return hit_tokens
+
+    def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int) -> None:
+        self.l1.pin(request_id, keys, ranks=range(world_size), lease_s=self.config.pin_lease)
+
+    def _poll(self, req: p.LookupPoll, answer: _Answer) -> p.LookupReply | None:
+        with self._lock.hold(answer.operation):
+            job = self._lookups.get(req.request_id)
+            if job is None:
+                raise InvalidArgumentError(
+                    f"no lookup of request {req.request_id!r} to poll: send a Lookup first "
+                    "(a finished lookup answers one poll, then is forgotten)"
                 )
-        return hit
+            if not job.done:
+                return self._wait_or_pending(job, req.wait, answer)
+            del self._lookups[req.request_id]
+            return p.LookupReply(job.hit_tokens)
 
     # -- store ----------------------------------------------------------------------------------
 
-    def _reserve(self, client_id: str, req: p.RangeRequest) -> p.ReserveReply:
+    def _reserve(self, client_id: str, req: p.RangeRequest, keys: list[ChunkKey]) -> p.ReserveReply:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
-        keys = self._range_keys(req)
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
-        try:
-            for key in keys:
-                offset = self.l1.reserve(
-                    key,
-                    req.worker_id,
-                    layout.nbytes,
-                    owner=client_id,
-                    lease_s=self.config.staging_lease,
-                    layout=layout.text,
+        with self._lock.hold("Reserve"):
+            try:
+                for key in keys:
+                    offset = self.l1.reserve(
+                        key,
+                        req.worker_id,
+                        layout.nbytes,
+                        owner=client_id,
+                        lease_s=self.config.staging_lease,
+                        layout=layout.text,
+                    )
+                    offsets.append(-1 if offset is None else offset)
+                    if offset is not None:
+                        reserved.append(key)
+            except NoSpaceError:
+                for key in reserved:
+                    self.l1.abort(key, req.worker_id, owner=client_id)
+                raise
+            reservation_id = 0
+            if reserved:
+                reservation_id = self.leases.add_reservation(
+                    Reservation(
+                        client_id,
+                        req.worker_id,
+                        keys,
+                        reserved,
+                        layout.nbytes,
+                        self.clock() + self.config.staging_lease,
+                    )
                 )
-                offsets.append(-1 if offset is None else offset)
-                if offset is not None:
-                    reserved.append(key)
-        except NoSpaceError:
-            for key in reserved:
-                self.l1.abort(key, req.worker_id, owner=client_id)
-            raise
-        reservation_id = 0
-        if reserved:
-            reservation_id = self.leases.add_reservation(
-                Reservation(
-                    client_id,
-                    req.worker_id,
-                    keys,
-                    reserved,
-                    layout.nbytes,
-                    self.clock() + self.config.staging_lease,
-                )
-            )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
 
-    def _commit(self, client_id: str, reservation_id: int) -> p.StoreReply:
+    def _commit(self, client_id: str, reservation_id: int) -> _Committed:
+        """Make a reservation's slots ready (under the lock); what to write through to L2."""
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
         lost = 0
+        shards: list[Shard] = []
         for key in res.reserved:
             try:
                 self.l1.commit(key, res.worker_id, owner=client_id)
             except UnknownReservationError:
                 lost += 1
                 continue
-            self._write_through(key, res.worker_id)
+            if self.tiers.tiers:
+                shards.append(self._write_through_shard(key, res.worker_id))
         self.l1.touch(res.keys)
         self.metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
         if lost:
-            raise UnknownReservationError(
-                f"{lost} of {len(res.reserved)} staging slots expired before the commit "
-                f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not stored"
+            return _Committed(
+                LeaseExpiredError(
+                    f"{lost} of {len(res.reserved)} staging slots expired before the commit "
+                    f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not "
+                    "stored"
+                ),
+                shards,
             )
-        return p.StoreReply(len(res.keys))
+        return _Committed(p.StoreReply(len(res.keys)), shards)
+
+    def _write_committed(self, committed: _Committed, answer: _Answer) -> p.StoreReply | None:
+        """Queue the committed shards for L2 (no lock held); the reply, or None when the
+        queue is full under the block policy and the answer waits for room."""
+        result = committed.result
+
+        def then() -> None:
+            if isinstance(result, KVTierError):
+                answer.error(result)
+            else:
+                answer.reply(result)
+
+        if not self._write_through.write(committed.shards, then):
+            return None
+        if isinstance(result, KVTierError):
+            raise result
+        return result
 
     def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
         res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
         for key in res.reserved:
-            self.l1.abort(key, res.worker_id, owner=client_id)
+            with contextlib.suppress(UnknownReservationError):  # reclaimed already
+                self.l1.abort(key, res.worker_id, owner=client_id)
         return p.Ok()
 
     def _store_inline(
-        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any]
-    ) -> p.StoreReply:
+        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any], answer: _Answer
+    ) -> p.StoreReply | None:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
@@ -453,18 +680,19 @@ class Engine:
                     f"chunk {i} carries {len(frame)} bytes; layout {layout.text} needs "
                     f"{layout.nbytes}"
                 )
-        reply = self._reserve(client_id, req)
+        reply = self._reserve(client_id, req, self._range_keys(req))
+        # The slots are this client's staging slots: the copy needs no lock.
         for offset, frame in zip(reply.offsets, payloads, strict=True):
             if offset >= 0:  # a remote client's bytes have to land in the arena somehow
                 self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
         if reply.reservation_id:
-            return self._commit(client_id, reply.reservation_id)
+            with self._lock.hold("StoreInline"):
+                committed = self._commit(client_id, reply.reservation_id)
+            return self._write_committed(committed, answer)
         return p.StoreReply(req.num_chunks)
 
-    def _write_through(self, key: ChunkKey, worker_id: int) -> None:
-        """Queue a newly committed shard for the L2 tiers; its slot stays held until written."""
-        if self.tiers is None:
-            return
+    def _write_through_shard(self, key: ChunkKey, worker_id: int) -> Shard:
+        """A newly committed shard for the L2 tiers; its group stays held until written."""
         shard = self.l1.get_shard(key, worker_id)
         assert shard is not None
         offset, size, layout = shard
@@ -474,7 +702,7 @@ class Engine:
             with self._lock:
                 self.l1.release(key)
 
-        self.tiers.submit(key.shard(worker_id), self.arena.view(offset, size), layout, done)
+        return Shard(key.shard(worker_id), self.arena.view(offset, size), layout, done)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -484,38 +712,41 @@ class Engine:
         )
         keys = self._range_keys(req)
         offsets: list[int] = []
-        for key in keys:
-            shard = self.l1.get_shard(key, req.worker_id)
-            if shard is None or not self.l1.is_complete(key):
-                break
-            offsets.append(shard[0])
-        found = keys[: len(offsets)]
-        if found:
-            self.l1.touch(found)
-            if self.l1.pinned_keys(req.request_id):  # the lookup's pins live while in use
-                self.l1.renew(req.request_id, self.config.pin_lease)
-        if req.inline:
-            # bytes() copies under the lock, so the slots may be reused once it is released.
-            frames = [bytes(self.arena.view(off, layout.nbytes)) for off in offsets]
-            self.l1.mark_retrieved(req.request_id, req.worker_id)
-            self.metrics.add_retrieved_bytes(len(frames) * layout.nbytes)
-            reply = p.RetrieveReply(len(offsets), [], 0, layout.nbytes)
-            return [p.encode(reply), *frames]
         lease_id = 0
-        if found:
-            for key in found:
-                self.l1.acquire(key)
-            lease_id = self.leases.add_lease(
-                RetrieveLease(
-                    client_id,
-                    req.request_id,
-                    req.worker_id,
-                    found,
-                    layout.nbytes,
-                    self.clock() + self.config.staging_lease,
+        with self._lock.hold("Retrieve"):
+            for key in keys:
+                shard = self.l1.get_shard(key, req.worker_id)
+                if shard is None or not self.l1.is_complete(key):
+                    break
+                offsets.append(shard[0])
+            found = keys[: len(offsets)]
+            if found:
+                self.l1.touch(found)
+                if self.l1.pinned_keys(req.request_id):  # the lookup's pins live while in use
+                    self.l1.renew(req.request_id, self.config.pin_lease)
+                for key in found:
+                    self.l1.acquire(key)  # held while the bytes are copied out
+                lease_id = self.leases.add_lease(
+                    RetrieveLease(
+                        client_id,
+                        req.request_id,
+                        req.worker_id,
+                        found,
+                        layout.nbytes,
+                        self.clock() + self.config.staging_lease,
+                    )
                 )
-            )
-        return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
+        if not req.inline:
+            return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
+        # Inline: copy the held slots into frames outside the lock, then end the lease.
+        frames = [bytes(self.arena.view(off, layout.nbytes)) for off in offsets]
+        if lease_id:
+            with self._lock.hold("Retrieve"):
+                self._retrieve_done(client_id, lease_id)
+        else:
+            with self._lock.hold("Retrieve"):
+                self.l1.mark_retrieved(req.request_id, req.worker_id)
+        return [p.encode(p.RetrieveReply(len(offsets), [], 0, layout.nbytes)), *frames]
 
     def _retrieve_done(self, client_id: str, lease_id: int) -> p.Ok:
         lease = self.leases.take_lease(client_id, lease_id)
@@ -536,13 +767,7 @@ class Engine:
             expired = self.leases.sweep(self.config.client_timeout)
             for client_id in expired.dead_clients:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
-                self.l1.reclaim_staging(owner=client_id)
-            for res in expired.reservations:
-                for key in res.reserved:
-                    with contextlib.suppress(UnknownReservationError):  # reclaimed just above
-                        self.l1.abort(key, res.worker_id, owner=res.owner)
-            for lease in expired.leases:
-                self._end_lease(lease)
+            self._reclaim(expired)
             staging = self.l1.reclaim_staging()
             pins = self.l1.reclaim_pins()
         return ThreadRunSummary(
@@ -559,10 +784,30 @@ class Engine:
             },
         )
 
+    def _reclaim(self, gone: Expired) -> None:
+        """Release what departed clients held (under the lock)."""
+        for client_id in gone.dead_clients:
+            self.l1.reclaim_staging(owner=client_id)
+        self._release_expired(gone.reservations, gone.leases)
+
+    def _release_expired(
+        self, reservations: list[Reservation], leases: list[RetrieveLease]
+    ) -> None:
+        for res in reservations:
+            for key in res.reserved:
+                with contextlib.suppress(UnknownReservationError):  # reclaimed already
+                    self.l1.abort(key, res.worker_id, owner=res.owner)
+        for lease in leases:
+            self._end_lease(lease)
+
     # -- admin backend --------------------------------------------------------------------------
 
     def is_ready(self) -> bool:
         return not self._closed
+
+    def lock_stats(self) -> dict[str, HoldStats]:
+        """The longest and total hold of the engine lock, per operation."""
+        return self._lock.stats()
 
     def status(self) -> dict[str, Any]:
         """The JSON-safe picture of the server the admin API and metrics read."""
@@ -579,37 +824,33 @@ class Engine:
                 for c in self.leases.peers.values()
             ]
             recent = list(self._recent_errors)
-        l2: dict[str, Any] = (
-            self.tiers.summary()
-            if self.tiers is not None
-            else {
-                "queue_depth": 0,
-                "queue_capacity": 0,
-                "policy": self.config.l2_queue_policy,
-                "submitted": 0,
-                "written": 0,
-                "dropped": 0,
-                "write_errors": 0,
-                "tiers": [],
-            }
-        )
         return {
-            "version": kvtier.__version__,
+            "version": __version__,
             "uptime_s": time.time() - self.started_at,
             "ready": self.is_ready(),
             "config": self.config.to_dict(),
             "l1": {k: l1[k] for k in l1},
-            "l2": l2,
+            "l2": self.tiers.summary(),
             "clients": clients,
             "sessions": {
                 "active": self.sessions.active_count(),
                 "created": self.sessions.created_count,
                 # expired: left without end_session (SessionManager calls these orphans);
-                # orphaned: those of them that still held pinned chunks when they expired
+                # orphaned: those of them that still held pins when they expired
                 "expired": self.sessions.orphaned_count,
                 "orphaned": self._orphaned,
             },
             "lookup": {"requested_tokens": self._lookup_requested, "hit_tokens": self._lookup_hit},
+            "prefetch": {
+                "in_flight": self.prefetcher.in_flight,
+                "started": self.prefetcher.started,
+                "refused": self.prefetcher.refused,
+                "loaded_groups": self.prefetcher.loaded_groups,
+            },
+            "lock_hold": {
+                op: {"count": s.count, "total_s": s.total_s, "max_s": s.max_s}
+                for op, s in self.lock_stats().items()
+            },
             "recent_errors": recent,
         }
 
@@ -638,9 +879,7 @@ class Engine:
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
         with self._lock:
             cleared = self.l1.clear(model=model, cache_salt=cache_salt)
-        if self.tiers is not None:
-            cleared += self.tiers.clear(model=model, cache_salt=cache_salt)
-        return cleared
+        return cleared + self.tiers.clear(model=model, cache_salt=cache_salt)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -652,7 +891,9 @@ class Engine:
         if self._reaper is not None:
             self._reaper.stop()
             self._registry.unregister(self._reaper.name)
+        self._handlers.shutdown(wait=True, cancel_futures=True)
+        self.prefetcher.close()
+        self._write_through.close()
         self.sessions.close()
-        if self.tiers is not None:
-            self.tiers.close()
+        self.tiers.close()
         self.arena.close()

@@ -10,14 +10,15 @@ guards it.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import UnknownReservationError
+from kvtier.errors import LeaseExpiredError, UnknownReservationError
 from kvtier.keys import ChunkKey
 
-__all__ = ["LeaseBook", "Peer", "Reservation", "RetrieveLease"]
+__all__ = ["Expired", "LeaseBook", "Peer", "Reservation", "RetrieveLease"]
 
 
 @dataclass(slots=True)
@@ -73,6 +74,24 @@ class LeaseBook:
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, RetrieveLease] = {}
         self._ids = itertools.count(1)
+        # ids taken out by a sweep, so a late Commit or RetrieveDone hears "lease expired"
+        self._expired_ids: set[int] = set()
+        self._expired_order: deque[int] = deque()
+
+    _EXPIRED_MEMORY = 65536  # expired ids remembered (oldest forgotten first)
+
+    def _remember_expired(self, ids: list[int]) -> None:
+        for i in ids:
+            self._expired_ids.add(i)
+            self._expired_order.append(i)
+        while len(self._expired_order) > self._EXPIRED_MEMORY:
+            self._expired_ids.discard(self._expired_order.popleft())
+
+    def _lapsed(self, what: str, id_: int, knob: str) -> LeaseExpiredError | None:
+        if id_ not in self._expired_ids:
+            return None
+        self._expired_ids.discard(id_)
+        return LeaseExpiredError(f"{what} {id_} expired before this request ({knob})")
 
     # -- clients ----------------------------------------------------------------------------------
 
@@ -107,6 +126,14 @@ class LeaseBook:
     ) -> Reservation:
         """Remove and return a client's reservation (for Commit or Abort)."""
         res = self._reservations.get(reservation_id)
+        if res is None and (
+            lapsed := self._lapsed(
+                "staging lease of reservation",
+                reservation_id,
+                f"--staging-lease {staging_lease:g}s",
+            )
+        ):
+            raise lapsed
         if res is None or res.owner != client_id:
             raise UnknownReservationError(
                 f"no reservation {reservation_id} held by this client: it was committed, "
@@ -123,12 +150,27 @@ class LeaseBook:
     def take_lease(self, client_id: str, lease_id: int) -> RetrieveLease:
         """Remove and return a client's retrieve lease (for RetrieveDone)."""
         lease = self._leases.get(lease_id)
+        if lease is None and (
+            lapsed := self._lapsed("retrieve lease", lease_id, "--staging-lease, --client-timeout")
+        ):
+            raise lapsed
         if lease is None or lease.owner != client_id:
             raise UnknownReservationError(
                 f"no retrieve lease {lease_id} held by this client: already done or expired"
             )
         del self._leases[lease_id]
         return lease
+
+    def disconnect(self, client_id: str) -> Expired:
+        """The client said goodbye: take it out with everything it holds."""
+        self.peers.pop(client_id, None)
+        self._connections = {i: c for i, c in self._connections.items() if c != client_id}
+        out = Expired(dead_clients=[client_id])
+        for rid in [r for r, res in self._reservations.items() if res.owner == client_id]:
+            out.reservations.append(self._reservations.pop(rid))
+        for lid in [i for i, lease in self._leases.items() if lease.owner == client_id]:
+            out.leases.append(self._leases.pop(lid))
+        return out
 
     # -- expiry -----------------------------------------------------------------------------------
 
@@ -144,12 +186,15 @@ class LeaseBook:
         for client_id in dead:
             del self.peers[client_id]
         self._connections = {i: c for i, c in self._connections.items() if c not in dead}
-        for rid in [
+        rids = [
             r for r, res in self._reservations.items() if res.owner in dead or res.deadline < now
-        ]:
+        ]
+        for rid in rids:
             out.reservations.append(self._reservations.pop(rid))
-        for lid in [
+        lids = [
             i for i, lease in self._leases.items() if lease.owner in dead or lease.deadline < now
-        ]:
+        ]
+        for lid in lids:
             out.leases.append(self._leases.pop(lid))
+        self._remember_expired(rids + lids)
         return out

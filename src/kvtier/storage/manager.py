@@ -151,6 +151,34 @@ class TierManager:
             return False
         return True
 
+    def offer(
+        self,
+        key: ObjectKey,
+        data: memoryview,
+        layout: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue `data` if there is room now; never waits, never drops.
+
+        False when the queue is full: nothing was queued and `on_done` was not called (the
+        caller may `submit` it later, from a thread that can afford to wait).
+        """
+        if self._closed:
+            return False
+        job = _Job(key, data, layout, on_done)
+        with self._cond:
+            self._n["submitted"] += 1
+            self._pending += 1
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            with self._cond:
+                self._n["submitted"] -= 1
+                self._pending -= 1
+                self._cond.notify_all()
+            return False
+        return True
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()
