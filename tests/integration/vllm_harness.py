@@ -270,7 +270,9 @@ class Harness:
             dtype=torch.float32,
         )
 
-    def add(self, request_id: str, prompt: list[int], *, max_tokens: int = 2, salt: str = "") -> Any:
+    def add(
+        self, request_id: str, prompt: list[int], *, max_tokens: int = 2, salt: str = ""
+    ) -> Any:
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -356,7 +358,13 @@ class Harness:
             end = request.num_computed_tokens  # schedule() advanced it past this step
             start = end - num_new
             tokens = request.all_token_ids[:end]
-            values = token_kv(tokens, len(self.layer_names), self.heads_per_rank * len(self.workers), self.content, self.dtype)
+            values = token_kv(
+                tokens,
+                len(self.layer_names),
+                self.heads_per_rank * len(self.workers),
+                self.content,
+                self.dtype,
+            )
             heads = slice(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             pos = torch.arange(start, end)
@@ -378,12 +386,21 @@ class Harness:
 
     def expected(self, tokens: list[int], rank: int) -> Any:
         heads = slice(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
-        values = token_kv(tokens, len(self.layer_names), self.heads_per_rank * len(self.workers), self.content, self.dtype)
+        values = token_kv(
+            tokens,
+            len(self.layer_names),
+            self.heads_per_rank * len(self.workers),
+            self.content,
+            self.dtype,
+        )
         return values[:, :, heads]
 
     def run_until_done(self, request_ids: list[str], max_steps: int = 200) -> None:
         for _ in range(max_steps):
-            if all(r in self.finished for r in request_ids) and not self.scheduler.has_unfinished_requests():
+            if (
+                all(r in self.finished for r in request_ids)
+                and not self.scheduler.has_unfinished_requests()
+            ):
                 return
             self.step()
         raise AssertionError(f"requests {request_ids} did not finish in {max_steps} steps")
@@ -398,4 +415,3 @@ class Harness:
             worker.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
-

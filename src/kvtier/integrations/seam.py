@@ -145,7 +145,9 @@ class LazyClient:
         except InvalidArgumentError:
             raise  # a refused configuration is the operator's to fix, not a recompute
         except KVTierError as exc:
-            logger.warning("%s: kvtier at %s is not reachable, recomputing: %s", what, self.address, exc)
+            logger.warning(
+                "%s: kvtier at %s is not reachable, recomputing: %s", what, self.address, exc
+            )
             return None
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ class Transfer:
 
 
 @dataclass
-class KVTierConnectorMetadata(KVConnectorMetadata):
+class KVTierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's plan, built by the scheduler side and bound on every worker."""
 
     loads: list[Transfer] = field(default_factory=list)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -192,4 +193,3 @@ def copier_for(layout: PagedLayout, arena: Bytes | None) -> CpuCopier:
             f"KVTierConnector copies KV on CPU or CUDA devices; this cache is on {layout.device}"
         )
     return CpuCopier(layout)
-

@@ -90,7 +90,8 @@ class SchedulerSide:
                 return 0, False
             state.lookup = handle
         if state.lookup is not None:
-            hit = state.recompute.call("lookup", 0, state.lookup.poll)
+            failed: int | None = 0  # a failed poll reads as a miss, never as "pending"
+            hit = state.recompute.call("lookup", failed, state.lookup.poll)
             if hit is None:
                 return None, False  # L2 loads still run on the server: ask again next step
             state.lookup = None
@@ -100,9 +101,7 @@ class SchedulerSide:
             state.saved_end = max(state.saved_end, int(hit))  # chunk-aligned: stored already
         return max(0, state.hit - num_computed_tokens), False
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the load for the next step's metadata; drop pins kvtier will not need."""
         state = self._state(request)
         if num_external_tokens > 0:
