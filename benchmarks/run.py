@@ -22,6 +22,7 @@ MODULES = [
     "benchmarks.bench_serve",
     "benchmarks.bench_tiers",
     "benchmarks.bench_transformers",
+    "benchmarks.bench_vllm",
 ]
 
 

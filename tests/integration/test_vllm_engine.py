@@ -22,9 +22,7 @@ RUNNER = Path(__file__).with_name("vllm_engine_run.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_engine(
-    model_dir: Path, prompts: Path, *args: str, timeout: float = 240
-) -> dict[str, Any]:
+def run_engine(model_dir: Path, prompts: Path, *args: str, timeout: float = 240) -> dict[str, Any]:
     """One fresh engine process; what it printed as its RESULT line."""
     env = {
         **os.environ,
@@ -47,6 +45,7 @@ def run_engine(
     return result
 
 
+@pytest.mark.timeout(900)  # three engine processes; about a minute each on a busy 2-core box
 def test_second_engine_reuses_the_first_engines_kv(tmp_path: Path) -> None:
     try:
         require_vllm()

@@ -15,6 +15,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# engine core and worker in this process: vLLM is imported once, not three times
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def main() -> None:
@@ -57,6 +59,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_model_len,
         kv_transfer_config=kv_transfer,
+        distributed_executor_backend="uni",
         seed=0,
     )
     startup = time.perf_counter() - t0

@@ -92,9 +92,17 @@ class WorkerSide:
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Copy this step's loads from the arena into vLLM's blocks before the forward pass."""
         for load in meta.loads:
+            t0 = time.perf_counter()
             ok = self._load(load)
             if not ok:
                 self._load_errors.update(load.block_ids)
+            logger.info(
+                "kvtier load of %s: %d tokens %s in %.2f ms",
+                load.request_id,
+                load.end - load.start,
+                "copied" if ok else "failed",
+                (time.perf_counter() - t0) * 1e3,
+            )
 
     def _load(self, load: Transfer) -> bool:
         ready = self._ready()
