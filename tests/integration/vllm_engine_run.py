@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -63,7 +64,7 @@ def main() -> None:
         seed=0,
     )
     startup = time.perf_counter() - t0
-    prompts = json.loads(open(args.prompts).read())
+    prompts = json.loads(Path(args.prompts).read_text())
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, logprobs=1, detokenize=False
     )
