@@ -20,6 +20,7 @@ MODULES = [
     "benchmarks.bench_hashing",
     "benchmarks.bench_session",
     "benchmarks.bench_serve",
+    "benchmarks.bench_concurrency",
     "benchmarks.bench_tiers",
     "benchmarks.bench_transformers",
     "benchmarks.bench_vllm",

@@ -13,6 +13,7 @@ from kvtier.errors import ErrorCode, KVTierError
 from kvtier.hashing import ChunkHash, TokenHasher
 from kvtier.keys import ChunkKey, ObjectKey
 from kvtier.periodic import (
+    IrrecoverableException,
     PeriodicThread,
     PeriodicThreadRegistry,
     ThreadLevel,
@@ -26,6 +27,7 @@ __all__ = [
     "ChunkKey",
     "Client",
     "ErrorCode",
+    "IrrecoverableException",
     "KVTierError",
     "ObjectKey",
     "PeriodicThread",

@@ -5,7 +5,9 @@ The public names and semantics follow LMCache's `periodic_thread` module, so peo
 know that server feel at home: a `PeriodicThread` runs `_execute()` (overridden by a subclass, or
 calling the `execute_fn` it was given) on a daemon thread named `kvtier-<name>`: first after
 `init_wait` seconds (0: at once), then every `interval` seconds; `wake()` asks for a cycle sooner.
-A thread starts at most once: `start()` on a started or stopped thread raises RuntimeError.
+`start()` returns the worker thread. A running or stopped thread cannot start again
+(RuntimeError); one whose loop ended by itself, because a cycle raised `IrrecoverableException`,
+can (the lineage's contract).
 `ThreadLevel` values are the lower-case strings "critical", "high", "medium", "low".
 """
 
@@ -22,6 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NoReturn, final
 
 logger = logging.getLogger(__name__)
+
+
+class IrrecoverableException(Exception):
+    """Raised by a cycle to end its thread's loop (counted as a failed cycle); the thread can
+    be started again."""
+
 
 # A thread is active while a cycle completed within this many intervals.
 ACTIVE_INTERVALS = 3
@@ -174,6 +182,7 @@ class PeriodicThread:
         self._cycle_done = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._ended = False  # the loop ended by itself (IrrecoverableException): may restart
         self._started_at: float | None = None
         self._run_count = 0
         self._failure_count = 0
@@ -212,17 +221,23 @@ class PeriodicThread:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the daemon thread; its first cycle runs after `init_wait` s (or on wake)."""
+    def start(self) -> threading.Thread:
+        """Start the daemon thread and return it; its first cycle runs after `init_wait` s.
+
+        A thread whose loop ended on an `IrrecoverableException` starts again with a new worker.
+        """
         with self._lock:
             if self._stopped:
                 raise RuntimeError(f"periodic thread {self._name!r} was stopped; it cannot restart")
-            if self._thread is not None:
+            if self._thread is not None and not self._ended:
                 raise RuntimeError(f"periodic thread {self._name!r} is already started")
+            self._ended = False
             self._started_at = self._clock()
-            self._thread = threading.Thread(target=self._loop, name=f"kvtier-{self._name}")
-            self._thread.daemon = True
-            self._thread.start()
+            thread = threading.Thread(target=self._loop, name=f"kvtier-{self._name}")
+            thread.daemon = True
+            self._thread = thread
+            thread.start()
+            return thread
 
     def stop(self, timeout: float | None = 5.0) -> None:
         """Ask the thread to exit and wait up to `timeout` s for a running cycle to finish.
@@ -392,13 +407,22 @@ class PeriodicThread:
             with self._lock:
                 if self._stopped:
                     return
-            self._run_cycle()
+            if not self._run_cycle():
+                with self._lock:
+                    self._ended = True
+                return
             self._wake_event.wait(self._interval)
 
-    def _run_cycle(self) -> None:
+    def _run_cycle(self) -> bool:
+        """One cycle; False when it raised IrrecoverableException (the loop ends)."""
         began = time.perf_counter()
+        go_on = True
         try:
             result: object = self._execute()
+        except IrrecoverableException as exc:
+            logger.error("periodic thread %s: irrecoverable, stopping: %s", self._name, exc)
+            summary = ThreadRunSummary(success=False, message=repr(exc))
+            go_on = False
         except Exception as exc:
             logger.exception("periodic thread %s: cycle failed", self._name)
             summary = ThreadRunSummary(success=False, message=repr(exc))
@@ -423,6 +447,7 @@ class PeriodicThread:
             self._last_summary = summary
             self._last_run_time = finished
             self._cycle_done.notify_all()
+        return go_on
 
 
 class _ResetDescriptor:

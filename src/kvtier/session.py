@@ -13,11 +13,13 @@ this module differs on purpose:
 
 from __future__ import annotations
 
+import array
 import heapq
 import itertools
 import logging
 import math
 import operator
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +46,22 @@ Clock = Callable[[], float]
 DestroyListener = Callable[["Session"], None]
 
 _TOKEN_BYTES = 4  # tokens are held as packed little-endian uint32
+_PROBES_PER_CHUNK = 16  # tokens per chunk a growing list's prefix check compares per call
+
+
+def _pack_list(tokens: list[int]) -> bytes | memoryview:
+    """Python ints as packed little-endian uint32, checked: array('I') converts a short list
+    several times faster than numpy; anything it refuses goes through token_bytes, which
+    raises kvtier's error naming the bad value."""
+    if _NATIVE_U32:
+        try:
+            return array.array("I", tokens).tobytes()
+        except (OverflowError, TypeError):
+            pass
+    return token_bytes(tokens)
+
+
+_NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == _TOKEN_BYTES
 
 
 def _common_prefix_tokens(a: bytes | bytearray, b: bytes, limit: int) -> int:
@@ -65,7 +83,9 @@ class Session:
     __slots__ = (
         "_expiry_seq",
         "_extras",
+        "_list",
         "_lock",
+        "_probe",
         "_tokens",
         "chunk_hashes",
         "clock",
@@ -85,6 +105,10 @@ class Session:
         # place. A bytearray cannot resize while a view of it exists, so views of it are taken
         # and dropped only under _lock.
         self._tokens: bytes | bytearray = b""
+        # The tokens as the caller's Python ints, kept while set_tokens is given lists, so a
+        # growing list is checked and converted only where it grew (see _extend_from_list).
+        self._list: list[int] | None = None
+        self._probe = 0  # the rotating offset of _extend_from_list's prefix sample
         #: hashes of chunks [0, len(chunk_hashes)); always a prefix of the current tokens' chunks
         self.chunk_hashes: list[bytes] = []
         self.lookup_ipc_key: str | None = None
@@ -147,13 +171,18 @@ class Session:
         """Replace the tokens (never appends); idempotent.
 
         Hashes of chunks at or after the first token that differs from the old sequence are
-        dropped and recomputed on demand by `get_hashes`.
+        dropped and recomputed on demand by `get_hashes`. A Python list that repeats the
+        previous list and adds a tail (the lineage's growth pattern) costs only the tail's
+        conversion and a sampled check of the prefix (see `_extend_from_list`).
         """
+        if type(full_token_ids) is list and self._extend_from_list(full_token_ids):
+            return
         new = token_bytes(full_token_ids)
         if not isinstance(new, bytes):
             new = bytes(new)  # immutable copy: the caller may reuse its buffer
         with self._lock:
             self.last_access = self.clock()
+            self._list = list(full_token_ids) if type(full_token_ids) is list else None
             old = self._tokens
             if new is old:
                 return
@@ -165,11 +194,43 @@ class Session:
                 del self.chunk_hashes[valid_chunks:]
             self._tokens = new
 
+    def _extend_from_list(self, tokens: list[int]) -> bool:
+        """set_tokens for a list that grows the previous list: convert just the tail.
+
+        The check that the list still starts with the previous one is cheap, not exhaustive:
+        the previous list's last chunk is compared whole, and 16 tokens of every earlier chunk
+        at offsets that rotate call by call (so an edit anywhere is found within chunk_size / 16
+        calls, 16 for chunks of 256). Any mismatch takes the general path, which converts the
+        whole list and finds the first differing token exactly. Packed tokens (what the server
+        receives) always take the exact path.
+        """
+        with self._lock:
+            old = self._list
+            n = len(old) if old is not None else 0
+            if old is None or len(tokens) < n:
+                return False
+            cs = self.hasher.chunk_size
+            tip = max(0, n - cs)
+            stride = max(1, cs // _PROBES_PER_CHUNK)
+            probe = self._probe = (self._probe + 1) % stride
+            if tokens[tip:n] != old[tip:n] or tokens[probe:tip:stride] != old[probe:tip:stride]:
+                return False
+            tail = tokens[n:]
+            if tail:
+                packed = _pack_list(tail)  # validates the new tokens only
+                if isinstance(self._tokens, bytes):
+                    self._tokens = bytearray(self._tokens)  # one copy, then growth is in place
+                self._tokens += packed
+                old.extend(tail)
+            self.last_access = self.clock()
+            return True
+
     def append_tokens(self, token_ids: TokenIds) -> None:
         """Extend the tokens (decode growth) in amortized time proportional to the new ones."""
         extra = token_bytes(token_ids)
         with self._lock:
             self.last_access = self.clock()
+            self._list = None
             if isinstance(self._tokens, bytes):
                 self._tokens = bytearray(self._tokens)  # one copy, then growth is in place
             self._tokens += extra

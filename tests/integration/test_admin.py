@@ -20,7 +20,7 @@ from kvtier.client import Client
 from kvtier.config import ServerConfig
 from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic_thread
 from kvtier.server.admin import start_admin_server
-from kvtier.server.engine import Engine
+from kvtier.server.app import build_engine
 from tests.conftest import ServerProcess, start_server
 
 from ..conftest import FakeClock
@@ -348,7 +348,7 @@ def test_health_503_while_a_critical_thread_is_stalled(tmp_path: Path) -> None:
         prefault=False,
         admin_port=0,
     )
-    engine = Engine(config, registry=registry)
+    engine = build_engine(config, registry=registry)
     clock = FakeClock()
     stalled = create_periodic_thread(
         "test-stalled", 3600.0, lambda: None, ThreadLevel.CRITICAL, registry=registry, clock=clock

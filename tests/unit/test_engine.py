@@ -15,6 +15,7 @@ from kvtier.config import ServerConfig
 from kvtier.errors import ErrorCode
 from kvtier.hashing import TokenHasher
 from kvtier.periodic import PeriodicThreadRegistry
+from kvtier.server.app import build_engine
 from kvtier.server.engine import Engine
 
 from ..conftest import FakeClock
@@ -40,7 +41,7 @@ def engine(clock: FakeClock) -> Iterator[Engine]:
         client_timeout=10,
         staging_lease=5,
     )
-    eng = Engine(config, clock=clock, registry=PeriodicThreadRegistry(), start_threads=False)
+    eng = build_engine(config, clock=clock, registry=PeriodicThreadRegistry(), start_threads=False)
     yield eng
     eng.close()
 

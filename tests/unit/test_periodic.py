@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.periodic import (
+    IrrecoverableException,
     PeriodicThread,
     PeriodicThreadRegistry,
     ThreadLevel,
@@ -663,3 +664,30 @@ def test_lineage_factory_signature_and_summary(registry: PeriodicThreadRegistry)
         json.dumps(summary)
     finally:
         crit.stop()
+
+
+def test_start_returns_the_worker_and_an_irrecoverable_cycle_allows_a_restart() -> None:
+    attempts: list[int] = []
+    restarted = threading.Event()
+
+    def execute() -> ThreadRunSummary:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise IrrecoverableException("the first cycle gives up")
+        restarted.set()
+        return ThreadRunSummary(success=True)
+
+    thread = PeriodicThread("irrecoverable", 10.0, ThreadLevel.LOW, execute_fn=execute)
+    first = thread.start()
+    first.join(5)
+    assert not first.is_alive() and not thread.is_running
+    assert thread.failure_count == 1
+    second = thread.start()
+    try:
+        assert second is not first and restarted.wait(5)
+        with pytest.raises(RuntimeError, match="already started"):
+            thread.start()
+    finally:
+        thread.stop()
+    with pytest.raises(RuntimeError, match="cannot restart"):
+        thread.start()

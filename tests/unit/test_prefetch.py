@@ -40,10 +40,10 @@ def run_job(l1: L1Store, arena: Arena, tiers: TierManager, chain: list[ChunkKey]
 
     def on_done(loaded: list[ChunkKey]) -> None:
         seen.extend(loaded)
-        assert l1.stats()["pinned_groups"] == len(loaded)  # held while the caller pins them
+        assert l1.count_prefix(loaded) == len(loaded)  # complete while the caller pins them
         done.set()
 
-    prefetcher = Prefetcher(l1, arena, tiers, lock, max_jobs=2, lease_s=5)
+    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5)
     assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
     assert done.wait(10)
     prefetcher.close()
@@ -88,7 +88,7 @@ def test_at_most_max_jobs_run_at_once(arena: Arena, tmp_path: Path) -> None:
     tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
     lock = threading.RLock()
     l1 = L1Store(arena.size)
-    prefetcher = Prefetcher(l1, arena, tiers, lock, max_jobs=2, lease_s=5)
+    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5)
     finished = threading.Semaphore(0)
     with lock:  # the jobs cannot end while the test holds the lock
         assert prefetcher.submit(

@@ -13,7 +13,6 @@ happen outside it. Its longest hold per operation is measured (`lock_stats()`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -44,28 +43,20 @@ from kvtier.errors import (
 from kvtier.hashing import TokenHasher
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
-from kvtier.periodic import (
-    PeriodicThread,
-    PeriodicThreadRegistry,
-    ThreadLevel,
-    ThreadRunSummary,
-    create_periodic_thread,
-)
+from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
-from kvtier.storage.arena import Arena, default_arena_name
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher
 
-__all__ = ["Engine", "Respond"]
+__all__ = ["Engine", "EngineParts", "Respond"]
 
 logger = logging.getLogger(__name__)
-
-_instances = itertools.count()
 
 #: how a request is answered: the reply's frames, header first; called exactly once
 Respond = Callable[[list[Any]], None]
@@ -120,6 +111,8 @@ class _Committed:
     shards: list[Shard]
 
 
+_OK = p.encode(p.Ok())
+
 #: prompts at least this long are hashed and named on a handler thread, not the transport's
 _OFFLOAD_TOKEN_BYTES = 4096 * 4
 
@@ -137,80 +130,67 @@ def _offloaded(req: p.Request) -> bool:
             return False
 
 
+@dataclass(slots=True)
+class EngineParts:
+    """What the engine works with, built by `server.app.build_engine` and handed over."""
+
+    hasher: TokenHasher
+    arena: Arena
+    l1: L1Store
+    tiers: TierManager
+    sessions: SessionManager
+    lock: TimedLock
+    prefetcher: Prefetcher
+    write_through: WriteThrough
+    handlers: ThreadPoolExecutor
+    metrics: Metrics
+    registry: PeriodicThreadRegistry
+
+
 class Engine:
     """The server's state and request handlers (transport-agnostic)."""
 
     def __init__(
         self,
         config: ServerConfig,
+        parts: EngineParts,
         *,
         clock: Callable[[], float] = time.monotonic,
-        registry: PeriodicThreadRegistry | None = None,
-        tiers: TierManager | None = None,
-        start_threads: bool = True,
     ) -> None:
+        """Take the parts `server.app.build_engine` assembled; the engine owns them from now on
+        (`close()` stops and closes every one)."""
         self.config = config
         self.clock = clock
         self.started_at = time.time()
-        self.hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
+        self.hasher = parts.hasher
         self.chunk_size = config.chunk_size
         self.contract = self.hasher.contract()
         self.host_id = p.local_host_id()
         self.server_id = uuid.uuid4().hex
-        self.arena = Arena.create(
-            config.arena_name or default_arena_name(config.address[0]),
-            config.l1_size,
-            prefault=config.prefault,
-        )
-        self.l1 = L1Store(self.arena.size, clock=clock)
-        self.tiers = (
-            tiers
-            if tiers is not None
-            else TierManager([], policy="block" if config.l2_queue_policy == "block" else "drop")
-        )
-        self.metrics = Metrics()
-        self._lock = TimedLock()
-        self.prefetcher = Prefetcher(
-            self.l1,
-            self.arena,
-            self.tiers,
-            self._lock,
-            max_jobs=config.max_prefetch_jobs,
-            lease_s=config.staging_lease,
-        )
-        self._lookups: dict[str, _LookupJob] = {}
-        self._write_through = WriteThrough(self.tiers)
+        self.arena = parts.arena
+        self.l1 = parts.l1
+        self.tiers = parts.tiers
+        self.metrics = parts.metrics
+        self._lock = parts.lock
+        self.prefetcher = parts.prefetcher
+        self._write_through = parts.write_through
         # Requests with big prompts or inline bytes run here, so the transport thread only
         # decodes, routes and replies (see `_offloaded`).
-        self._handlers = ThreadPoolExecutor(
-            max_workers=config.handler_threads, thread_name_prefix="kvtier-handler"
-        )
-        self._registry = registry or PeriodicThreadRegistry.get_instance()
-        self.sessions = SessionManager(
-            self.hasher,
-            ttl=config.session_ttl,
-            cleanup_interval=config.session_cleanup_interval if start_threads else None,
-            registry=self._registry,
-        )
+        self._handlers = parts.handlers
+        self.sessions = parts.sessions
         self.sessions.destroy_listeners.append(self._on_session_destroyed)
         self.layouts = LayoutRegistry()
         self.leases = LeaseBook(clock)
+        self._lookups: dict[str, _LookupJob] = {}
         self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
         self._ending: set[str] = set()  # sessions being ended on purpose, not expired
         self._orphaned = 0  # expired sessions that still held pins
         self._lookup_requested = 0
         self._lookup_hit = 0
         self._closed = False
-        self._reaper: PeriodicThread | None = None
-        if start_threads:
-            self._reaper = create_periodic_thread(
-                f"lease-reaper-{next(_instances)}",
-                config.reap_interval,
-                self.reap,
-                ThreadLevel.CRITICAL,
-                registry=self._registry,
-                start=True,
-            )
+        #: periodic threads the assembler started for this engine (the lease reaper)
+        self.threads: list[PeriodicThread] = []
+        self._registry = parts.registry
         self.metrics.bind_state(self.status)
 
     # -- the one entry point --------------------------------------------------------------------
@@ -330,7 +310,9 @@ class Engine:
                 reply = p.Ok()
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
-        return None if reply is None else [p.encode(reply)]
+        if reply is None:
+            return None
+        return [_OK if type(reply) is p.Ok else p.encode(reply)]
 
     # -- handshake and registration -------------------------------------------------------------
 
@@ -458,7 +440,7 @@ class Engine:
             self._ending.discard(request_id)
 
     def _on_session_destroyed(self, session: Session) -> None:
-        with self._lock:
+        with self._lock.hold("session ended"):
             job = self._lookups.pop(session.request_id, None)
             if job is not None and not job.done:
                 job.done = True  # its loads finish, but nothing is pinned for it any more
@@ -699,7 +681,7 @@ class Engine:
         self.l1.acquire(key)
 
         def done() -> None:
-            with self._lock:
+            with self._lock.hold("L2 written"):
                 self.l1.release(key)
 
         return Shard(key.shard(worker_id), self.arena.view(offset, size), layout, done)
@@ -763,7 +745,7 @@ class Engine:
 
     def reap(self) -> ThreadRunSummary:
         """Reclaim what dead or slow clients hold: staging slots, retrieve leases, pins."""
-        with self._lock:
+        with self._lock.hold("reap"):
             expired = self.leases.sweep(self.config.client_timeout)
             for client_id in expired.dead_clients:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
@@ -812,7 +794,7 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """The JSON-safe picture of the server the admin API and metrics read."""
         now = self.clock()
-        with self._lock:
+        with self._lock.hold("status"):
             l1 = self.l1.stats()
             clients = [
                 {
@@ -888,9 +870,9 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._reaper is not None:
-            self._reaper.stop()
-            self._registry.unregister(self._reaper.name)
+        for thread in self.threads:
+            thread.stop()
+            self._registry.unregister(thread.name)
         self._handlers.shutdown(wait=True, cancel_futures=True)
         self.prefetcher.close()
         self._write_through.close()

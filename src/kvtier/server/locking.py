@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import msgspec
 
@@ -26,6 +24,22 @@ class HoldStats(msgspec.Struct):
     max_s: float = 0.0
 
 
+class _Hold:
+    """One hold of a TimedLock for an operation (a class, not a generator: it is cheaper)."""
+
+    __slots__ = ("_lock", "_operation")
+
+    def __init__(self, lock: TimedLock, operation: str) -> None:
+        self._lock = lock
+        self._operation = operation
+
+    def __enter__(self) -> None:
+        self._lock._enter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock._exit(self._operation)
+
+
 class TimedLock:
     """A re-entrant lock whose holds are timed per operation name."""
 
@@ -35,32 +49,30 @@ class TimedLock:
         self._stats: dict[str, HoldStats] = {}
         self._stats_lock = threading.Lock()
 
-    @contextmanager
-    def hold(self, operation: str) -> Iterator[None]:
+    def hold(self, operation: str) -> _Hold:
         """Hold the lock for `operation`; its hold time is recorded when the outermost ends."""
-        with self._lock:
-            depth: int = getattr(self._local, "depth", 0)
-            self._local.depth = depth + 1
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._local.depth = depth
-                if depth == 0:
-                    self._record(operation, time.perf_counter() - t0)
+        return _Hold(self, operation)
 
     def __enter__(self) -> None:
-        self._lock.acquire()
-        depth: int = getattr(self._local, "depth", 0)
-        self._local.depth = depth + 1
-        if depth == 0:
-            self._local.t0 = time.perf_counter()
+        self._enter()
 
     def __exit__(self, *exc: object) -> None:
-        depth: int = self._local.depth - 1
-        self._local.depth = depth
+        self._exit("background")
+
+    def _enter(self) -> None:
+        self._lock.acquire()
+        local = self._local
+        depth: int = getattr(local, "depth", 0)
+        local.depth = depth + 1
         if depth == 0:
-            self._record("background", time.perf_counter() - self._local.t0)
+            local.t0 = time.perf_counter()
+
+    def _exit(self, operation: str) -> None:
+        local = self._local
+        depth: int = local.depth - 1
+        local.depth = depth
+        if depth == 0:
+            self._record(operation, time.perf_counter() - local.t0)
         self._lock.release()
 
     def _record(self, operation: str, seconds: float) -> None:

@@ -5,11 +5,14 @@ A group counts only when every rank's shard is in some tier and every shard actu
 (its digest, key and layout check out on the way in); the first group that fails ends the run,
 so a lookup never reports a hit it cannot serve.
 
-A job's L1 bookkeeping (reserve, commit, hold) happens in short sections under the lock it was
-given; the tier reads happen between them, outside it. A group's missing shards are reserved in
-one section and committed in one, so the group is never evictable half-loaded (a group with a
-staging shard is not in the LRU order). The loaded groups stay held until the job's `on_done`
-has run, so the caller can pin them before anything may evict them.
+A job's L1 bookkeeping (reserve, commit, hold) happens in short sections under the lock that
+`hold()` enters; the tier reads happen between them, outside it. A group's missing shards are
+A job reserves the slots it fills a batch of groups per hold, reads them all outside the lock,
+commits them a batch per hold (holding each committed group), then reports (`on_done`) and
+gives back the holds and the rest in one final section: a group is never evictable half-loaded
+(a group with a staging shard is not in the LRU order), and the caller pins the loaded groups
+before anything else can evict them. Batches keep both the number and the length of holds
+small (each hold may also wait for the GIL or the CPU).
 
 At most `max_jobs` jobs are in flight (LMCache bounds its async L2 prefetch the same way);
 `submit` refuses more, and the caller then answers from L1 alone.
@@ -35,9 +38,11 @@ __all__ = ["Prefetcher"]
 
 logger = logging.getLogger(__name__)
 
+_BATCH = 16  # groups reserved or committed per hold of the lock
+_WORKERS = 2  # threads running jobs; up to max_jobs more wait their turn
 _OWNER = "kvtier:l2-prefetch"  # the staging owner of slots being filled from L2
 
-#: called under the lock with the groups loaded and still held, in chain order
+#: called under the lock with the groups just loaded, in chain order
 OnDone = Callable[[list[ChunkKey]], None]
 
 
@@ -49,7 +54,7 @@ class Prefetcher:
         l1: L1Store,
         arena: Arena,
         tiers: TierManager,
-        lock: AbstractContextManager[Any],
+        hold: Callable[[], AbstractContextManager[Any]],
         *,
         max_jobs: int,
         lease_s: float,
@@ -59,10 +64,14 @@ class Prefetcher:
         self._l1 = l1
         self._arena = arena
         self._tiers = tiers
-        self._lock = lock
+        self._hold = hold
         self._lease_s = lease_s
         self.max_jobs = max_jobs
-        self._pool = ThreadPoolExecutor(max_workers=max_jobs, thread_name_prefix="kvtier-prefetch")
+        # Jobs wait on I/O mostly: a few workers keep the disk busy; more would only compete
+        # for the GIL with the threads that answer requests.
+        self._pool = ThreadPoolExecutor(
+            max_workers=min(max_jobs, _WORKERS), thread_name_prefix="kvtier-prefetch"
+        )
         self._count_lock = threading.Lock()
         self.in_flight = 0
         self.started = 0
@@ -96,35 +105,54 @@ class Prefetcher:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _run(self, keys: list[ChunkKey], nbytes: int, layout: str, on_done: OnDone) -> None:
-        held: list[ChunkKey] = []
+        loaded: list[ChunkKey] = []
+        reserved: list[tuple[ChunkKey, list[tuple[int, int]]]] = []
         try:
             ws = keys[0].world_size if keys else 1
             present = self._tiers.contains_many([k.shard(w) for k in keys for w in range(ws)])
-            for i, key in enumerate(keys):
-                if not all(present[i * ws : (i + 1) * ws]):
+            loadable = 0
+            while loadable < len(keys) and all(present[loadable * ws : (loadable + 1) * ws]):
+                loadable += 1
+            for lo in range(0, loadable, _BATCH):  # short holds: a batch of groups each
+                with self._hold():
+                    batch = self._reserve(keys[lo : min(loadable, lo + _BATCH)], nbytes, layout)
+                reserved += batch
+                if len(batch) < min(_BATCH, loadable - lo):
                     break
-                if not self._load_group(key, nbytes, layout):
+            good = self._read(reserved, nbytes, layout)  # the I/O: no lock held
+            for lo in range(0, good, _BATCH):
+                with self._hold():
+                    done = self._commit(reserved[lo : min(good, lo + _BATCH)])
+                loaded += done
+                if len(done) < min(_BATCH, good - lo):
+                    good = lo + len(done)
                     break
-                held.append(key)
         except Exception:
-            logger.exception("prefetch job failed after %d groups", len(held))
+            logger.exception("prefetch job failed")
+            good = len(loaded)
         finally:
-            with self._lock:
+            with self._hold():  # report, then give back the holds and what was not loaded
+                for key, slots in reserved[good:]:
+                    self._abort(key, slots)
                 try:
-                    on_done(held)
+                    on_done(loaded)
                 except Exception:
                     logger.exception("prefetch on_done failed")
-                for key in held:
+                for key in loaded:
                     self._l1.release(key)
             with self._count_lock:
                 self.in_flight -= 1
-                self.loaded_groups += len(held)
+                self.loaded_groups += len(loaded)
 
-    def _load_group(self, key: ChunkKey, nbytes: int, layout: str) -> bool:
-        """Load every missing shard of the group; True when it ends complete and held."""
+    def _reserve(
+        self, keys: Sequence[ChunkKey], nbytes: int, layout: str
+    ) -> list[tuple[ChunkKey, list[tuple[int, int]]]]:
+        """Staging slots for the missing shards of the leading groups, until one cannot get
+        them (no room, or another client writes that shard now)."""
         l1 = self._l1
-        slots: list[tuple[int, int]] = []  # (worker_id, offset) reserved by this job
-        with self._lock:
+        out: list[tuple[ChunkKey, list[tuple[int, int]]]] = []
+        for key in keys:
+            slots: list[tuple[int, int]] = []  # (worker_id, offset)
             for worker_id in range(key.world_size):
                 if l1.get_shard(key, worker_id) is not None:
                     continue
@@ -134,30 +162,44 @@ class Prefetcher:
                     )
                 except NoSpaceError:
                     offset = None
-                if offset is None:  # no room, or another client is writing this shard now
+                if offset is None:
                     self._abort(key, slots)
-                    return False
+                    return out
                 slots.append((worker_id, offset))
-        ok = True
-        for worker_id, offset in slots:  # the I/O: no lock held
-            view = self._arena.view(offset, nbytes)
-            if self._tiers.get_into(key.shard(worker_id), view, layout) is None:
-                ok = False
-                break
-        with self._lock:
-            if not ok:
-                self._abort(key, slots)
-                return False
+            out.append((key, slots))
+        return out
+
+    def _read(
+        self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]], nbytes: int, layout: str
+    ) -> int:
+        """Read every reserved shard from L2; how many leading groups read completely."""
+        for i, (key, slots) in enumerate(reserved):
+            for worker_id, offset in slots:
+                view = self._arena.view(offset, nbytes)
+                if self._tiers.get_into(key.shard(worker_id), view, layout) is None:
+                    return i
+        return len(reserved)
+
+    def _commit(self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]]) -> list[ChunkKey]:
+        """Commit the read groups in chain order; the leading ones now complete in L1."""
+        l1 = self._l1
+        loaded: list[ChunkKey] = []
+        for n, (key, slots) in enumerate(reserved):
             try:
                 for worker_id, _ in slots:
                     l1.commit(key, worker_id, owner=_OWNER)
             except UnknownReservationError:  # the staging lease lapsed and was reclaimed
                 self._abort(key, slots)
-                return False
+                for later_key, later_slots in reserved[n + 1 :]:
+                    self._abort(later_key, later_slots)
+                return loaded
             if not l1.is_complete(key):
-                return False
-            l1.acquire(key)  # keep it while later loads make room
-        return True
+                for later_key, later_slots in reserved[n + 1 :]:
+                    self._abort(later_key, later_slots)
+                return loaded
+            l1.acquire(key)  # held until the job's on_done has pinned it
+            loaded.append(key)
+        return loaded
 
     def _abort(self, key: ChunkKey, slots: list[tuple[int, int]]) -> None:
         for worker_id, _ in slots:
