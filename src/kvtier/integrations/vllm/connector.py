@@ -134,6 +134,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler_side.update_connector_output(connector_output)
 
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler_side.has_pending_saves()
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side.has_pending_saves()
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -8,8 +8,9 @@ view's pages for the chunk's blocks, layer by layer:
     chunk = (num_layers, C // block_size, num_heads, block_size, content)
 
 so on the head-major layout vLLM's CPU backend uses (LBHNC) each (layer, block) of a chunk is one
-contiguous page and a copy is a gather (save) or scatter (load) of whole pages straight between
-vLLM's blocks and the arena slot. Other layouts are copied through their strides.
+contiguous page, and a copy is a memcpy of whole pages (runs of consecutive pages at once)
+straight between vLLM's blocks and the arena slot. Other layouts are copied through their
+strides.
 
 On a GPU the same copies go through the arena registered as pinned host memory, asynchronously
 on a side stream (see `GpuCopier`); the CPU path is `CpuCopier`.
@@ -112,32 +113,55 @@ class PagedLayout:
         return flat.view(self.dtype).view(self.chunk_shape)
 
 
+def page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(offset in `pages`, first page, count) for each run of consecutive page indices: a run
+    is copied as one slice (a fresh engine's blocks are mostly consecutive)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, page in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == page:
+            offset, first, count = runs[-1]
+            runs[-1] = (offset, first, count + 1)
+        else:
+            runs.append((i, page, 1))
+    return runs
+
+
 class CpuCopier:
-    """Page copies on the CPU: one gather or scatter call per layer and chunk."""
+    """Page copies on the CPU as numpy byte copies: one memcpy per run of consecutive pages
+    and layer. Single-threaded on purpose: torch's parallel gather spins OpenMP threads that
+    lose badly to a busy forward pass on the same cores, and numpy releases the GIL."""
 
     def __init__(self, layout: PagedLayout) -> None:
         self.layout = layout
+        # each layer as bytes: [pages, heads, kernel_block_size, content bytes], any strides
+        self._layers = [kv.view(torch.uint8).numpy() for kv in layout.layers]
+        _, pages, heads, kernel, _ = layout.chunk_shape
+        self._chunk_shape = (len(self._layers), pages, heads, kernel, self._layers[0].shape[-1])
 
     def save(self, slot: Bytes, pages: Sequence[int]) -> None:
         """Copy a whole chunk's pages (in token order) into the arena slot."""
-        chunk = self.layout.chunk_view(slot)
-        index = torch.tensor(pages, dtype=torch.int64)
-        for layer, kv in enumerate(self.layout.layers):
-            torch.index_select(kv, 0, index, out=chunk[layer])
+        chunk = slot.reshape(self._chunk_shape)
+        runs = page_runs(pages)
+        for layer, kv in enumerate(self._layers):
+            dst = chunk[layer]
+            for offset, first, count in runs:
+                np.copyto(dst[offset : offset + count], kv[first : first + count])
 
     def load(self, slot: Bytes, first_page: int, pages: Sequence[int]) -> None:
         """Copy the chunk's pages [first_page, first_page + len(pages)) into vLLM's `pages`."""
-        chunk = self.layout.chunk_view(slot)
-        index = torch.tensor(pages, dtype=torch.int64)
-        stop = first_page + len(pages)
-        for layer, kv in enumerate(self.layout.layers):
-            kv.index_copy_(0, index, chunk[layer, first_page:stop])
+        chunk = slot.reshape(self._chunk_shape)
+        runs = page_runs(pages)
+        for layer, kv in enumerate(self._layers):
+            src = chunk[layer]
+            for offset, first, count in runs:
+                at = first_page + offset
+                np.copyto(kv[first : first + count], src[at : at + count])
 
     def sync(self) -> None:
         """Copies are done when the calls return on the CPU."""
 
 
-class GpuCopier(CpuCopier):
+class GpuCopier:
     """Page copies between GPU blocks and the arena, which is registered as pinned host memory
     so the copies run asynchronously on a side stream; `sync()` waits for them.
 
@@ -145,7 +169,7 @@ class GpuCopier(CpuCopier):
     """
 
     def __init__(self, layout: PagedLayout, arena: Bytes | None) -> None:
-        super().__init__(layout)
+        self.layout = layout
         self.stream = torch.cuda.Stream(device=layout.device)
         if arena is not None:
             pin_host_memory(arena)
@@ -184,7 +208,10 @@ def pin_host_memory(buffer: Bytes) -> None:
     _PINNED.add(address)
 
 
-def copier_for(layout: PagedLayout, arena: Bytes | None) -> CpuCopier:
+Copier = CpuCopier | GpuCopier
+
+
+def copier_for(layout: PagedLayout, arena: Bytes | None) -> Copier:
     """The copier for the device the KV cache lives on."""
     if layout.device.type == "cuda":
         return GpuCopier(layout, arena)

@@ -151,6 +151,11 @@ class SchedulerSide:
             if state is not None:
                 self._end(state)
 
+    def has_pending_saves(self) -> bool:
+        """Finished requests whose blocks wait on saves: the engine must keep stepping so the
+        workers can report them, and vLLM need not preempt to free those blocks."""
+        return bool(self._finished_pending)
+
     def shutdown(self) -> None:
         for state in [*self._requests.values(), *self._finished_pending.values()]:
             self._end(state)

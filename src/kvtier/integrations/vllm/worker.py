@@ -21,7 +21,7 @@ from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
-from kvtier.integrations.vllm.paged import CpuCopier, PagedLayout, copier_for
+from kvtier.integrations.vllm.paged import Copier, PagedLayout, copier_for
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class WorkerSide:
         self.recompute = Recompute(f"KVTierConnector worker {rank}")
         self._kv_caches: Mapping[str, torch.Tensor] | None = None
         self.layout: PagedLayout | None = None
-        self._copier: CpuCopier | None = None
+        self._copier: Copier | None = None
         self._load_errors: set[int] = set()
         # saves: one background thread; counts of queued saves per vLLM request id
         self._jobs: queue.Queue[Transfer | None] = queue.Queue()
@@ -81,7 +81,7 @@ class WorkerSide:
             dtype=self.layout.dtype_name,
         )
 
-    def _ready(self) -> tuple[Client, PagedLayout, CpuCopier] | None:
+    def _ready(self) -> tuple[Client, PagedLayout, Copier] | None:
         client = self.client.try_connect(f"KVTierConnector worker {self.rank}")
         if client is None or self.layout is None or self._copier is None:
             return None
