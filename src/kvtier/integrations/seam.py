@@ -88,6 +88,10 @@ class Recompute:
         self.last_error = exc
 
 
+class _NotYet(NotConnectedError):
+    """The last connect failed moments ago; the next attempt waits for `retry_s`."""
+
+
 class LazyClient:
     """A `Client` an engine process opens on first use and re-opens after a failed connect.
 
@@ -123,7 +127,7 @@ class LazyClient:
                 return self._client
             now = time.monotonic()
             if now < self._next_try:
-                raise NotConnectedError(
+                raise _NotYet(
                     f"kvtier at {self.address} was unreachable; retrying in "
                     f"{self._next_try - now:.1f}s"
                 )
@@ -144,6 +148,8 @@ class LazyClient:
             return self.get()
         except InvalidArgumentError:
             raise  # a refused configuration is the operator's to fix, not a recompute
+        except _NotYet:
+            return None  # said once, when the attempt failed
         except KVTierError as exc:
             logger.warning(
                 "%s: kvtier at %s is not reachable, recomputing: %s", what, self.address, exc
