@@ -208,10 +208,11 @@ def _ttft() -> str:
     base_first, base_best = base["runs"][0]["seconds"], min(r["seconds"] for r in base["runs"])
     kv_first, kv_best = kv["runs"][0]["seconds"], min(r["seconds"] for r in kv["runs"])
     cached = kv["runs"][0]["num_cached_tokens"]
+    again = kv["runs"][1]["num_cached_tokens"]
     rows = [
-        ["no connector", f"{base_first:.3f}", f"{base_best:.3f}", 0, "1.00"],
-        ["KVTierConnector (90% in kvtier)", f"{kv_first:.3f}", f"{kv_best:.3f}", cached,
-         f"{base_first / kv_first:.2f} (best {base_best / kv_best:.2f})"],
+        ["no connector", f"{base_first:.3f}", 0, "1.00", f"{base_best:.3f}", 0],
+        ["KVTierConnector", f"{kv_first:.3f}", cached, f"{base_first / kv_first:.2f}",
+         f"{kv_best:.3f}", again],
     ]  # fmt: skip
     note = ""
     if offload is not None:
@@ -219,7 +220,8 @@ def _ttft() -> str:
         off_best = min(r["seconds"] for r in off_runs)
         rows.append(
             ["OffloadingConnector, same process (warm)", f"{off_runs[0]['seconds']:.3f}",
-             f"{off_best:.3f}", off_runs[0]["num_cached_tokens"], f"{base_best / off_best:.2f}"]
+             off_runs[0]["num_cached_tokens"], f"{base_first / off_runs[0]['seconds']:.2f}",
+             f"{off_best:.3f}", off_runs[-1]["num_cached_tokens"]]
         )  # fmt: skip
         note = (
             f"kvtier's best TTFT / OffloadingConnector's: {kv_best / off_best:.2f} (goal <= 1.2)."
@@ -239,7 +241,21 @@ def _ttft() -> str:
             "between, after a 64-token warm-up request of another prompt; 'first' is the 8k "
             "prompt's first request (vLLM's prefix cache empty). Goal: >= 4x.",
             "",
-            table(["engine", "first TTFT s", "best TTFT s", "cached tokens", "speed-up"], rows),
+            table(
+                [
+                    "engine",
+                    "TTFT s, 90% cached",
+                    "cached tokens",
+                    "speed-up",
+                    "repeat TTFT s",
+                    "repeat cached",
+                ],
+                rows,
+            ),
+            "",
+            "The repeat runs the same prompt again after resetting vLLM's prefix cache: by then "
+            "the first run has stored the whole prompt, so kvtier holds all but the last "
+            "block; it shows the load path's floor, not the 90% case.",
             "",
             f"Where the time goes (kvtier, first request): loading {cached} tokens from the arena "
             f"into vLLM's blocks took {load_ms} (the connector's own log); the rest is the "
