@@ -21,6 +21,7 @@ MODULES = [
     "benchmarks.bench_session",
     "benchmarks.bench_serve",
     "benchmarks.bench_concurrency",
+    "benchmarks.bench_copy",
     "benchmarks.bench_tiers",
     "benchmarks.bench_transformers",
     "benchmarks.bench_vllm",

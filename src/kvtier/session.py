@@ -303,7 +303,9 @@ class SessionManager:
     that use is a ttl old.
     """
 
-    DEFAULT_SESSION_TTL = 600.0  # the lineage's defaults, by the lineage's names
+    # The lineage's library defaults, by the lineage's names (code written for it reads them).
+    # The server never relies on them: server/app.py passes ServerConfig's values.
+    DEFAULT_SESSION_TTL = 600.0
     DEFAULT_CLEANUP_INTERVAL = 60.0
     _BATCH = 256  # sessions looked at per hold of the lock during cleanup (tens of us)
     _ids = itertools.count()
@@ -311,8 +313,8 @@ class SessionManager:
     def __init__(
         self,
         hasher: TokenHasher,
-        ttl: float = 600.0,
-        cleanup_interval: float | None = 60.0,
+        ttl: float = DEFAULT_SESSION_TTL,
+        cleanup_interval: float | None = DEFAULT_CLEANUP_INTERVAL,
         *,
         clock: Clock = time.time,
         registry: PeriodicThreadRegistry | None = None,

@@ -1,8 +1,9 @@
 """Request handlers: everything the server does, without sockets.
 
 `Engine.handle(identity, header, payloads, respond)` takes one request's frames and answers
-through `respond(frames)` exactly once: at once for most requests, later (from a worker thread)
-for a lookup that waits on L2 loads. Every failure becomes a typed error reply.
+through `respond(frames)` exactly once (see `answers.py`): at once for most requests, later
+(from another thread) for a lookup that waits on L2 loads or a commit that waits for room in a
+full L2 queue. Every failure becomes a typed error reply.
 
 State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
 L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
@@ -20,7 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier import protocol as p
@@ -33,7 +34,6 @@ from kvtier.errors import (
     InvalidArgumentError,
     KVTierError,
     LeaseExpiredError,
-    MisalignedRangeError,
     NoSpaceError,
     NotConnectedError,
     ProtocolVersionError,
@@ -44,9 +44,12 @@ from kvtier.hashing import TokenHasher
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
+from kvtier.server import naming
+from kvtier.server.answers import Answer, Respond, offloaded
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
 from kvtier.server.locking import HoldStats, TimedLock
+from kvtier.server.lookups import LookupBook
 from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.session import Session, SessionManager
 from kvtier.storage.arena import Arena
@@ -58,50 +61,6 @@ __all__ = ["Engine", "EngineParts", "Respond"]
 
 logger = logging.getLogger(__name__)
 
-#: how a request is answered: the reply's frames, header first; called exactly once
-Respond = Callable[[list[Any]], None]
-
-
-class _Answer:
-    """Answers one request exactly once, now or later, from any thread; times it."""
-
-    __slots__ = ("_engine", "_respond", "_t0", "operation")
-
-    def __init__(self, engine: Engine, respond: Respond) -> None:
-        self._engine = engine
-        self._respond = respond
-        self._t0 = time.perf_counter()
-        self.operation = "unknown"
-
-    def frames(self, frames: list[Any]) -> None:
-        self._engine.metrics.observe_request(self.operation, time.perf_counter() - self._t0)
-        self._respond(frames)
-
-    def reply(self, reply: p.Reply) -> None:
-        self.frames([p.encode(reply)])
-
-    def error(self, exc: BaseException) -> None:
-        if not isinstance(exc, KVTierError):  # a bug: still answer, so no client times out
-            logger.error("handler for %s failed", self.operation, exc_info=exc)
-            exc = InternalError(f"{self.operation} failed inside the server: {exc!r}")
-        self._engine._record_error(self.operation, exc)
-        self.frames([p.error_reply(exc)])
-
-
-@dataclass(slots=True)
-class _LookupJob:
-    """A lookup waiting on L2 loads: answered to `waiters` when done, kept for one poll."""
-
-    request_id: str
-    keys: list[ChunkKey]
-    num_tokens: int
-    model: str
-    cache_salt: str
-    world_size: int
-    done: bool = False
-    hit_tokens: int = 0
-    waiters: list[_Answer] = field(default_factory=list)
-
 
 @dataclass(slots=True)
 class _Committed:
@@ -112,22 +71,6 @@ class _Committed:
 
 
 _OK = p.encode(p.Ok())
-
-#: prompts at least this long are hashed and named on a handler thread, not the transport's
-_OFFLOAD_TOKEN_BYTES = 4096 * 4
-
-
-def _offloaded(req: p.Request) -> bool:
-    """Whether a request is long work: a big prompt to hash, or KV bytes to move inline."""
-    match req:
-        case p.StoreInline():
-            return True
-        case p.Retrieve():
-            return req.inline or len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
-        case p.Lookup() | p.Reserve():
-            return len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
-        case _:
-            return False
 
 
 @dataclass(slots=True)
@@ -181,12 +124,10 @@ class Engine:
         self.sessions.destroy_listeners.append(self._on_session_destroyed)
         self.layouts = LayoutRegistry()
         self.leases = LeaseBook(clock)
-        self._lookups: dict[str, _LookupJob] = {}
+        self.lookups = LookupBook(config, self.l1, self.tiers, self.prefetcher, self.metrics)
         self._recent_errors: deque[dict[str, Any]] = deque(maxlen=50)
         self._ending: set[str] = set()  # sessions being ended on purpose, not expired
         self._orphaned = 0  # expired sessions that still held pins
-        self._lookup_requested = 0
-        self._lookup_hit = 0
         self._closed = False
         #: periodic threads the assembler started for this engine (the lease reaper)
         self.threads: list[PeriodicThread] = []
@@ -203,14 +144,14 @@ class Engine:
         respond: Respond,
     ) -> None:
         """One request's frames in; its reply goes to `respond`, now or later. Never raises."""
-        answer = _Answer(self, respond)
+        answer = Answer(self.metrics, self._record_error, respond)
         try:
             request = p.decode_request(header)
         except Exception as exc:
             answer.error(exc)
             return
         answer.operation = type(request).__name__
-        if _offloaded(request):
+        if offloaded(request):
             try:
                 self._handlers.submit(self._run, identity, request, payloads, answer)
                 return
@@ -219,7 +160,7 @@ class Engine:
         self._run(identity, request, payloads, answer)
 
     def _run(
-        self, identity: bytes, request: p.Request, payloads: Sequence[Any], answer: _Answer
+        self, identity: bytes, request: p.Request, payloads: Sequence[Any], answer: Answer
     ) -> None:
         try:
             frames = self._dispatch(identity, request, payloads, answer)
@@ -256,7 +197,7 @@ class Engine:
         )
 
     def _dispatch(
-        self, identity: bytes, req: p.Request, payloads: Sequence[Any], answer: _Answer
+        self, identity: bytes, req: p.Request, payloads: Sequence[Any], answer: Answer
     ) -> list[Any] | None:
         """Route a request; the reply's frames, or None when `answer` is kept for later."""
         op = answer.operation
@@ -277,7 +218,8 @@ class Engine:
             case p.Lookup():
                 reply = self._lookup(req, answer)
             case p.LookupPoll():
-                reply = self._poll(req, answer)
+                with self._lock.hold(op):
+                    reply = self.lookups.poll(req, answer)
             case p.Reserve():
                 reply = self._reserve(client_id, req, self._range_keys(req))
             case p.Commit():
@@ -372,55 +314,12 @@ class Engine:
     # -- sessions and names (no engine lock: sessions guard themselves) -------------------------
 
     def _session(self, request_id: str, tokens: bytes) -> Session:
-        if len(tokens) % 4:
-            raise InvalidArgumentError(
-                f"tokens must be packed uint32: {len(tokens)} bytes is not a multiple of 4"
-            )
-        session = self.sessions.get_or_create(request_id)
-        session.set_tokens(tokens)
-        return session
+        return naming.session_for(self.sessions, request_id, tokens)
 
     def _range_keys(self, req: p.RangeRequest) -> list[ChunkKey]:
-        cs = self.chunk_size
-        if req.start % cs or req.end % cs or req.start < 0 or req.start > req.end:
-            raise MisalignedRangeError(
-                f"token range [{req.start}, {req.end}) must have both ends on multiples of the "
-                f"chunk size {cs} with start <= end"
-            )
-        if req.num_chunks != (req.end - req.start) // cs:
-            raise BadArrayError(
-                f"the array holds {req.num_chunks} chunks but the range [{req.start}, "
-                f"{req.end}) covers {(req.end - req.start) // cs} chunks of {cs} tokens"
-            )
-        session = self._session(req.request_id, req.tokens)
-        keys = self._keys(session, req.model, req.cache_salt, req.world_size, req.end)
-        return keys[req.start // cs :]
+        return naming.range_keys(self.sessions, self.chunk_size, req)
 
-    @staticmethod
-    def _keys(session: Session, model: str, salt: str, world_size: int, end: int) -> list[ChunkKey]:
-        """Names of the session's chunks [0, end) under (model, salt, world_size).
-
-        Kept per session and extended as it grows: a repeated lookup of a long prompt builds no
-        new keys. Hashes are chained, so when the last cached key still carries the hash at its
-        position, every earlier one does too; otherwise the cache is rebuilt. The cached list is
-        replaced, never changed in place, so two threads naming one session at once at worst
-        both build the same keys.
-        """
-        hashes = session.get_hashes(0, end)
-        cache: dict[tuple[str, str, int], list[ChunkKey]] = session.extras.setdefault(
-            "chunk_keys", {}
-        )
-        slot = (model, salt, world_size)
-        keys = cache.get(slot, [])
-        n = len(hashes)
-        valid = min(len(keys), n)  # the cached keys agree with these hashes up to here
-        if valid and keys[valid - 1].chunk_hash != hashes[valid - 1]:
-            keys = []
-        elif len(keys) >= n:
-            return keys[:n]  # a shorter range of a prompt already named: keep the rest cached
-        keys = keys + [ChunkKey(model, salt, world_size, h) for h in hashes[len(keys) :]]
-        cache[slot] = keys
-        return keys
+    _keys = staticmethod(naming.chunk_keys)
 
     def _require_session(self, request_id: str) -> Session:
         session = self.sessions.get(request_id)
@@ -441,18 +340,15 @@ class Engine:
 
     def _on_session_destroyed(self, session: Session) -> None:
         with self._lock.hold("session ended"):
-            job = self._lookups.pop(session.request_id, None)
-            if job is not None and not job.done:
-                job.done = True  # its loads finish, but nothing is pinned for it any more
-                self._answer_job(job)
+            self.lookups.forget(session.request_id)
             held_pins = self.l1.unpin(session.request_id)
             if held_pins and session.request_id not in self._ending:
                 self._orphaned += 1  # the engine abandoned it mid-flight, holding cache
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def _lookup(self, req: p.Lookup, answer: _Answer) -> p.LookupReply | None:
-        """Pin and report the cached prefix; loads from L2 run as a job, answered when done."""
+    def _lookup(self, req: p.Lookup, answer: Answer) -> p.LookupReply | None:
+        """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
         session = self._session(req.request_id, req.tokens)
@@ -461,100 +357,7 @@ class Engine:
         keys = self._keys(session, req.model, req.cache_salt, req.world_size, end)
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            running = self._lookups.get(req.request_id)
-            if running is not None and not running.done:
-                # A lookup of a request whose previous lookup still loads joins that load.
-                return self._wait_or_pending(running, req.wait, answer)
-            hit = self.l1.count_prefix(keys)
-            if hit < len(keys) and layout is not None and self.tiers.tiers:
-                if hit:  # hold what is hit while the rest loads
-                    self._pin(req.request_id, keys[:hit], req.world_size)
-                job = _LookupJob(
-                    req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size
-                )
-                started = self.prefetcher.submit(
-                    keys[hit:],
-                    nbytes=layout.nbytes,
-                    layout=layout.text,
-                    on_done=lambda _loaded: self._lookup_loaded(job),
-                )
-                if started:
-                    self._lookups[req.request_id] = job
-                    return self._wait_or_pending(job, req.wait, answer)
-            self._lookups.pop(req.request_id, None)  # a done job nobody polled
-            hit_tokens = self._finish_lookup(
-                req.request_id, keys, hit, num_tokens, req.model, req.cache_salt, req.world_size
-            )
-        return p.LookupReply(hit_tokens)
-
-    def _wait_or_pending(
-        self, job: _LookupJob, wait: bool, answer: _Answer
-    ) -> p.LookupReply | None:
-        if wait:
-            job.waiters.append(answer)
-            return None
-        return p.LookupReply(0, pending=True)
-
-    def _lookup_loaded(self, job: _LookupJob) -> None:
-        """The job's loads ended (under the lock, the loaded groups still held)."""
-        if self._lookups.get(job.request_id) is not job:
-            return  # the session ended meanwhile: nothing is pinned for it
-        hit = self.l1.count_prefix(job.keys)
-        job.hit_tokens = self._finish_lookup(
-            job.request_id,
-            job.keys,
-            hit,
-            job.num_tokens,
-            job.model,
-            job.cache_salt,
-            job.world_size,
-        )
-        job.done = True
-        if job.waiters:
-            self._answer_job(job)
-
-    def _answer_job(self, job: _LookupJob) -> None:
-        for waiter in job.waiters:
-            waiter.reply(p.LookupReply(job.hit_tokens))
-        job.waiters.clear()
-
-    def _finish_lookup(
-        self,
-        request_id: str,
-        keys: list[ChunkKey],
-        hit: int,
-        num_tokens: int,
-        model: str,
-        salt: str,
-        world_size: int,
-    ) -> int:
-        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens."""
-        if hit:
-            self._pin(request_id, keys[:hit], world_size)
-            self.l1.touch(keys[:hit])
-        else:
-            self.l1.unpin(request_id)
-        hit_tokens = hit * self.chunk_size
-        self._lookup_requested += num_tokens
-        self._lookup_hit += hit_tokens
-        self.metrics.observe_lookup(model, salt, num_tokens, hit_tokens)
-        return hit_tokens
-
-    def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int) -> None:
-        self.l1.pin(request_id, keys, ranks=range(world_size), lease_s=self.config.pin_lease)
-
-    def _poll(self, req: p.LookupPoll, answer: _Answer) -> p.LookupReply | None:
-        with self._lock.hold(answer.operation):
-            job = self._lookups.get(req.request_id)
-            if job is None:
-                raise InvalidArgumentError(
-                    f"no lookup of request {req.request_id!r} to poll: send a Lookup first "
-                    "(a finished lookup answers one poll, then is forgotten)"
-                )
-            if not job.done:
-                return self._wait_or_pending(job, req.wait, answer)
-            del self._lookups[req.request_id]
-            return p.LookupReply(job.hit_tokens)
+            return self.lookups.lookup(req, keys, num_tokens, layout, answer)
 
     # -- store ----------------------------------------------------------------------------------
 
@@ -622,7 +425,7 @@ class Engine:
             )
         return _Committed(p.StoreReply(len(res.keys)), shards)
 
-    def _write_committed(self, committed: _Committed, answer: _Answer) -> p.StoreReply | None:
+    def _write_committed(self, committed: _Committed, answer: Answer) -> p.StoreReply | None:
         """Queue the committed shards for L2 (no lock held); the reply, or None when the
         queue is full under the block policy and the answer waits for room."""
         result = committed.result
@@ -647,7 +450,7 @@ class Engine:
         return p.Ok()
 
     def _store_inline(
-        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any], answer: _Answer
+        self, client_id: str, req: p.StoreInline, payloads: Sequence[Any], answer: Answer
     ) -> p.StoreReply | None:
         layout = self.layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
@@ -822,7 +625,10 @@ class Engine:
                 "expired": self.sessions.orphaned_count,
                 "orphaned": self._orphaned,
             },
-            "lookup": {"requested_tokens": self._lookup_requested, "hit_tokens": self._lookup_hit},
+            "lookup": {
+                "requested_tokens": self.lookups.requested_tokens,
+                "hit_tokens": self.lookups.hit_tokens,
+            },
             "prefetch": {
                 "in_flight": self.prefetcher.in_flight,
                 "started": self.prefetcher.started,

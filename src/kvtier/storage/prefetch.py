@@ -38,7 +38,7 @@ __all__ = ["Prefetcher"]
 
 logger = logging.getLogger(__name__)
 
-_BATCH = 16  # groups reserved or committed per hold of the lock
+_BATCH = 4  # groups reserved or committed per hold of the lock
 _WORKERS = 2  # threads running jobs; up to max_jobs more wait their turn
 _OWNER = "kvtier:l2-prefetch"  # the staging owner of slots being filled from L2
 

@@ -1,0 +1,173 @@
+"""Lookups: pin and report the cached prefix of a prompt; loads from L2 run as prefetch jobs.
+
+A lookup counts the leading groups complete in L1 and pins them for the request. When the
+groups after them may be in L2, it starts a prefetch job instead of answering: a blocking lookup
+is answered when the job ends, a non-blocking one answers "pending" at once and is polled. At
+the job's end the hit is what is complete in L1 then, and exactly that is pinned. A lookup of a
+request whose earlier lookup still loads joins that load. The book is guarded by the engine lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier import protocol as p
+from kvtier.config import ServerConfig
+from kvtier.errors import InvalidArgumentError
+from kvtier.keys import ChunkKey
+from kvtier.metrics import Metrics
+from kvtier.server.answers import Answer
+from kvtier.server.layouts import Layout
+from kvtier.storage.l1 import L1Store
+from kvtier.storage.manager import TierManager
+from kvtier.storage.prefetch import Prefetcher
+
+__all__ = ["LookupBook"]
+
+
+@dataclass(slots=True)
+class _LookupJob:
+    """A lookup waiting on L2 loads: answered to `waiters` when done, kept for one poll."""
+
+    request_id: str
+    keys: list[ChunkKey]
+    num_tokens: int
+    model: str
+    cache_salt: str
+    world_size: int
+    done: bool = False
+    hit_tokens: int = 0
+    waiters: list[Answer] = field(default_factory=list)
+
+
+class LookupBook:
+    """The lookups of the server: pins, pending prefetch jobs and their results."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        l1: L1Store,
+        tiers: TierManager,
+        prefetcher: Prefetcher,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._chunk_size = config.chunk_size
+        self._l1 = l1
+        self._tiers = tiers
+        self._prefetcher = prefetcher
+        self._metrics = metrics
+        self._jobs: dict[str, _LookupJob] = {}
+        self.requested_tokens = 0
+        self.hit_tokens = 0
+
+    def lookup(
+        self,
+        req: p.Lookup,
+        keys: list[ChunkKey],
+        num_tokens: int,
+        layout: Layout | None,
+        answer: Answer,
+    ) -> p.LookupReply | None:
+        """Under the engine lock: the reply, or None when `answer` waits for a prefetch job."""
+        running = self._jobs.get(req.request_id)
+        if running is not None and not running.done:
+            return self._wait_or_pending(running, req.wait, answer)
+        hit = self._l1.count_prefix(keys)
+        if hit < len(keys) and layout is not None and self._tiers.tiers:
+            if hit:  # hold what is hit while the rest loads
+                self._pin(req.request_id, keys[:hit], req.world_size)
+            job = _LookupJob(
+                req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size
+            )
+            started = self._prefetcher.submit(
+                keys[hit:],
+                nbytes=layout.nbytes,
+                layout=layout.text,
+                on_done=lambda _loaded: self._loaded(job),
+            )
+            if started:
+                self._jobs[req.request_id] = job
+                return self._wait_or_pending(job, req.wait, answer)
+        self._jobs.pop(req.request_id, None)  # a done job nobody polled
+        hit_tokens = self._finish(
+            req.request_id, keys, hit, num_tokens, req.model, req.cache_salt, req.world_size
+        )
+        return p.LookupReply(hit_tokens)
+
+    def poll(self, req: p.LookupPoll, answer: Answer) -> p.LookupReply | None:
+        """Under the engine lock: a pending lookup's result (answered once), or pending."""
+        job = self._jobs.get(req.request_id)
+        if job is None:
+            raise InvalidArgumentError(
+                f"no lookup of request {req.request_id!r} to poll: send a Lookup first "
+                "(a finished lookup answers one poll, then is forgotten)"
+            )
+        if not job.done:
+            return self._wait_or_pending(job, req.wait, answer)
+        del self._jobs[req.request_id]
+        return p.LookupReply(job.hit_tokens)
+
+    def forget(self, request_id: str) -> None:
+        """Under the engine lock: the request's session ended; its pending lookup answers a
+        miss, and its job's loads pin nothing for it."""
+        job = self._jobs.pop(request_id, None)
+        if job is not None and not job.done:
+            job.done = True
+            self._answer(job)
+
+    @staticmethod
+    def _wait_or_pending(job: _LookupJob, wait: bool, answer: Answer) -> p.LookupReply | None:
+        if wait:
+            job.waiters.append(answer)
+            return None
+        return p.LookupReply(0, pending=True)
+
+    def _loaded(self, job: _LookupJob) -> None:
+        """The job's loads ended (on its worker, under the lock, the loaded groups held)."""
+        if self._jobs.get(job.request_id) is not job:
+            return  # the session ended meanwhile: nothing is pinned for it
+        hit = self._l1.count_prefix(job.keys)
+        job.hit_tokens = self._finish(
+            job.request_id,
+            job.keys,
+            hit,
+            job.num_tokens,
+            job.model,
+            job.cache_salt,
+            job.world_size,
+        )
+        job.done = True
+        if job.waiters:
+            self._answer(job)
+
+    @staticmethod
+    def _answer(job: _LookupJob) -> None:
+        for waiter in job.waiters:
+            waiter.reply(p.LookupReply(job.hit_tokens))
+        job.waiters.clear()
+
+    def _finish(
+        self,
+        request_id: str,
+        keys: list[ChunkKey],
+        hit: int,
+        num_tokens: int,
+        model: str,
+        salt: str,
+        world_size: int,
+    ) -> int:
+        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens."""
+        if hit:
+            self._pin(request_id, keys[:hit], world_size)
+            self._l1.touch(keys[:hit])
+        else:
+            self._l1.unpin(request_id)
+        hit_tokens = hit * self._chunk_size
+        self.requested_tokens += num_tokens
+        self.hit_tokens += hit_tokens
+        self._metrics.observe_lookup(model, salt, num_tokens, hit_tokens)
+        return hit_tokens
+
+    def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int) -> None:
+        self._l1.pin(request_id, keys, ranks=range(world_size), lease_s=self._config.pin_lease)
