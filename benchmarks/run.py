@@ -26,6 +26,7 @@ MODULES = [
     "benchmarks.bench_cluster",
     "benchmarks.bench_transformers",
     "benchmarks.bench_sglang",
+    "benchmarks.bench_vllm",
 ]
 
 

@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from kvtier import hashing
 from kvtier.client import Client
 from kvtier.errors import KVTierError
+from kvtier.integrations.seam import Recompute, agree_min, head_range
 
 TOKEN_DTYPE = hashing.TOKEN_DTYPE
 
@@ -64,20 +65,6 @@ class KVGeometry:
     def dtype_name(self) -> str:
         """The dtype as kvtier names it: 'float32', 'bfloat16', ..."""
         return str(self.dtype).removeprefix("torch.")
-
-
-def head_range(num_kv_heads: int, world_size: int, worker_id: int) -> slice:
-    """The KV heads rank `worker_id` of `world_size` owns; they must split evenly."""
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be at least 1")
-    if not 0 <= worker_id < world_size:
-        raise ValueError(f"worker_id={worker_id} must be in [0, world_size={world_size})")
-    if num_kv_heads % world_size:
-        raise ValueError(
-            f"world_size={world_size} does not divide the model's {num_kv_heads} KV heads"
-        )
-    per_rank = num_kv_heads // world_size
-    return slice(worker_id * per_rank, (worker_id + 1) * per_rank)
 
 
 def split_heads(chunks: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -255,8 +242,7 @@ class KVTierCache:
         self.runner = ModelRunner(model)
         self.last_timings: dict[str, float] = {}
         self.last_hit_tokens = 0
-        #: the kvtier error the last call worked around (it then computed without the cache)
-        self.last_error: KVTierError | None = None
+        self._recompute = Recompute("transformers KVTierCache")
         client.register(
             model=model_name,
             world_size=world_size,
@@ -270,7 +256,7 @@ class KVTierCache:
         (vocab,) and the model's filled cache. Timings land in `last_timings`."""
         tokens = as_token_array(input_ids)
         request_id = uuid.uuid4().hex
-        self.last_error = None
+        self._recompute.reset()
         timings = {k: 0.0 for k in ("lookup", "retrieve", "copy", "compute", "store")}
         c = self.chunk_size
         try:
@@ -346,7 +332,7 @@ class KVTierCache:
     def store(self, input_ids: Any, cache: Any, *, start: int = 0) -> int:
         """Stores the full chunks of a filled cache from token `start` on (e.g. after a prefill
         done without kvtier); returns the tokens stored."""
-        self.last_error = None
+        self._recompute.reset()
         return self._store_new(as_token_array(input_ids), cache, start)
 
     def _store_new(self, tokens: npt.NDArray[np.uint32], cache: Any, start: int) -> int:
@@ -410,21 +396,19 @@ class KVTierCache:
             return out
         return merge_heads(self.exchange(out.contiguous()))
 
+    @property
+    def last_error(self) -> KVTierError | None:
+        """The kvtier error the last call worked around (it then computed without the cache)."""
+        return self._recompute.last_error
+
     def _or_zero(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
-        """A kvtier call whose failure costs a recompute, never the request: a kvtier error is
-        logged, kept in `last_error`, and reads as 0 tokens (every rank still reaches the next
-        `_agree`, so a tensor-parallel group stays in step and agrees on the smaller span)."""
-        if self.last_error is not None:
-            return 0  # kvtier already failed in this call: do not wait on it again
-        try:
-            return int(call(*args, **kwargs) or 0)
-        except KVTierError as exc:
-            logger.warning("kvtier %s failed, computing without the cache: %s", what, exc)
-            self.last_error = exc
-            return 0
+        """A kvtier call whose failure costs a recompute, never the request (the seam's rule):
+        it reads as 0 tokens, and every rank still reaches the next `_agree`, so a
+        tensor-parallel group stays in step and agrees on the smaller span."""
+        return int(self._recompute.call(what, 0, call, *args, **kwargs) or 0)
 
     def _agree(self, tokens: int) -> int:
         """The smallest of the ranks' token counts, so every rank reuses the same span."""
         if self.exchange is None:
             return tokens
-        return min(int(t.item()) for t in self.exchange(torch.tensor([tokens], dtype=torch.int64)))
+        return agree_min(t.item() for t in self.exchange(torch.tensor([tokens], dtype=torch.int64)))

@@ -1,0 +1,163 @@
+"""The policy every engine adapter shares: a kvtier failure costs a recompute, tensor-parallel
+ranks split KV heads evenly and agree on one reuse span, and a chunk is whole blocks.
+
+The transformers adapter (`integrations.transformers`) and the vLLM connector
+(`integrations.vllm`) both go through this module, so the rules live once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from kvtier.client import Client
+from kvtier.errors import InvalidArgumentError, KVTierError, NotConnectedError
+
+__all__ = ["LazyClient", "Recompute", "agree_min", "check_chunk_blocks", "head_range"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def head_range(num_kv_heads: int, world_size: int, worker_id: int) -> slice:
+    """The KV heads rank `worker_id` of `world_size` owns; they must split evenly."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    if not 0 <= worker_id < world_size:
+        raise ValueError(f"worker_id={worker_id} must be in [0, world_size={world_size})")
+    if num_kv_heads % world_size:
+        raise ValueError(
+            f"world_size={world_size} does not divide the model's {num_kv_heads} KV heads"
+        )
+    per_rank = num_kv_heads // world_size
+    return slice(worker_id * per_rank, (worker_id + 1) * per_rank)
+
+
+def agree_min(counts: Iterable[int]) -> int:
+    """The span every rank can reuse: the smallest of the ranks' token counts."""
+    return min(int(c) for c in counts)
+
+
+def check_chunk_blocks(chunk_size: int, block_size: int, knob: str) -> int:
+    """Blocks per kvtier chunk; refuses a chunk that is not whole engine blocks.
+
+    A chunk is copied block by block into the engine's paged cache, so a block never straddles
+    two chunks. `knob` names the engine setting to change.
+    """
+    if block_size < 1 or chunk_size % block_size:
+        raise InvalidArgumentError(
+            f"kvtier's chunk size ({chunk_size} tokens, `kvtier serve --chunk-size`) must be a "
+            f"multiple of the engine's block size ({block_size} tokens, {knob}): change one"
+        )
+    return chunk_size // block_size
+
+
+class Recompute:
+    """Runs kvtier calls under one rule: a `KVTierError` is logged, kept in `last_error`, and
+    the call reads as its fallback (0 tokens, nothing loaded): the engine recomputes.
+
+    Once a call failed, later calls until `reset()` return their fallback at once, so one
+    request does not wait on an unreachable server again and again.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.last_error: KVTierError | None = None
+
+    def reset(self) -> None:
+        """Start a new unit of work (a request, a step): calls are attempted again."""
+        self.last_error = None
+
+    def call(self, name: str, fallback: T, fn: Callable[..., T], *args: object, **kw: object) -> T:
+        """`fn(*args, **kw)`, or `fallback` when kvtier failed (now or earlier in this unit)."""
+        if self.last_error is not None:
+            return fallback
+        try:
+            return fn(*args, **kw)
+        except KVTierError as exc:
+            self.fail(name, exc)
+            return fallback
+
+    def fail(self, name: str, exc: KVTierError) -> None:
+        """Record a kvtier failure that the caller handled itself."""
+        logger.warning("%s: kvtier %s failed, recomputing instead: %s", self.what, name, exc)
+        self.last_error = exc
+
+
+class _NotYet(NotConnectedError):
+    """The last connect failed moments ago; the next attempt waits for `retry_s`."""
+
+
+class LazyClient:
+    """A `Client` an engine process opens on first use and re-opens after a failed connect.
+
+    An engine must start (and recompute) while kvtier is down: a connect that fails is logged
+    and retried on a later use, at most every `retry_s` seconds. `on_connect` runs on each new
+    client (registration, checks); an error it raises other than a `KVTierError` (a refused
+    configuration) propagates.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float,
+        on_connect: Callable[[Client], None] | None = None,
+        retry_s: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.on_connect = on_connect
+        self.retry_s = retry_s
+        self._client: Client | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def get(self) -> Client:
+        """The connected client; NotConnectedError while kvtier cannot be reached."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_try:
+                raise _NotYet(
+                    f"kvtier at {self.address} was unreachable; retrying in "
+                    f"{self._next_try - now:.1f}s"
+                )
+            self._next_try = now + self.retry_s
+            client = Client(self.address, timeout=self.timeout)
+            try:
+                if self.on_connect is not None:
+                    self.on_connect(client)
+            except BaseException:
+                client.close()
+                raise
+            self._client = client
+            return client
+
+    def try_connect(self, what: str) -> Client | None:
+        """`get()`, or None (logged) when kvtier cannot be reached now."""
+        try:
+            return self.get()
+        except InvalidArgumentError:
+            raise  # a refused configuration is the operator's to fix, not a recompute
+        except _NotYet:
+            return None  # said once, when the attempt failed
+        except KVTierError as exc:
+            logger.warning(
+                "%s: kvtier at %s is not reachable, recomputing: %s", what, self.address, exc
+            )
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

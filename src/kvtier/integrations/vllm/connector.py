@@ -1,0 +1,146 @@
+"""`KVTierConnector`: vLLM's `KVConnectorBase_V1` on top of kvtier.
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one in each worker
+(role WORKER); each delegates to `SchedulerSide` or `WorkerSide`. Enable it with
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+      "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"address": "ipc:///tmp/kvtier.sock"}}'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def tensor_parallel_rank(vllm_config: Any) -> int:
+    """This worker's tensor-parallel rank: from vLLM's process groups once they exist, else
+    from the parallel config the worker was started with."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, RuntimeError):
+        parallel = vllm_config.parallel_config
+        return int(parallel.rank) % int(parallel.tensor_parallel_size)
+
+
+class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Reuses KV that kvtier holds for a prompt's leading chunks and stores the full chunks a
+    request computes. Every kvtier failure costs a recompute (see README "Use with vLLM")."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.kvtier_config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.kvtier_config)
+        else:
+            self._worker = WorkerSide(self.kvtier_config, tensor_parallel_rank(vllm_config))
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on a scheduler connector"
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never a wrong answer
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker_side.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # wait_for_save queues whole chunks after the forward pass
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save(self._meta())
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVTierConnectorMetadata)
+        self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def _meta(self) -> KVTierConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierConnectorMetadata)
+        return meta
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_side.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler_side.has_pending_saves()
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side.has_pending_saves()
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)

@@ -1,0 +1,39 @@
+"""What the scheduler-side connector tells the workers each step: which token ranges to load
+into which blocks, which full chunks to save from which blocks, which requests were preempted.
+
+Ranges are in tokens and block-aligned; `block_ids[i]` holds tokens
+`[start + i * block_size, start + (i + 1) * block_size)`. Loads and saves name whole kvtier
+chunks `[chunk_start, chunk_end)`; a load may skip the leading blocks of its first chunk that
+vLLM's own prefix cache already holds (`start > chunk_start`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One request's load or save of tokens [start, end) in one step."""
+
+    request_id: str  # vLLM's request id
+    kv_request_id: str  # the request's name in kvtier (unique across engines)
+    tokens: bytes  # the request's token ids up to chunk_end, packed '<u4'
+    cache_salt: str
+    chunk_start: int  # first token of the first chunk involved
+    chunk_end: int  # end of the last chunk involved
+    start: int  # first token copied (>= chunk_start)
+    end: int  # end of the tokens copied (<= chunk_end)
+    block_ids: tuple[int, ...]  # vLLM blocks of tokens [start, end), in order
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, built by the scheduler side and bound on every worker."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+    #: vLLM ids of requests preempted this step: their pending saves finish first
+    preempted: list[str] = field(default_factory=list)

