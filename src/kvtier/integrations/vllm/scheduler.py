@@ -108,7 +108,11 @@ class SchedulerSide:
             end = state.hit
             state.load = (end - num_external_tokens, end)
         elif state.hit > 0:
-            self._quietly(state, "release", lambda c: c.release(state.kv_request_id))
+            self._quietly(
+                state,
+                "release",
+                lambda c: c.release(state.kv_request_id, cache_salt=state.request.cache_salt or ""),
+            )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
         """This step's loads (allocated blocks to fill) and saves (chunks completed by it)."""
@@ -197,7 +201,11 @@ class SchedulerSide:
         )
 
     def _end(self, state: _Request) -> None:
-        self._quietly(state, "end_session", lambda c: c.end_session(state.kv_request_id))
+        self._quietly(
+            state,
+            "end_session",
+            lambda c: c.end_session(state.kv_request_id, cache_salt=state.request.cache_salt or ""),
+        )
 
     def _quietly(self, state: _Request, what: str, call: Any) -> None:
         client = self.client.try_connect("KVTierConnector scheduler")
