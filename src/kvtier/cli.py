@@ -23,7 +23,7 @@ from kvtier._version import __version__
 from kvtier.cli_admin import clear_command, status_command
 from kvtier.config import ConfigError, ServerConfig, format_size
 from kvtier.errors import KVTierError
-from kvtier.server.auth import redact
+from kvtier.redaction import redact
 
 #: exit code of a usage or configuration mistake (as click, and POSIX utilities, use it)
 EXIT_USAGE = 2

@@ -10,12 +10,12 @@ import dataclasses
 import os
 import re
 import stat
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier.hashing import HASH_ALGORITHMS
+from kvtier.redaction import redact
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -25,7 +25,6 @@ __all__ = [
     "admin_token_file",
     "format_size",
     "parse_size",
-    "redact_url",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -75,29 +74,6 @@ def format_size(num_bytes: int) -> str:
             return f"{value:g}{unit}" if unit != "B" else f"{int(value)}B"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by "***" (redis://:secret@host -> redis://:***@host)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return url
-    if parts.password is None and "password" not in parts.query.lower():
-        return url
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user = userinfo.partition(":")[0]
-        netloc = f"{user}:***@{hostport}"
-    query = urllib.parse.urlencode(
-        [
-            (k, "***" if "password" in k.lower() else v)
-            for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        ],
-        safe="*",
-    )
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
@@ -396,7 +372,7 @@ class ServerConfig:
 
     def l2_display(self, arena_name: str) -> list[str]:
         """`l2_urls` with credentials redacted, for logs and the status page."""
-        return [redact_url(url) for url in self.l2_urls(arena_name)]
+        return [redact(url) for url in self.l2_urls(arena_name)]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe view with credentials redacted (admin token, passwords in L2 URLs)."""
@@ -404,9 +380,7 @@ class ServerConfig:
         if data["admin_token"]:
             data["admin_token"] = "***"
         arena = self.arena_name
-        data["l2"] = [
-            redact_url(url.replace("{arena}", arena) if arena else url) for url in self.l2
-        ]
+        data["l2"] = [redact(url.replace("{arena}", arena) if arena else url) for url in self.l2]
         return data
 
     @staticmethod

@@ -502,6 +502,28 @@ def _state_families(status: ServerStatus | None) -> Iterator[Metric]:
         None if sessions is None else sessions.orphaned,
     )
     yield _gauge(
+        "kvtier_session_tokens",
+        "Tokens held by all sessions together (bounded by --max-session-tokens).",
+        None if sessions is None else sessions.tokens,
+    )
+    yield _counter(
+        "kvtier_sessions_shed",
+        "Sessions ended early, longest-idle first, to stay within the session bounds.",
+        None if sessions is None else sessions.shed,
+    )
+    fencing = s.fencing if s is not None else None
+    yield _gauge(
+        "kvtier_fenced_slots",
+        "Arena slots quarantined after their lease lapsed, until their owner can no longer "
+        "touch them.",
+        None if fencing is None else fencing.fenced_slots,
+    )
+    yield _counter(
+        "kvtier_lease_expired",
+        "Commits and retrieve-dones answered LEASE_EXPIRED (the client discarded the bytes).",
+        None if fencing is None else fencing.lease_expired,
+    )
+    yield _gauge(
         "kvtier_clients_connected",
         "Engine processes connected to the server.",
         len(s.clients) if s is not None else None,

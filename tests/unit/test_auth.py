@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import UnauthorizedError
-from kvtier.server.auth import ANONYMOUS, Authenticator, is_local_address, redact, scoped
+from kvtier.redaction import redact
+from kvtier.server.auth import ANONYMOUS, Authenticator, is_local_address, scoped
 
 
 def test_tokens_file_maps_tokens_to_tenants_and_salts(tmp_path: Path) -> None:

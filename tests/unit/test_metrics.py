@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier._version import __version__
 from kvtier.metrics import OPERATIONS, REQUEST_DURATION_BUCKETS, HitRateHistory, Metrics
+from kvtier.server.fencing import FencingStats
 from kvtier.snapshots import (
     ClientInfo,
     L1Stats,
@@ -87,7 +88,8 @@ STATUS = ServerStatus(
         ClientInfo(client_id="a", connected_s=3.0, last_seen_s=0.1, registrations=[]),
         ClientInfo(client_id="b", connected_s=2.0, last_seen_s=0.2, registrations=[]),
     ],
-    sessions=SessionCounts(active=4, created=20, expired=3, orphaned=1),
+    sessions=SessionCounts(active=4, created=20, expired=3, orphaned=1, tokens=900, shed=2),
+    fencing=FencingStats(lapsed=1, fenced_slots=2, fenced_bytes=8192, lease_expired=5),
     lookup=LookupTotals(requested_tokens=1024, hit_tokens=512),
     models=[],
     hit_rate_history=[],
@@ -234,6 +236,10 @@ def test_state_collector_exports_status_at_scrape_time() -> None:
         "kvtier_sessions_created_total": 20,
         "kvtier_sessions_expired_total": 3,
         "kvtier_sessions_orphaned_total": 1,
+        "kvtier_session_tokens": 900,
+        "kvtier_sessions_shed_total": 2,
+        "kvtier_fenced_slots": 2,
+        "kvtier_lease_expired_total": 5,
         "kvtier_clients_connected": 2,
     }
     for name, value in expected.items():

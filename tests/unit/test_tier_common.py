@@ -8,22 +8,22 @@ import logging
 import pytest
 
 from kvtier.keys import ObjectKey
+from kvtier.redaction import redact
 from kvtier.storage.tiers import accounting, open_tier
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
-from kvtier.storage.tiers.base import LATENCY_BOUNDS_S, Latency, redact_url
+from kvtier.storage.tiers.base import LATENCY_BOUNDS_S, Latency
 from kvtier.storage.tiers.options import PARSERS, as_bool, parse_url
 from kvtier.storage.tiers.redis import RedisTier
 
 
 def test_redact_url_hides_only_the_password() -> None:
-    assert redact_url("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
-    assert redact_url("redis://u:hunter2@h:1/0?prefix=x") == "redis://u:***@h:1/0?prefix=x"
+    assert redact("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact("redis://u:hunter2@h:1/0?prefix=x") == "redis://u:***@h:1/0?prefix=x"
     assert (
-        redact_url("redis+cluster://u:pw@h1:7000,h2:7000/")
-        == "redis+cluster://u:***@h1:7000,h2:7000/"
+        redact("redis+cluster://u:pw@h1:7000,h2:7000/") == "redis+cluster://u:***@h1:7000,h2:7000/"
     )
-    assert redact_url("disk:///var/lib/kvtier?size=1GiB") == "disk:///var/lib/kvtier?size=1GiB"
+    assert redact("disk:///var/lib/kvtier?size=1GiB") == "disk:///var/lib/kvtier?size=1GiB"
 
 
 def test_errors_and_stats_never_show_the_password() -> None:

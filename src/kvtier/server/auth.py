@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ __all__ = [
     "Authenticator",
     "Credential",
     "is_local_address",
-    "redact",
     "scoped",
 ]
 
@@ -116,13 +114,3 @@ def is_local_address(address: str) -> bool:
         except OSError:
             return False
         return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
-_URL_PASSWORD = re.compile(r"([a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", re.IGNORECASE)
-_SECRET_QUERY = re.compile(r"((?:password|passwd|token|secret)=)[^&\s]*", re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """`text` (a URL, or a message that quotes one) with URL passwords (`redis://:pw@host`)
-    and secret query parameters replaced by `***`, for logs, status and error messages."""
-    return _SECRET_QUERY.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))

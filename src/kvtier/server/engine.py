@@ -47,9 +47,10 @@ from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.names import named_chunk_keys
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
+from kvtier.redaction import redact
 from kvtier.server import naming
 from kvtier.server.answers import Answer, Respond, offloaded
-from kvtier.server.auth import Authenticator, redact, scoped
+from kvtier.server.auth import Authenticator, scoped
 from kvtier.server.fencing import CopyGuard, FencingStats, Watch, watch_process
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease

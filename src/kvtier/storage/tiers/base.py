@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 from typing_extensions import Buffer
 
 from kvtier.keys import ObjectKey
+from kvtier.redaction import redact
 
 #: upper bounds (seconds) of the latency histogram buckets; one more bucket counts the rest
 LATENCY_BOUNDS_S: tuple[float, ...] = (
@@ -76,16 +76,6 @@ class TierStats(msgspec.Struct, frozen=True, kw_only=True):
     read_latency: Latency
     write_latency: Latency
     extra: dict[str, int] = msgspec.field(default_factory=dict)
-
-
-def redact_url(url: str) -> str:
-    """`url` with its password (if any) replaced by "***", for stats, logs and errors."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 @runtime_checkable
@@ -182,7 +172,5 @@ def open_tier(url: str) -> L2Tier:
     factory = TIER_SCHEMES.get(scheme.lower()) if sep else None
     if factory is None:
         known = ", ".join(f"{s}://" for s in TIER_SCHEMES)
-        raise ValueError(
-            f"unknown L2 tier URL {redact_url(url)!r}: the scheme must be one of {known}"
-        )
+        raise ValueError(f"unknown L2 tier URL {redact(url)!r}: the scheme must be one of {known}")
     return factory(url)

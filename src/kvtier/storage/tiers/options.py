@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from kvtier.config import parse_size
-from kvtier.storage.tiers.base import redact_url
+from kvtier.redaction import redact
 
 Parser = Callable[[str], Any]
 
@@ -52,7 +52,7 @@ def parse_url(
     unknown = sorted(set(query) - set(options))
     if unknown:
         raise ValueError(
-            f"unknown {tier} tier URL options {unknown} in {redact_url(url)!r} "
+            f"unknown {tier} tier URL options {unknown} in {redact(url)!r} "
             f"(known: {', '.join(sorted(options))})"
         )
     parsed: dict[str, Any] = {}
@@ -61,6 +61,6 @@ def parse_url(
             parsed[name] = options[name](text)
         except ValueError as exc:
             raise ValueError(
-                f"bad {tier} tier URL option {name}={text!r} in {redact_url(url)!r}: {exc}"
+                f"bad {tier} tier URL option {name}={text!r} in {redact(url)!r}: {exc}"
             ) from None
     return parts, parsed

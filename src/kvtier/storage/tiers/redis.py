@@ -30,9 +30,10 @@ from redis.retry import Retry
 from typing_extensions import Buffer
 
 from kvtier.keys import ObjectKey
+from kvtier.redaction import redact
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
-from kvtier.storage.tiers.base import TierStats, redact_url
+from kvtier.storage.tiers.base import TierStats
 from kvtier.storage.tiers.options import PARSERS, parse_url
 from kvtier.storage.tiers.resp import Node, Redirect, Wire, command, set_parts
 
@@ -447,7 +448,7 @@ class RedisTier(RespTier):
         scheme, sep, rest = url.partition("://")
         if not sep or scheme.lower() not in _SCHEMES:
             raise ValueError(
-                f"not a Redis/Valkey URL: {redact_url(url)!r} (schemes: {sorted(_SCHEMES)})"
+                f"not a Redis/Valkey URL: {redact(url)!r} (schemes: {sorted(_SCHEMES)})"
             )
         check_options(prefix, ttl, connect_timeout, timeout, cooldown)
         self._init_common(name, prefix, ttl)
@@ -523,7 +524,7 @@ class RedisTier(RespTier):
         return self._counters.snapshot(
             name=self.name,
             kind=self.kind,
-            url=redact_url(self.url),
+            url=redact(self.url),
             objects=figures[0],
             used_bytes=figures[1],
             capacity_bytes=figures[2],

@@ -31,7 +31,8 @@ from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
 from kvtier.keys import ObjectKey
-from kvtier.storage.tiers.base import TierStats, redact_url
+from kvtier.redaction import redact
+from kvtier.storage.tiers.base import TierStats
 from kvtier.storage.tiers.options import PARSERS, parse_url
 from kvtier.storage.tiers.redis import OPTIONS as REDIS_OPTIONS
 from kvtier.storage.tiers.redis import RespTier, check_options, glob_escape, scan_unlink
@@ -141,10 +142,10 @@ class RedisClusterTier(RespTier):
         parts, options = parse_url(url, OPTIONS, tier="Redis Cluster")
         scheme = parts.scheme.lower()
         if scheme not in _SCHEMES:
-            raise ValueError(f"not a cluster URL: {redact_url(url)!r} (schemes: {list(_SCHEMES)})")
+            raise ValueError(f"not a cluster URL: {redact(url)!r} (schemes: {list(_SCHEMES)})")
         if parts.path not in ("", "/"):
             raise ValueError(
-                f"a cluster has no databases: drop {parts.path!r} from {redact_url(url)!r}"
+                f"a cluster has no databases: drop {parts.path!r} from {redact(url)!r}"
             )
         username, password, seeds = parse_seeds(parts.netloc)
         return cls(seeds, username=username, password=password, tls=_SCHEMES[scheme], **options)
