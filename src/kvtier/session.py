@@ -46,7 +46,6 @@ Clock = Callable[[], float]
 DestroyListener = Callable[["Session"], None]
 
 _TOKEN_BYTES = 4  # tokens are held as packed little-endian uint32
-_PROBES_PER_CHUNK = 16  # tokens per chunk a growing list's prefix check compares per call
 
 
 def _pack_list(tokens: list[int]) -> bytes | memoryview:
@@ -85,7 +84,6 @@ class Session:
         "_extras",
         "_list",
         "_lock",
-        "_probe",
         "_tokens",
         "chunk_hashes",
         "clock",
@@ -108,7 +106,6 @@ class Session:
         # The tokens as the caller's Python ints, kept while set_tokens is given lists, so a
         # growing list is checked and converted only where it grew (see _extend_from_list).
         self._list: list[int] | None = None
-        self._probe = 0  # the rotating offset of _extend_from_list's prefix sample
         #: hashes of chunks [0, len(chunk_hashes)); always a prefix of the current tokens' chunks
         self.chunk_hashes: list[bytes] = []
         self.lookup_ipc_key: str | None = None
@@ -173,7 +170,7 @@ class Session:
         Hashes of chunks at or after the first token that differs from the old sequence are
         dropped and recomputed on demand by `get_hashes`. A Python list that repeats the
         previous list and adds a tail (the lineage's growth pattern) costs only the tail's
-        conversion and a sampled check of the prefix (see `_extend_from_list`).
+        conversion and an exact C-level comparison of the prefix (see `_extend_from_list`).
         """
         if type(full_token_ids) is list and self._extend_from_list(full_token_ids):
             return
@@ -195,33 +192,37 @@ class Session:
             self._tokens = new
 
     def _extend_from_list(self, tokens: list[int]) -> bool:
-        """set_tokens for a list that grows the previous list: convert just the tail.
+        """set_tokens for a list that starts with the previous list: convert just the tail.
 
-        The check that the list still starts with the previous one is cheap, not exhaustive:
-        the previous list's last chunk is compared whole, and 16 tokens of every earlier chunk
-        at offsets that rotate call by call (so an edit anywhere is found within chunk_size / 16
-        calls, 16 for chunks of 256). Any mismatch takes the general path, which converts the
-        whole list and finds the first differing token exactly. Packed tokens (what the server
-        receives) always take the exact path.
+        The check is exact: the kept copy of the previous list is extended by the new tail and
+        compared with `tokens` whole, one C-level list comparison (no slice of the prefix); a
+        caller that grows the same int objects passes each element on an identity test. Any
+        difference restores the kept copy and takes the general path, which converts the whole
+        list and drops the hashes from the first differing chunk on. Packed tokens (what the
+        server receives) always take the general path.
         """
         with self._lock:
             old = self._list
-            n = len(old) if old is not None else 0
-            if old is None or len(tokens) < n:
+            if old is None:
                 return False
-            cs = self.hasher.chunk_size
-            tip = max(0, n - cs)
-            stride = max(1, cs // _PROBES_PER_CHUNK)
-            probe = self._probe = (self._probe + 1) % stride
-            if tokens[tip:n] != old[tip:n] or tokens[probe:tip:stride] != old[probe:tip:stride]:
+            n = len(old)
+            if len(tokens) < n:
                 return False
             tail = tokens[n:]
+            old += tail
+            try:
+                same = tokens == old
+                packed = _pack_list(tail) if same and tail else b""  # validates the tail only
+            except BaseException:
+                del old[n:]
+                raise
+            if not same:
+                del old[n:]
+                return False
             if tail:
-                packed = _pack_list(tail)  # validates the new tokens only
                 if isinstance(self._tokens, bytes):
                     self._tokens = bytearray(self._tokens)  # one copy, then growth is in place
                 self._tokens += packed
-                old.extend(tail)
             self.last_access = self.clock()
             return True
 
