@@ -60,6 +60,17 @@ class AskedDisk(DiskTier):
         self.asked = list(keys)
         return super().contains_many(keys)
 
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+        self.asked = [k for k, _, _ in items]
+        return super().get_many_into(items)
+
+
+class BrokenReads(DiskTier):
+    """A real DiskTier whose batch reads always raise."""
+
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+        raise OSError("disk on fire")
+
 
 @pytest.fixture
 def redis_tier() -> Iterator[RedisTier]:
@@ -174,6 +185,27 @@ def test_read_path_goes_in_tier_order(tmp_path: Path) -> None:
     assert mgr.contains_many([key(1), key(2), key(3)]) == [True, True, False]
     assert first.asked == [key(1), key(2), key(3)]
     assert second.asked == [key(2), key(3)]
+    mgr.close()
+
+
+def test_batch_read_goes_in_tier_order_past_a_failing_tier(tmp_path: Path) -> None:
+    broken = BrokenReads(tmp_path / "0", 0, name="broken")
+    first = AskedDisk(tmp_path / "1", 0, name="first")
+    second = AskedDisk(tmp_path / "2", 0, name="second")
+    for tier in (broken, first):
+        tier.put(key(1), payload(1), LAYOUT)
+    second.put(key(1), payload(100), LAYOUT)
+    second.put(key(2), payload(2), LAYOUT)
+    second.put(key(4), payload(4), "other-layout")
+    mgr = TierManager([broken, first, second])
+    bufs = [memoryview(bytearray(SIZE)) for _ in range(4)]
+    got = mgr.get_many_into([(key(i), bufs[i - 1], LAYOUT) for i in (1, 2, 3, 4)])
+    assert got == ["first", "second", None, None]
+    assert bufs[0] == payload(1) and bufs[1] == payload(2)
+    assert first.asked == [key(1), key(2), key(3), key(4)]
+    assert second.asked == [key(2), key(3), key(4)]  # only what the earlier tiers lacked
+    assert mgr.stats()["read_errors"] == 1
+    assert mgr.get_many_into([]) == []
     mgr.close()
 
 

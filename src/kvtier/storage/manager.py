@@ -259,6 +259,31 @@ class TierManager:
                 self._count_read_error()
         return None
 
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[str | None]:
+        """`get_into` for several objects in one batch read per tier (pipelined, and fanned out
+        across masters for a Redis Cluster); each item's tier name, or None where none had it.
+
+        A later tier is asked only for the items still missing; a tier that raises counts one
+        read error and leaves its items to the next tier. Every tier checks each object's
+        digest, key and layout on the way in, as `get_into` does.
+        """
+        got: list[str | None] = [None] * len(items)
+        missing = list(range(len(items)))
+        for tier in self._tiers:
+            if not missing:
+                break
+            try:
+                flags = tier.get_many_into([items[i] for i in missing])
+            except Exception:
+                logger.exception("tier manager: tier %s failed get_many_into", tier.name)
+                self._count_read_error()
+                continue
+            for i, flag in zip(missing, flags, strict=True):
+                if flag:
+                    got[i] = tier.name
+            missing = [i for i in missing if got[i] is None]
+        return got
+
     def _count_read_error(self) -> None:
         with self._cond:
             self._n["read_errors"] += 1
