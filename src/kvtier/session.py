@@ -331,8 +331,10 @@ class SessionManager:
     that use is a ttl old.
     """
 
-    # The lineage's library defaults, by the lineage's names (code written for it reads them).
-    # The server never relies on them: server/app.py passes ServerConfig's values.
+    # The lineage's library defaults, kept on purpose under the lineage's names and values (code
+    # written for it reads them) although ServerConfig, where defaults live, sweeps every 10 s
+    # (`session_cleanup_interval`): the server never relies on these, server/app.py passes
+    # ServerConfig's values.
     DEFAULT_SESSION_TTL = 600.0
     DEFAULT_CLEANUP_INTERVAL = 60.0
     _BATCH = 256  # sessions looked at per hold of the lock during cleanup (tens of us)

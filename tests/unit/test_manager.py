@@ -13,6 +13,7 @@ import pytest
 import redis
 from typing_extensions import Buffer
 
+from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.disk import DiskTier
@@ -240,3 +241,10 @@ def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
         TierManager([disk], policy="wait")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unique"):
         TierManager([disk, DiskTier(tmp_path / "b", 0)])
+
+
+def test_queue_defaults_come_from_server_config(tmp_path: Path) -> None:
+    config = ServerConfig()
+    mgr = TierManager([DiskTier(tmp_path, 0)])
+    assert (mgr.queue_size, mgr.policy) == (config.l2_queue_size, config.l2_queue_policy)
+    mgr.close()

@@ -15,16 +15,18 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import msgspec
 
+from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers.base import L2Tier
 
 logger = logging.getLogger(__name__)
 
 Policy = Literal["drop", "block"]
+_DEFAULT_POLICY = cast(Policy, ServerConfig.l2_queue_policy)  # defaults live in ServerConfig
 
 
 class _Job(NamedTuple):
@@ -47,15 +49,19 @@ def _call(on_done: Callable[[], None] | None) -> None:
 
 
 class TierManager:
-    """Writes every submitted object to all `tiers` in the background; reads in tier order."""
+    """Writes every submitted object to all `tiers` in the background; reads in tier order.
+
+    The queue's size and policy default to ServerConfig's (`l2_queue_size`, `l2_queue_policy`),
+    the one place defaults live; `batch_size` and `block_timeout` are this class's own knobs.
+    """
 
     def __init__(
         self,
         tiers: Sequence[L2Tier],
         *,
-        queue_size: int = 1024,
+        queue_size: int = ServerConfig.l2_queue_size,
         batch_size: int = 16,
-        policy: Policy = "drop",
+        policy: Policy = _DEFAULT_POLICY,
         block_timeout: float = 1.0,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
