@@ -9,6 +9,8 @@ under a lock holding dataclass sessions with their own lock, token list and wall
 from __future__ import annotations
 
 import gc
+import importlib
+import logging
 import statistics
 import threading
 import time
@@ -29,14 +31,14 @@ STEP = 256  # tokens added per decode-like step
 NUM_SESSIONS = 100_000
 LIST_LABEL = "set_tokens(list full prefix) + get_hashes(0)"
 NAIVE_LIST_LABEL = "naive: convert the whole list every step, then set_tokens (kvtier before)"
-# The issue measured the lineage 14x faster than kvtier's old whole-list conversion on this
-# pattern (to 32k tokens): matching the lineage means at least that ratio to the naive path.
-LINEAGE_LIST_SPEEDUP = 14.0
 MAX_LIST_GOAL_TOKENS = 32768
 LINEAGE_CREATES_PER_S = 71_000.0  # the lineage's get_or_create rate on the project's machine
 CREATE_GOAL = 3.0  # times the lineage's rate
 HOLD_GOAL_S = 1e-3  # longest single hold of the manager's lock during cleanup
 REPEAT = 3
+# LMCache 0.5.6's own Session, measured side by side when it imports (it needs torch, numba and
+# msgspec; on CPU: `pip install --no-deps lmcache==0.5.6 numba llvmlite` next to kvtier's venv).
+LINEAGE_MODULES = ("lmcache.v1.multiprocess.session", "lmcache.v1.multiprocess.token_hasher")
 
 
 # -- decode-like growth ------------------------------------------------------------------------
@@ -131,12 +133,42 @@ def _growth_section() -> list[str]:
         f"- set_tokens(full prefix) step cost grows {flat:.1f}x from 8k to 128k tokens: the"
         " remaining growth is one memcmp of the hashed prefix per step (needed to detect a"
         " changed prompt); hashing itself is per new chunk only",
-        f"- goal set_tokens(list full prefix) to 32k at least the lineage's speed (the lineage ran"
-        f" {LINEAGE_LIST_SPEEDUP:g}x faster than the naive whole-list conversion): to 32k"
-        f" {list_32k * 1e3:.1f} ms vs naive {naive_32k * 1e3:.1f} ms = {speedup:.1f}x —"
-        f" {'met' if speedup >= LINEAGE_LIST_SPEEDUP else 'NOT met'}. The prefix check of a"
-        " growing list compares the previous list's last chunk whole and 16 rotating tokens of"
-        " every earlier chunk; any mismatch takes the exact path",
+        f"- set_tokens(list full prefix) to 32k: {list_32k * 1e3:.1f} ms vs the naive whole-list"
+        f" conversion {naive_32k * 1e3:.1f} ms = {speedup:.1f}x. The prefix check is exact: the"
+        " previous list, kept, is extended by the tail and compared whole (one C-level list"
+        " comparison; the same int objects pass on identity)",
+        *_lineage_list_lines(list_32k, naive_32k, token_list),
+    ]
+
+
+def _lineage_list_lines(list_32k: float, naive_32k: float, token_list: list[int]) -> list[str]:
+    """LMCache 0.5.6's Session on the list pattern to 32k, same steps, or why it was not run."""
+    try:
+        session_mod, hasher_mod = (importlib.import_module(m) for m in LINEAGE_MODULES)
+    except Exception as exc:  # ImportError, or a dependency failing at import
+        return [
+            f"- LMCache 0.5.6 not measured ({type(exc).__name__}: {exc}); install it beside"
+            " kvtier with `pip install --no-deps lmcache==0.5.6 numba llvmlite` to compare"
+        ]
+    logging.getLogger("lmcache").setLevel(logging.WARNING)
+    best: list[float] = []
+    for _ in range(REPEAT):
+        session = session_mod.Session("bench", hasher_mod.TokenHasher(CHUNK_SIZE, "blake3"))
+        times = []
+        for end in range(STEP, MAX_LIST_GOAL_TOKENS + 1, STEP):
+            prefix = token_list[:end]
+            t0 = time.perf_counter()
+            session.set_tokens(prefix)
+            session.get_hashes(0)
+            times.append(time.perf_counter() - t0)
+        best = times if not best else [min(a, b) for a, b in zip(best, times, strict=True)]
+    lineage_32k = sum(best)
+    ratio = lineage_32k / list_32k
+    return [
+        f"- LMCache 0.5.6's Session, same pattern and steps to 32k (measured in this run; its"
+        f" set_tokens stores the list without any check): {lineage_32k * 1e3:.1f} ms, so kvtier"
+        f" runs at {ratio:.2f}x its speed ({naive_32k / lineage_32k:.1f}x faster than the naive"
+        f" conversion here) — goal >= 1.0x {'met' if ratio >= 1.0 else 'NOT met'}",
     ]
 
 

@@ -46,7 +46,6 @@ Clock = Callable[[], float]
 DestroyListener = Callable[["Session"], None]
 
 _TOKEN_BYTES = 4  # tokens are held as packed little-endian uint32
-_PROBES_PER_CHUNK = 16  # tokens per chunk a growing list's prefix check compares per call
 
 
 def _pack_list(tokens: list[int]) -> bytes | memoryview:
@@ -73,21 +72,31 @@ def _common_prefix_tokens(a: bytes | bytearray, b: bytes, limit: int) -> int:
     return int(np.argmax(differs)) if differs.any() else count
 
 
+# Sessions take their lock from a fixed pool, in turn, instead of owning one: a lock is a
+# GC-tracked object, and with 100k live sessions every one of them lengthens each full garbage
+# collection (it halved get_or_create's rate). Sessions created near each other in time (those
+# of concurrent requests) get different locks; two sharing one only wait for each other's
+# hashing. No code holds two sessions' locks at once, so sharing cannot deadlock.
+_NUM_SESSION_LOCKS = 1024
+_SESSION_LOCKS = tuple(threading.Lock() for _ in range(_NUM_SESSION_LOCKS))
+_lock_turn = itertools.count()
+
+
 class Session:
     """One request's tokens and the hashes of its full chunks, computed incrementally.
 
     Safe to share between threads (one per tensor-parallel worker): every method holds the
-    session's own lock, so no chunk is hashed twice and nobody sees a half-updated list.
+    session's lock (one of a shared pool, see `_SESSION_LOCKS`; never held while taking
+    another), so no chunk is hashed twice and nobody sees a half-updated list.
     """
 
     __slots__ = (
         "_expiry_seq",
         "_extras",
+        "_hashes",
         "_list",
         "_lock",
-        "_probe",
         "_tokens",
-        "chunk_hashes",
         "clock",
         "created_at",
         "hasher",
@@ -100,7 +109,7 @@ class Session:
         self.request_id = request_id
         self.hasher = hasher
         self.clock = clock
-        self._lock = threading.Lock()
+        self._lock = _SESSION_LOCKS[next(_lock_turn) % _NUM_SESSION_LOCKS]
         # bytes as given to set_tokens (no copy), or a bytearray once append_tokens grows it in
         # place. A bytearray cannot resize while a view of it exists, so views of it are taken
         # and dropped only under _lock.
@@ -108,9 +117,9 @@ class Session:
         # The tokens as the caller's Python ints, kept while set_tokens is given lists, so a
         # growing list is checked and converted only where it grew (see _extend_from_list).
         self._list: list[int] | None = None
-        self._probe = 0  # the rotating offset of _extend_from_list's prefix sample
-        #: hashes of chunks [0, len(chunk_hashes)); always a prefix of the current tokens' chunks
-        self.chunk_hashes: list[bytes] = []
+        # Hashes of chunks [0, len); always a prefix of the current tokens' chunks. Created by
+        # the first hashing: one GC-tracked object less per session (see SessionManager).
+        self._hashes: list[bytes] | None = None
         self.lookup_ipc_key: str | None = None
         self._extras: dict[str, Any] | None = None
         self.created_at = clock()
@@ -152,14 +161,23 @@ class Session:
         return len(self._tokens) // _TOKEN_BYTES
 
     @property
+    def chunk_hashes(self) -> list[bytes]:
+        """Hashes of the leading chunks hashed so far (the session's own list: read, don't
+        change it), always a prefix of the current tokens' chunk hashes."""
+        hashes = self._hashes
+        return hashes if hashes is not None else []
+
+    @property
     def num_chunks_processed(self) -> int:
         """How many leading chunks have their hash computed."""
-        return len(self.chunk_hashes)
+        hashes = self._hashes
+        return len(hashes) if hashes is not None else 0
 
     @property
     def last_prefix_hash(self) -> bytes | None:
         """Hash of the last hashed chunk: the parent of the next one (None before any)."""
-        return self.chunk_hashes[-1] if self.chunk_hashes else None
+        hashes = self._hashes
+        return hashes[-1] if hashes else None
 
     def touch(self) -> None:
         """Record a use now: expiry counts from the last use."""
@@ -173,7 +191,7 @@ class Session:
         Hashes of chunks at or after the first token that differs from the old sequence are
         dropped and recomputed on demand by `get_hashes`. A Python list that repeats the
         previous list and adds a tail (the lineage's growth pattern) costs only the tail's
-        conversion and a sampled check of the prefix (see `_extend_from_list`).
+        conversion and an exact C-level comparison of the prefix (see `_extend_from_list`).
         """
         if type(full_token_ids) is list and self._extend_from_list(full_token_ids):
             return
@@ -188,40 +206,45 @@ class Session:
                 return
             # Only the hashed prefix matters, and decode growth leaves it unchanged: one memcmp
             # (no copy) settles that; the token-by-token search runs only on a real divergence.
-            hashed = len(self.chunk_hashes) * self.hasher.chunk_size * _TOKEN_BYTES
-            if hashed and not new.startswith(memoryview(old)[:hashed]):
+            hashes = self._hashes
+            hashed = len(hashes) * self.hasher.chunk_size * _TOKEN_BYTES if hashes else 0
+            if hashes and not new.startswith(memoryview(old)[:hashed]):
                 valid_chunks = _common_prefix_tokens(old, new, hashed) // self.hasher.chunk_size
-                del self.chunk_hashes[valid_chunks:]
+                del hashes[valid_chunks:]
             self._tokens = new
 
     def _extend_from_list(self, tokens: list[int]) -> bool:
-        """set_tokens for a list that grows the previous list: convert just the tail.
+        """set_tokens for a list that starts with the previous list: convert just the tail.
 
-        The check that the list still starts with the previous one is cheap, not exhaustive:
-        the previous list's last chunk is compared whole, and 16 tokens of every earlier chunk
-        at offsets that rotate call by call (so an edit anywhere is found within chunk_size / 16
-        calls, 16 for chunks of 256). Any mismatch takes the general path, which converts the
-        whole list and finds the first differing token exactly. Packed tokens (what the server
-        receives) always take the exact path.
+        The check is exact: the kept copy of the previous list is extended by the new tail and
+        compared with `tokens` whole, one C-level list comparison (no slice of the prefix); a
+        caller that grows the same int objects passes each element on an identity test. Any
+        difference restores the kept copy and takes the general path, which converts the whole
+        list and drops the hashes from the first differing chunk on. Packed tokens (what the
+        server receives) always take the general path.
         """
         with self._lock:
             old = self._list
-            n = len(old) if old is not None else 0
-            if old is None or len(tokens) < n:
+            if old is None:
                 return False
-            cs = self.hasher.chunk_size
-            tip = max(0, n - cs)
-            stride = max(1, cs // _PROBES_PER_CHUNK)
-            probe = self._probe = (self._probe + 1) % stride
-            if tokens[tip:n] != old[tip:n] or tokens[probe:tip:stride] != old[probe:tip:stride]:
+            n = len(old)
+            if len(tokens) < n:
                 return False
             tail = tokens[n:]
+            old += tail
+            try:
+                same = tokens == old
+                packed = _pack_list(tail) if same and tail else b""  # validates the tail only
+            except BaseException:
+                del old[n:]
+                raise
+            if not same:
+                del old[n:]
+                return False
             if tail:
-                packed = _pack_list(tail)  # validates the new tokens only
                 if isinstance(self._tokens, bytes):
                     self._tokens = bytearray(self._tokens)  # one copy, then growth is in place
                 self._tokens += packed
-                old.extend(tail)
             self.last_access = self.clock()
             return True
 
@@ -263,16 +286,21 @@ class Session:
                 raise MisalignedRangeError(
                     f"get_hashes: end={end} is past the session's {num_tokens} tokens"
                 )
-            done = len(self.chunk_hashes)
+            hashes = self._hashes
+            if hashes is None:
+                if not end:
+                    return []
+                self._hashes = hashes = []
+            done = len(hashes)
             first, last = start // cs, end // cs
             if last > done:
                 with memoryview(self._tokens) as view:
                     window = view[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES]
-                    self.chunk_hashes += self.hasher.compute_chunk_hashes(
-                        window, prefix_hash=self.last_prefix_hash
+                    hashes += self.hasher.compute_chunk_hashes(
+                        window, prefix_hash=hashes[-1] if hashes else None
                     )
                     window.release()  # before the lock goes: an append may resize the buffer
-            return self.chunk_hashes[first:last]
+            return hashes[first:last]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe summary (for the admin API)."""
@@ -303,8 +331,10 @@ class SessionManager:
     that use is a ttl old.
     """
 
-    # The lineage's library defaults, by the lineage's names (code written for it reads them).
-    # The server never relies on them: server/app.py passes ServerConfig's values.
+    # The lineage's library defaults, kept on purpose under the lineage's names and values (code
+    # written for it reads them) although ServerConfig, where defaults live, sweeps every 10 s
+    # (`session_cleanup_interval`): the server never relies on these, server/app.py passes
+    # ServerConfig's values.
     DEFAULT_SESSION_TTL = 600.0
     DEFAULT_CLEANUP_INTERVAL = 60.0
     _BATCH = 256  # sessions looked at per hold of the lock during cleanup (tens of us)
@@ -342,7 +372,6 @@ class SessionManager:
         # its session's `_expiry_seq` is stale (the session was removed) and is skipped.
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
-        self._created = 0
         self._removed = 0
         self._orphaned = 0
         self._closed = False
@@ -367,7 +396,6 @@ class SessionManager:
             if session is None:
                 session = Session(request_id, self.hasher, clock=self.clock)
                 self._sessions[request_id] = self._fresh[request_id] = session
-                self._created += 1
             else:
                 session.last_access = self.clock()
         return session
@@ -419,8 +447,8 @@ class SessionManager:
 
     @property
     def created_count(self) -> int:
-        """Sessions created by `get_or_create`."""
-        return self._created
+        """Sessions created by `get_or_create` (each is active, removed or orphaned)."""
+        return len(self._sessions) + self._removed + self._orphaned
 
     @property
     def removed_count(self) -> int:

@@ -13,6 +13,7 @@ import pytest
 import redis
 from typing_extensions import Buffer
 
+from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.disk import DiskTier
@@ -59,6 +60,17 @@ class AskedDisk(DiskTier):
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         self.asked = list(keys)
         return super().contains_many(keys)
+
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+        self.asked = [k for k, _, _ in items]
+        return super().get_many_into(items)
+
+
+class BrokenReads(DiskTier):
+    """A real DiskTier whose batch reads always raise."""
+
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+        raise OSError("disk on fire")
 
 
 @pytest.fixture
@@ -177,6 +189,27 @@ def test_read_path_goes_in_tier_order(tmp_path: Path) -> None:
     mgr.close()
 
 
+def test_batch_read_goes_in_tier_order_past_a_failing_tier(tmp_path: Path) -> None:
+    broken = BrokenReads(tmp_path / "0", 0, name="broken")
+    first = AskedDisk(tmp_path / "1", 0, name="first")
+    second = AskedDisk(tmp_path / "2", 0, name="second")
+    for tier in (broken, first):
+        tier.put(key(1), payload(1), LAYOUT)
+    second.put(key(1), payload(100), LAYOUT)
+    second.put(key(2), payload(2), LAYOUT)
+    second.put(key(4), payload(4), "other-layout")
+    mgr = TierManager([broken, first, second])
+    bufs = [memoryview(bytearray(SIZE)) for _ in range(4)]
+    got = mgr.get_many_into([(key(i), bufs[i - 1], LAYOUT) for i in (1, 2, 3, 4)])
+    assert got == ["first", "second", None, None]
+    assert bufs[0] == payload(1) and bufs[1] == payload(2)
+    assert first.asked == [key(1), key(2), key(3), key(4)]
+    assert second.asked == [key(2), key(3), key(4)]  # only what the earlier tiers lacked
+    assert mgr.stats()["read_errors"] == 1
+    assert mgr.get_many_into([]) == []
+    mgr.close()
+
+
 def test_close_flushes_queued_work_and_rejects_later_submits(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 0)
     mgr = TierManager([disk])
@@ -208,3 +241,10 @@ def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
         TierManager([disk], policy="wait")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unique"):
         TierManager([disk, DiskTier(tmp_path / "b", 0)])
+
+
+def test_queue_defaults_come_from_server_config(tmp_path: Path) -> None:
+    config = ServerConfig()
+    mgr = TierManager([DiskTier(tmp_path, 0)])
+    assert (mgr.queue_size, mgr.policy) == (config.l2_queue_size, config.l2_queue_policy)
+    mgr.close()

@@ -355,6 +355,68 @@ def test_incremental_growth_over_any_split_equals_hashing_from_scratch(
     assert hasher.chunks_hashed == len(tokens) // CS  # each chunk hashed exactly once
 
 
+EDIT_CS = 64  # chunk size of the prefix-edit tests: big enough that sampling a chunk would miss
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.integers(1, 6),
+    grow=st.integers(0, 2 * EDIT_CS),
+    data=st.data(),
+    in_place=st.booleans(),
+)
+def test_a_list_edited_anywhere_in_its_prefix_drops_hashes_on_the_next_call(
+    chunks: int, grow: int, data: st.DataObject, in_place: bool
+) -> None:
+    """A growing list edited at any token of its old prefix, grown or not in the same call:
+    the very next set_tokens keeps no hash from the edited chunk on (no sampling, no delay)."""
+    n = chunks * EDIT_CS + data.draw(st.integers(0, EDIT_CS - 1))
+    tokens = list(range(1000, 1000 + n))
+    s = Session("r", CountingHasher(EDIT_CS))
+    s.set_tokens(tokens)
+    s.get_hashes(0)
+    at = data.draw(st.integers(0, n - 1))
+    edited = tokens if in_place else list(tokens)  # the caller's own list, or a fresh one
+    edited[at] = 7
+    edited += range(5000, 5000 + grow)
+    s.set_tokens(edited)
+    expected = reference(edited, EDIT_CS)
+    assert s.num_chunks_processed <= at // EDIT_CS
+    assert s.chunk_hashes == expected[: s.num_chunks_processed]
+    assert s.get_hashes(0) == expected
+    assert s.token_ids == edited
+
+
+def test_a_growing_list_edited_in_an_early_chunk_is_caught_at_once() -> None:
+    """The pattern sampling missed: a list grown step by step, one token of its first chunk
+    changed (at an offset a sample of 16 per chunk skips), then grown again."""
+    cs = 256
+    s = Session("r", CountingHasher(cs))
+    tokens: list[int] = []
+    for step in range(8):
+        tokens = tokens + list(range(step * cs, (step + 1) * cs))
+        s.set_tokens(tokens)
+        s.get_hashes(0)
+    for at in (1, 17, 200, 3 * cs + 5, len(tokens) - 1):
+        tokens = list(tokens)
+        tokens[at] += 100_000
+        tokens += range(len(tokens), len(tokens) + cs)
+        s.set_tokens(tokens)
+        assert s.num_chunks_processed <= at // cs
+        assert s.get_hashes(0) == reference(tokens, cs)
+
+
+def test_a_bad_token_in_a_grown_tail_leaves_the_session_as_it_was() -> None:
+    s = Session("r", CountingHasher())
+    s.set_tokens(list(range(8)))
+    s.get_hashes(0)
+    with pytest.raises(ValueError, match="4294967296"):
+        s.set_tokens([*range(8), 2**32])
+    s.set_tokens(list(range(12)))
+    assert s.get_hashes(0) == reference(list(range(12)))
+    assert s.token_ids == list(range(12))
+
+
 @settings(max_examples=60, deadline=None)
 @given(sequences=st.lists(token_lists, min_size=1, max_size=6), data=st.data())
 def test_diverging_sequences_never_leave_a_stale_hash(

@@ -15,10 +15,11 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import msgspec
 
+from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.snapshots import L2Summary
 from kvtier.storage.tiers.base import L2Tier
@@ -26,6 +27,7 @@ from kvtier.storage.tiers.base import L2Tier
 logger = logging.getLogger(__name__)
 
 Policy = Literal["drop", "block"]
+_DEFAULT_POLICY = cast(Policy, ServerConfig.l2_queue_policy)  # defaults live in ServerConfig
 
 
 class _Job(NamedTuple):
@@ -48,15 +50,19 @@ def _call(on_done: Callable[[], None] | None) -> None:
 
 
 class TierManager:
-    """Writes every submitted object to all `tiers` in the background; reads in tier order."""
+    """Writes every submitted object to all `tiers` in the background; reads in tier order.
+
+    The queue's size and policy default to ServerConfig's (`l2_queue_size`, `l2_queue_policy`),
+    the one place defaults live; `batch_size` and `block_timeout` are this class's own knobs.
+    """
 
     def __init__(
         self,
         tiers: Sequence[L2Tier],
         *,
-        queue_size: int = 1024,
+        queue_size: int = ServerConfig.l2_queue_size,
         batch_size: int = 16,
-        policy: Policy = "drop",
+        policy: Policy = _DEFAULT_POLICY,
         block_timeout: float = 1.0,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
@@ -259,6 +265,31 @@ class TierManager:
                 logger.exception("tier manager: tier %s failed get_into", tier.name)
                 self._count_read_error()
         return None
+
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[str | None]:
+        """`get_into` for several objects in one batch read per tier (pipelined, and fanned out
+        across masters for a Redis Cluster); each item's tier name, or None where none had it.
+
+        A later tier is asked only for the items still missing; a tier that raises counts one
+        read error and leaves its items to the next tier. Every tier checks each object's
+        digest, key and layout on the way in, as `get_into` does.
+        """
+        got: list[str | None] = [None] * len(items)
+        missing = list(range(len(items)))
+        for tier in self._tiers:
+            if not missing:
+                break
+            try:
+                flags = tier.get_many_into([items[i] for i in missing])
+            except Exception:
+                logger.exception("tier manager: tier %s failed get_many_into", tier.name)
+                self._count_read_error()
+                continue
+            for i, flag in zip(missing, flags, strict=True):
+                if flag:
+                    got[i] = tier.name
+            missing = [i for i in missing if got[i] is None]
+        return got
 
     def _count_read_error(self) -> None:
         with self._cond:

@@ -6,8 +6,9 @@ A group counts only when every rank's shard is in some tier and every shard actu
 so a lookup never reports a hit it cannot serve.
 
 A job's L1 bookkeeping (reserve, commit, hold) happens in short sections under the lock that
-`hold()` enters; the tier reads happen between them, outside it. A group's missing shards are
-A job reserves the slots it fills a batch of groups per hold, reads them all outside the lock,
+`hold()` enters; the tier reads happen between them, outside it. A job reserves the slots it
+fills a batch of groups per hold, reads them all outside the lock in one batch
+(`TierManager.get_many_into`: pipelined per tier, fanned out across a Redis Cluster's masters),
 commits them a batch per hold (holding each committed group), then reports (`on_done`) and
 gives back the holds and the rest in one final section: a group is never evictable half-loaded
 (a group with a staging shard is not in the LRU order), and the caller pins the loaded groups
@@ -172,12 +173,19 @@ class Prefetcher:
     def _read(
         self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]], nbytes: int, layout: str
     ) -> int:
-        """Read every reserved shard from L2; how many leading groups read completely."""
-        for i, (key, slots) in enumerate(reserved):
-            for worker_id, offset in slots:
-                view = self._arena.view(offset, nbytes)
-                if self._tiers.get_into(key.shard(worker_id), view, layout) is None:
-                    return i
+        """Read every reserved shard from L2 in one batch (each tier pipelines it, a Redis
+        Cluster fans it out across its masters); how many leading groups read completely."""
+        items = [
+            (key.shard(worker_id), self._arena.view(offset, nbytes), layout)
+            for key, slots in reserved
+            for worker_id, offset in slots
+        ]
+        got = self._tiers.get_many_into(items)
+        at = 0
+        for i, (_, slots) in enumerate(reserved):
+            if None in got[at : at + len(slots)]:
+                return i
+            at += len(slots)
         return len(reserved)
 
     def _commit(self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]]) -> list[ChunkKey]:
