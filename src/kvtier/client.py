@@ -250,6 +250,14 @@ class Client:
         """ "shm" when bytes go through the server's arena, "inline" when they go as frames."""
         return "shm" if self._arena is not None else "inline"
 
+    @property
+    def arena_bytes(self) -> npt.NDArray[np.uint8] | None:
+        """The server's shared-memory arena as mapped in this process (uint8, whole arena), or
+        None when bytes go inline. A re-join after a server restart maps a new arena: read it
+        again rather than keeping it across calls. For callers that register the arena with a
+        device (pinned host memory); slot views come from `store_slots` / `retrieve_slots`."""
+        return self._arena_bytes
+
     def _attach_arena(self, transfer: Transfer) -> None:
         if self.server.host_id == p.local_host_id():
             try:

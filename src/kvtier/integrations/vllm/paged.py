@@ -9,8 +9,8 @@ view's pages for the chunk's blocks, layer by layer:
 
 so on the head-major layout vLLM's CPU backend uses (LBHNC) each (layer, block) of a chunk is one
 contiguous page, and a copy is a memcpy of whole pages (runs of consecutive pages at once)
-straight between vLLM's blocks and the arena slot. Other layouts are copied through their
-strides.
+straight between vLLM's blocks and the arena slot. Other layouts are copied
+through their strides.
 
 On a GPU the same copies go through the arena registered as pinned host memory, asynchronously
 on a side stream (see `GpuCopier`); the CPU path is `CpuCopier`.
@@ -18,6 +18,7 @@ on a side stream (see `GpuCopier`); the CPU path is `CpuCopier`.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtier.copying import copy_addresses
 from kvtier.errors import InvalidArgumentError
 
 Bytes = npt.NDArray[np.uint8]
@@ -127,38 +129,95 @@ def page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class CpuCopier:
-    """Page copies on the CPU as numpy byte copies: one memcpy per run of consecutive pages
-    and layer. Single-threaded on purpose: torch's parallel gather spins OpenMP threads that
-    lose badly to a busy forward pass on the same cores, and numpy releases the GIL."""
+    """Page copies on the CPU: one memcpy per run of consecutive pages and layer, gathered by
+    `save` / `load` as (dst, src, size) addresses and run by `sync` (kvtier.copying).
 
-    def __init__(self, layout: PagedLayout) -> None:
+    On vLLM's CPU layout every page is contiguous, so a copy is named by address arithmetic
+    instead of numpy slices (a 16k-token transfer is thousands of page runs: slicing them cost
+    about a tenth of the copy time). Other layouts are copied through their strides at once.
+    `threads` > 1 splits the copies over a thread pool (ctypes releases the GIL); the default is
+    one, on the calling thread: on this machine's shared cores a second thread did not pay, and
+    the saver thread runs beside the forward pass. Torch's `index_select` / `index_copy_` are not
+    used: their OpenMP threads lose badly to a busy forward pass on the same cores."""
+
+    def __init__(self, layout: PagedLayout, threads: int = 1) -> None:
         self.layout = layout
+        self.threads = max(1, threads)
         # each layer as bytes: [pages, heads, kernel_block_size, content bytes], any strides
         self._layers = [kv.view(torch.uint8).numpy() for kv in layout.layers]
         _, pages, heads, kernel, _ = layout.chunk_shape
-        self._chunk_shape = (len(self._layers), pages, heads, kernel, self._layers[0].shape[-1])
+        first = self._layers[0]
+        self._chunk_shape = (len(self._layers), pages, heads, kernel, first.shape[-1])
+        self._num_pages = int(first.shape[0])
+        self._page_bytes = heads * kernel * int(first.shape[-1])
+        contiguous = all(
+            kv[0].flags.c_contiguous and kv.strides[0] == self._page_bytes for kv in self._layers
+        )
+        self._addresses = [int(kv.ctypes.data) for kv in self._layers] if contiguous else None
+        self._local = threading.local()  # each thread's gathered copies (loads, the saver)
 
     def save(self, slot: Bytes, pages: Sequence[int]) -> None:
-        """Copy a whole chunk's pages (in token order) into the arena slot."""
-        chunk = slot.reshape(self._chunk_shape)
-        runs = page_runs(pages)
-        for layer, kv in enumerate(self._layers):
-            dst = chunk[layer]
-            for offset, first, count in runs:
-                np.copyto(dst[offset : offset + count], kv[first : first + count])
+        """Copy a whole chunk's pages (in token order) into the arena slot (by `sync`)."""
+        self._check(slot, 0, pages)
+        if self._addresses is None:
+            chunk = slot.reshape(self._chunk_shape)
+            for layer, kv in enumerate(self._layers):
+                for offset, first, count in page_runs(pages):
+                    np.copyto(chunk[layer, offset : offset + count], kv[first : first + count])
+            return
+        pb, per_chunk = self._page_bytes, self._chunk_shape[1]
+        base, runs, pending = int(slot.ctypes.data), page_runs(pages), self._pending()
+        for layer, address in enumerate(self._addresses):
+            at = base + layer * per_chunk * pb
+            pending.extend((at + o * pb, address + f * pb, n * pb) for o, f, n in runs)
 
     def load(self, slot: Bytes, first_page: int, pages: Sequence[int]) -> None:
-        """Copy the chunk's pages [first_page, first_page + len(pages)) into vLLM's `pages`."""
-        chunk = slot.reshape(self._chunk_shape)
-        runs = page_runs(pages)
-        for layer, kv in enumerate(self._layers):
-            src = chunk[layer]
-            for offset, first, count in runs:
-                at = first_page + offset
-                np.copyto(kv[first : first + count], src[at : at + count])
+        """Copy the chunk's pages [first_page, first_page + len(pages)) into vLLM's `pages`
+        (by `sync`)."""
+        self._check(slot, first_page, pages)
+        if self._addresses is None:
+            chunk = slot.reshape(self._chunk_shape)
+            for layer, kv in enumerate(self._layers):
+                for offset, first, count in page_runs(pages):
+                    at = first_page + offset
+                    np.copyto(kv[first : first + count], chunk[layer, at : at + count])
+            return
+        pb, per_chunk = self._page_bytes, self._chunk_shape[1]
+        base, runs, pending = int(slot.ctypes.data), page_runs(pages), self._pending()
+        for layer, address in enumerate(self._addresses):
+            at = base + (layer * per_chunk + first_page) * pb
+            pending.extend((address + f * pb, at + o * pb, n * pb) for o, f, n in runs)
+
+    def _check(self, slot: Bytes, first_page: int, pages: Sequence[int]) -> None:
+        """Raw addresses must stay inside the slot and the KV cache: check before copying."""
+        per_chunk = self._chunk_shape[1]
+        if slot.nbytes != len(self._layers) * per_chunk * self._page_bytes:
+            raise InvalidArgumentError(
+                f"a chunk slot of {slot.nbytes} bytes does not hold chunk_shape "
+                f"{self.layout.chunk_shape} of {self.layout.dtype_name}"
+            )
+        if not 0 <= first_page <= first_page + len(pages) <= per_chunk:
+            raise InvalidArgumentError(
+                f"pages [{first_page}, {first_page + len(pages)}) are outside a chunk of "
+                f"{per_chunk} pages"
+            )
+        if pages and not (min(pages) >= 0 and max(pages) < self._num_pages):
+            raise InvalidArgumentError(
+                f"block pages {min(pages)}..{max(pages)} are outside vLLM's KV cache of "
+                f"{self._num_pages} pages"
+            )
 
     def sync(self) -> None:
-        """Copies are done when the calls return on the CPU."""
+        """Run the gathered copies; they are done when this returns."""
+        pending, self._local.pending = self._pending(), []
+        copy_addresses(pending, threads=self.threads)
+
+    def _pending(self) -> list[tuple[int, int, int]]:
+        """(dst address, src address, bytes) runs this thread gathered since its last `sync`."""
+        pending: list[tuple[int, int, int]] | None = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = []
+        return pending
 
 
 class GpuCopier:

@@ -71,8 +71,7 @@ class WorkerSide:
             self.layout = PagedLayout.from_kv_caches(
                 self._kv_caches, self.config.layer_names, self.config.block_size, client.chunk_size
             )
-            arena = getattr(client, "_arena_bytes", None)  # pinned for GPU copies
-            self._copier = copier_for(self.layout, arena)
+            self._copier = copier_for(self.layout, client.arena_bytes)  # pinned for GPU copies
         client.register(
             model=self.config.model,
             world_size=self.config.world_size,
