@@ -20,6 +20,7 @@ from kvtier.storage.arena import default_arena_name
 
 from ..conftest import REDIS_URL, ServerProcess, free_port, start_server
 from ._trust import CS, SHAPE, kv_for, prompt, register, status, verify, wait_for
+from .test_admin import changes
 
 
 def test_the_ipc_socket_is_private_whatever_the_umask(
@@ -58,7 +59,12 @@ def test_clear_removes_held_chunks_from_view_at_once(server: ServerProcess) -> N
         tokens = prompt(1, 4)
         assert c.store("w", tokens, kv_for(1, 4), model="m") == 4 * CS
         assert c.lookup("holder", tokens, model="m") == 4 * CS  # pins all four
-        reply = httpx.post(server.admin_url + "/clear", json={}, timeout=5)  # type: ignore[operator]
+        reply = httpx.post(
+            server.admin_url + "/clear",  # type: ignore[operator]
+            json={},
+            headers=changes(server),
+            timeout=5,
+        )
         assert reply.json() == {"cleared": 4}
         assert c.lookup("other", tokens, model="m") == 0
         out = np.zeros_like(kv_for(1, 4))
