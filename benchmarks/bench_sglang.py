@@ -27,35 +27,6 @@ BATCH = 32  # pages per call (SGLang sends up to 128)
 ROUNDS = 7
 
 
-def _backend(address: str, pool: Any, transfer: str) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=pool.layout == "page_first",
-        model_name="bench",
-        extra_config={
-            "backend_name": "kvtier",
-            "module_path": "kvtier.integrations.sglang",
-            "class_name": "KVTierHiCacheStorage",
-            "interface_v1": 1,
-            "address": address,
-            "transfer": transfer,
-        },
-    )
-    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
-    backend.register_mem_pool_host(pool)
-    return backend
-
-
 def _plain_copy(pool: Any, indices: Any, dst: np.ndarray, nbytes: int) -> tuple[float, float]:
     """(gather seconds, scatter seconds) per page for the same pieces, without kvtier."""
     ptrs, sizes = pool.get_page_buffer_meta(indices)
@@ -78,7 +49,7 @@ def _plain_copy(pool: Any, indices: Any, dst: np.ndarray, nbytes: int) -> tuple[
 
 
 def _measure(address: str, layout: str, transfer: str) -> dict[str, float]:
-    from tests.integration.sglang_pool import HostPoolStandIn
+    from tests.integration.sglang_pool import HostPoolStandIn, build_backend
 
     pool = HostPoolStandIn(
         layout=layout,
@@ -92,7 +63,7 @@ def _measure(address: str, layout: str, transfer: str) -> dict[str, float]:
     nbytes = pool.page_bytes(0).__len__()
     src, dst = pool.indices(list(range(BATCH))), pool.indices(list(range(BATCH, 2 * BATCH)))
     buffer = np.empty(BATCH * nbytes, np.uint8)
-    backend = _backend(address, pool, transfer)
+    backend = build_backend(address, pool, model_name="bench", transfer=transfer)
     best = {"set": float("inf"), "get": float("inf"), "exists": float("inf")}
     best |= {"copy_out": float("inf"), "copy_in": float("inf")}
     try:

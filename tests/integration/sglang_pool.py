@@ -10,6 +10,8 @@ methods the plain path uses (`get_data_page`, `get_dummy_flat_data_page`,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvtier.integrations.sglang_cpu import import_sglang_storage
@@ -112,3 +114,47 @@ class HostPoolStandIn:
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         target = self.get_data_page(index, flat=False)
         target.copy_(data_page.reshape(target.shape))
+
+
+def build_backend(
+    address: str,
+    pool: HostPoolStandIn,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    v1: bool = True,
+    model_name: str = "test-model",
+    **extra: Any,
+) -> Any:
+    """Build the backend as SGLang does: the factory's "dynamic" path, then the pool (the tests
+    and the benchmark share it)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvtier.integrations.sglang import KVTierHiCacheStorage
+
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=pool.layout == "page_first",
+        model_name=model_name,
+        extra_config={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KVTierHiCacheStorage",
+            "interface_v1": int(v1),
+            "address": address,
+            **extra,
+        },
+    )
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    assert isinstance(backend, KVTierHiCacheStorage)
+    backend.register_mem_pool_host(pool)  # what cache_controller does right after
+    return backend

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ..conftest import ServerProcess, free_port
-from .sglang_pool import HostPoolStandIn, sglang_api
+from .sglang_pool import HostPoolStandIn, build_backend, sglang_api
 from .test_serve import status
 
 PAGE = 64  # SGLang's default page size
@@ -32,48 +32,9 @@ def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
     return server_factory("--chunk-size", str(PAGE), "--l1-size", "64MiB", "--client-timeout", "3")
 
 
-def make_backend(
-    address: str,
-    pool: HostPoolStandIn,
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    mla: bool = False,
-    v1: bool = True,
-    **extra: Any,
-) -> Any:
-    """Build the backend as SGLang does: the factory's "dynamic" path, then the pool."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    from kvtier.integrations.sglang import KVTierHiCacheStorage
-
-    config = HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=pool.layout == "page_first",
-        model_name="test-model",
-        extra_config={
-            "backend_name": "kvtier",
-            "module_path": "kvtier.integrations.sglang",
-            "class_name": "KVTierHiCacheStorage",
-            "interface_v1": int(v1),
-            "address": address,
-            "timeout": 2,
-            "retry_interval": 0.2,
-            **extra,
-        },
-    )
-    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
-    assert isinstance(backend, KVTierHiCacheStorage)
-    backend.register_mem_pool_host(pool)  # what cache_controller does right after
-    return backend
+def make_backend(address: str, pool: HostPoolStandIn, **options: Any) -> Any:
+    """The backend as SGLang builds it, with short timeouts so failure tests stay quick."""
+    return build_backend(address, pool, **{"timeout": 2, "retry_interval": 0.2, **options})
 
 
 def keys_for(prefix: str, n: int) -> list[str]:
