@@ -68,7 +68,30 @@ def _steal_note(before: tuple[int, int], after: tuple[int, int]) -> str:
     total = after[1] - before[1]
     if total <= 0:
         return ""
-    return f"\n_CPU steal during this section: {100 * (after[0] - before[0]) / total:.0f}%._\n"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    steal = 100 * (after[0] - before[0]) / total
+    return f"\n_CPU steal during this section: {steal:.0f}%; measured {when}._\n"
+
+
+def _split(text: str) -> list[str]:
+    """A results file cut at its `## ` headings: [header, section, section, ...]."""
+    parts: list[list[str]] = [[]]
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            parts.append([])
+        parts[-1].append(line)
+    return ["".join(p) for p in parts]
+
+
+def _merge(old: str, new: list[str]) -> list[str]:
+    """An `--only` run replaces its own sections in the results file and keeps the others."""
+    fresh = {s.splitlines()[0]: s for s in new[1:]}
+    merged = [new[0]]
+    for section in _split(old)[1:]:
+        heading = section.splitlines()[0]
+        merged.append(fresh.pop(heading, section).rstrip("\n") + "\n")
+    merged.extend(fresh.values())
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             section = f"## {name}\n\nFAILED:\n\n```\n{traceback.format_exc()}```\n"
         print(section, flush=True)
         sections.append(section)
+    if args.only and args.output.exists():
+        sections = _merge(args.output.read_text(), sections)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(sections))
     print(f"wrote {args.output}")

@@ -391,6 +391,17 @@ class TokenHasher:
             hashes.append(self._spec.hash_one(hashes[-1] if hashes else parent, view[full:]))
         return hashes
 
+    def extend_chain(self, hashes: list[bytes], packed: memoryview) -> None:
+        """Append to `hashes`, a chain this hasher made (or []), the hashes of the chunks in
+        `packed`: a flat byte view of little-endian uint32 tokens, a whole number of chunks.
+
+        The unchecked fast path of `compute_chunk_hashes` for callers that keep their tokens
+        packed and their chain whole (`Session`).
+        """
+        step = self.chunk_size * _TOKEN_WIDTH
+        assert len(packed) % step == 0, "extend_chain takes whole chunks only"
+        hashes += self._spec.chain(hashes[-1] if hashes else self.none_hash, packed, step)
+
     @staticmethod
     def hash_to_bytes(h: bytes | int) -> bytes:
         """A hash as bytes: bytes pass through, ints become 8 bytes big-endian signed."""

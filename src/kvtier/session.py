@@ -37,6 +37,7 @@ from kvtier.periodic import (
     ThreadRunSummary,
     create_periodic_thread,
 )
+from kvtier.samelist import same_items
 
 __all__ = ["DestroyListener", "Session", "SessionManager"]
 
@@ -48,13 +49,15 @@ DestroyListener = Callable[["Session"], None]
 _TOKEN_BYTES = 4  # tokens are held as packed little-endian uint32
 
 
-def _pack_list(tokens: list[int]) -> bytes | memoryview:
-    """Python ints as packed little-endian uint32, checked: array('I') converts a short list
-    several times faster than numpy; anything it refuses goes through token_bytes, which
+def _pack_list(tokens: list[int]) -> array.array[int] | bytes | memoryview:
+    """Python ints as packed little-endian uint32, checked: array('I').fromlist converts a short
+    list several times faster than numpy; anything it refuses goes through token_bytes, which
     raises kvtier's error naming the bad value."""
     if _NATIVE_U32:
+        packed = array.array("I")
         try:
-            return array.array("I", tokens).tobytes()
+            packed.fromlist(tokens)
+            return packed
         except (OverflowError, TypeError):
             pass
     return token_bytes(tokens)
@@ -191,7 +194,8 @@ class Session:
         Hashes of chunks at or after the first token that differs from the old sequence are
         dropped and recomputed on demand by `get_hashes`. A Python list that repeats the
         previous list and adds a tail (the lineage's growth pattern) costs only the tail's
-        conversion and an exact C-level comparison of the prefix (see `_extend_from_list`).
+        conversion and an exact comparison of the prefix (see `_extend_from_list`). Like any
+        reader of a list, it expects no other thread to change that list during the call.
         """
         if type(full_token_ids) is list and self._extend_from_list(full_token_ids):
             return
@@ -217,8 +221,8 @@ class Session:
         """set_tokens for a list that starts with the previous list: convert just the tail.
 
         The check is exact: the kept copy of the previous list is extended by the new tail and
-        compared with `tokens` whole, one C-level list comparison (no slice of the prefix); a
-        caller that grows the same int objects passes each element on an identity test. Any
+        compared with `tokens` whole (no slice of the prefix): one memcmp of the two lists' item
+        pointers when the caller grows the same int objects, else `==` (`samelist`). Any
         difference restores the kept copy and takes the general path, which converts the whole
         list and drops the hashes from the first differing chunk on. Packed tokens (what the
         server receives) always take the general path.
@@ -233,7 +237,7 @@ class Session:
             tail = tokens[n:]
             old += tail
             try:
-                same = tokens == old
+                same = same_items(tokens, old)
                 packed = _pack_list(tail) if same and tail else b""  # validates the tail only
             except BaseException:
                 del old[n:]
@@ -294,12 +298,12 @@ class Session:
             done = len(hashes)
             first, last = start // cs, end // cs
             if last > done:
-                with memoryview(self._tokens) as view:
-                    window = view[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES]
-                    hashes += self.hasher.compute_chunk_hashes(
-                        window, prefix_hash=hashes[-1] if hashes else None
-                    )
-                    window.release()  # before the lock goes: an append may resize the buffer
+                # Both views are released before the lock goes: an append may resize the buffer.
+                with (
+                    memoryview(self._tokens) as view,
+                    view[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES] as window,
+                ):
+                    self.hasher.extend_chain(hashes, window)
             return hashes[first:last]
 
     def to_dict(self) -> dict[str, Any]:

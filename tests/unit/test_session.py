@@ -47,6 +47,12 @@ class CountingHasher(TokenHasher):
             self.chunks_hashed += len(hashes)
         return hashes
 
+    def extend_chain(self, hashes: list[bytes], packed: memoryview) -> None:
+        before = len(hashes)
+        super().extend_chain(hashes, packed)
+        with self._count_lock:
+            self.chunks_hashed += len(hashes) - before
+
 
 def reference(tokens: list[int], chunk_size: int = CS) -> list[bytes]:
     """Every full chunk's hash, computed from scratch by a fresh hasher."""

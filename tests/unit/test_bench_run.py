@@ -1,0 +1,14 @@
+"""`python -m benchmarks.run --only X` replaces X's section in the results file, keeps the rest."""
+
+from __future__ import annotations
+
+from benchmarks.run import _merge
+
+
+def test_only_run_replaces_its_section_and_keeps_the_others() -> None:
+    old = "# header old\n\n## A\n\nold a\n\n## B\n\nold b\n"
+    merged = "\n".join(_merge(old, ["# header new\n", "## B\n\nnew b\n", "## C\n\nnew c\n"]))
+    assert merged.startswith("# header new\n")
+    assert "old a" in merged and "new b" in merged and "new c" in merged
+    assert "old b" not in merged
+    assert merged.index("## A") < merged.index("## B") < merged.index("## C")
