@@ -91,6 +91,11 @@ def _bench_disk(chunks: list[bytes], outs: list[memoryview]) -> list[list[object
             for k, data in zip(keys, reversed(chunks), strict=True):
                 tier.put(k, data, LAYOUT)
 
+        def tier_read_many() -> None:
+            assert all(
+                tier.get_many_into([(k, out, LAYOUT) for k, out in zip(keys, outs, strict=True)])
+            )
+
         def tier_clear() -> None:
             tier.clear()
 
@@ -101,7 +106,9 @@ def _bench_disk(chunks: list[bytes], outs: list[memoryview]) -> list[list[object
         total = CHUNK * len(chunks)
         # new objects: both sides start each run from an empty folder
         base_w, tier_w = _race((plain_write, plain_clear), (tier_write, tier_clear))
-        base_r, tier_r = _race((plain_read, None), (tier_read, None))
+        base_r, tier_r, tier_rm = _race(
+            (plain_read, None), (tier_read, None), (tier_read_many, None)
+        )
         # rewrites: plain truncates and rewrites the same files in place
         base_rw, tier_same, tier_other = _race(
             (plain_write, None), (tier_write, None), (tier_write_other, None)
@@ -109,7 +116,19 @@ def _bench_disk(chunks: list[bytes], outs: list[memoryview]) -> list[list[object
         return [
             _row("disk write (new objects)", total, base_w, tier_w, 0.8),
             _row(
-                "disk read (digest of each 512 KiB block as it lands)", total, base_r, tier_r, 0.8
+                "disk read, batch (`get_many_into`, the prefetch path: each object read whole"
+                " while a second thread hashes the one before)",
+                total,
+                base_r,
+                tier_rm,
+                0.8,
+            ),
+            _row(
+                "disk read, one `get_into` per object (digest of each 512 KiB block as it lands)",
+                total,
+                base_r,
+                tier_r,
+                None,
             ),
             _row("disk rewrite, same bytes (skipped after check)", total, base_rw, tier_same, None),
             _row("disk rewrite, other bytes (swap + unlink)", total, base_rw, tier_other, None),

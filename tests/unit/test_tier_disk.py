@@ -446,3 +446,30 @@ def test_full_filesystem_evicts_shrinks_capacity_and_rate_limits_warnings(
     time.sleep(1.1)
     tier.put(key(999), payload(999, big), LAYOUT)
     assert tier.stats().extra["effective_capacity"] > s.extra["effective_capacity"]
+
+
+def test_batch_read_of_large_objects_checks_each_digest(tmp_path: Path) -> None:
+    """Objects of a block or more are read whole and hashed on the digest thread: a flipped
+    byte, a truncated file, a wrong layout and a missing key are misses, the rest exact."""
+    big = disk_mod.fmt.BLOCK + 4096 * 3
+    tier = DiskTier(tmp_path, 0)
+    try:
+        tier.put_many([(key(i), payload(i, big), LAYOUT) for i in range(6)])
+        flipped, truncated = file_of(tier, key(1)), file_of(tier, key(3))
+        raw = bytearray(flipped.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        flipped.write_bytes(raw)
+        with open(truncated, "r+b") as f:
+            f.truncate(truncated.stat().st_size - 1)
+        outs = [aligned(big) for _ in range(7)]
+        items = [(key(i), outs[i], LAYOUT) for i in range(7)]
+        items[4] = (key(4), outs[4], "float16[9]")
+        assert tier.get_many_into(items) == [True, False, True, False, False, True, False]
+        assert all(outs[i].tobytes() == payload(i, big) for i in (0, 2, 5))
+        assert not flipped.exists() and not truncated.exists()
+        assert tier.contains(key(4))  # a layout mismatch keeps the object
+        assert tier.stats().corrupt == 2
+    finally:
+        tier.close()
+    assert tier.get_many_into([(key(i), aligned(big), LAYOUT) for i in (0, 2)]) == [True, True]
+    tier.close()
