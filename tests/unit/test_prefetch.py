@@ -4,14 +4,16 @@ failure ends the run, and at most max_jobs run at once."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, ObjectKey
+from kvtier.storage import prefetch as prefetch_mod
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
@@ -102,4 +104,41 @@ def test_at_most_max_jobs_run_at_once(arena: Arena, tmp_path: Path) -> None:
     assert finished.acquire(timeout=10) and finished.acquire(timeout=10)
     prefetcher.close()
     assert prefetcher.in_flight == 0 and prefetcher.started == 2
+    tiers.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread only on Linux")
+def test_tier_reads_run_at_a_lower_cpu_priority_and_the_lock_work_does_not(
+    arena: Arena, tmp_path: Path
+) -> None:
+    """The reads run on a thread niced by _READ_NICE (up to 19); on_done, under the lock, runs
+    on a worker at the process's own priority, so a hold of the lock is never starved."""
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: dict[str, int] = {}
+
+    class Recording(TierManager):
+        def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+            seen["read"] = nice()
+            return super().get_many_into(items)
+
+    tiers = Recording([DiskTier(tmp_path, 1 << 30)])
+    chain = keys(2, ws=1)
+    for key in chain:
+        tiers.tiers[0].put(key.shard(0), bytes(NBYTES), LAYOUT)
+    done = threading.Event()
+
+    def on_done(loaded: list[ChunkKey]) -> None:
+        seen["on_done"] = nice()
+        done.set()
+
+    lock = threading.RLock()
+    prefetcher = Prefetcher(L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5)
+    assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
+    assert done.wait(10)
+    prefetcher.close()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen == {"read": min(19, base + prefetch_mod._READ_NICE), "on_done": base}
     tiers.close()
