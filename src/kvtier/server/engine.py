@@ -1,9 +1,16 @@
-"""Request handlers: everything the server does, without sockets.
+"""The server without sockets: one entry point that routes each request to its handler.
 
 `Engine.handle(identity, header, payloads, respond)` takes one request's frames and answers
 through `respond(frames)` exactly once (see `answers.py`): at once for most requests, later
 (from another thread) for a lookup that waits on L2 loads or a commit that waits for room in a
 full L2 queue. Every failure becomes a typed error reply.
+
+The engine keeps the handshake (Hello, Register, Goodbye), the tenant scoping of every request,
+reaping and the admin accessors. Each request family has its own module, built here and handed
+the parts it needs: `lookups.py` (Lookup, LookupPoll, ExistsKeys), `stores.py` (Reserve,
+Commit, Abort, StoreInline and their key-addressed forms), `retrieves.py` (Retrieve,
+RetrieveDone), `sessions.py` (a request's session and chunk names, the session bounds, a
+session's end).
 
 State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
 L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
@@ -13,7 +20,6 @@ happen outside it. Its longest hold per operation is measured (`lock_stats()`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -30,20 +36,15 @@ from kvtier import protocol as p
 from kvtier._version import __version__
 from kvtier.config import ServerConfig
 from kvtier.errors import (
-    BadArrayError,
     HashContractError,
     InternalError,
     InvalidArgumentError,
     KVTierError,
-    LeaseExpiredError,
     NoSpaceError,
     NotConnectedError,
     ProtocolVersionError,
-    UnknownReservationError,
-    UnknownSessionError,
 )
 from kvtier.hashing import TokenHasher
-from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.names import named_chunk_keys
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
@@ -51,14 +52,17 @@ from kvtier.redaction import redact
 from kvtier.server import naming
 from kvtier.server.answers import Answer, Respond, offloaded
 from kvtier.server.auth import Authenticator, scoped
-from kvtier.server.fencing import CopyGuard, FencingStats, Watch, watch_process
+from kvtier.server.fencing import FencingStats, watch_process
 from kvtier.server.layouts import LayoutRegistry
-from kvtier.server.leases import Expired, LeaseBook, Peer, Reservation, RetrieveLease
+from kvtier.server.leases import Expired, LeaseBook, Peer
 from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.lookups import LookupBook
-from kvtier.server.writethrough import Shard, WriteThrough
-from kvtier.session import Session, SessionManager
+from kvtier.server.retrieves import RetrieveBook
+from kvtier.server.sessions import SessionBook
+from kvtier.server.stores import StoreBook
+from kvtier.server.writethrough import WriteThrough
+from kvtier.session import SessionManager
 from kvtier.snapshots import ErrorRecord, Registration
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
@@ -73,14 +77,6 @@ _Scoped = TypeVar("_Scoped", p.Lookup, p.Reserve, p.StoreInline, p.Retrieve)
 _ScopedNames = TypeVar(
     "_ScopedNames", p.ExistsKeys, p.ReserveKeys, p.StoreKeysInline, p.RetrieveKeys
 )
-
-
-@dataclass(slots=True)
-class _Committed:
-    """A commit's outcome and the shards it hands to the L2 write-through."""
-
-    result: p.StoreReply | KVTierError
-    shards: list[Shard]
 
 
 _OK = p.encode(p.Ok())
@@ -143,16 +139,37 @@ class Engine:
         # decodes, routes and replies (see `_offloaded`).
         self._handlers = parts.handlers
         self.sessions = parts.sessions
-        self.sessions.destroy_listeners.append(self._on_session_destroyed)
         self.layouts = LayoutRegistry()
         self.leases = LeaseBook(clock)
+        # The request families, each in its own module (see there what runs under the lock).
         self.lookups = LookupBook(config, self.l1, self.tiers, self.prefetcher, self.metrics)
+        self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
+        self.sessions.destroy_listeners.append(self.session_book.end)
+        self.stores = StoreBook(
+            config,
+            arena=self.arena,
+            l1=self.l1,
+            tiers=self.tiers,
+            layouts=self.layouts,
+            leases=self.leases,
+            sessions=self.session_book,
+            write_through=self._write_through,
+            metrics=self.metrics,
+            lock=self._lock,
+            clock=clock,
+        )
+        self.retrieves = RetrieveBook(
+            config,
+            arena=self.arena,
+            l1=self.l1,
+            layouts=self.layouts,
+            leases=self.leases,
+            sessions=self.session_book,
+            metrics=self.metrics,
+            lock=self._lock,
+            clock=clock,
+        )
         self.recent_errors: deque[ErrorRecord] = deque(maxlen=50)
-        self._ending: set[str] = set()  # sessions being ended on purpose, not expired
-        self.orphaned_sessions = 0  # expired sessions that still held pins
-        self._session_tokens = 0  # tokens held by all sessions together
-        self._shed_sessions = 0  # ended early to keep within --max-sessions/--max-session-tokens
-        self._lease_expired_count = 0  # commits and retrieve-dones answered LEASE_EXPIRED
         self._closed = False
         #: periodic threads the assembler started for this engine (the lease reaper)
         self.threads: list[PeriodicThread] = []
@@ -251,34 +268,36 @@ class Engine:
             case p.Reserve():
                 self._require_watch(client, "Reserve")
                 req = self._scope(client, req)
-                reply = self._reserve(client_id, req, self._range_keys(req), client.watch)
+                keys = self.session_book.range_keys(req)
+                reply = self.stores.reserve(client_id, req, keys, client.watch)
             case p.Commit():
                 with self._lock.hold(op):
-                    committed = self._commit(client_id, req.reservation_id)
-                reply = self._write_committed(committed, answer)
+                    committed = self.stores.commit(client_id, req.reservation_id)
+                reply = self.stores.write_committed(committed, answer)
             case p.Abort():
                 with self._lock.hold(op):
-                    reply = self._abort(client_id, req.reservation_id)
+                    reply = self.stores.abort(client_id, req.reservation_id)
             case p.StoreInline():
-                reply = self._store_inline(client_id, self._scope(client, req), payloads, answer)
+                req = self._scope(client, req)
+                reply = self.stores.store_inline(client_id, req, payloads, answer)
             case p.Retrieve():
                 if not req.inline:
                     self._require_watch(client, "Retrieve")
-                return self._retrieve(client_id, self._scope(client, req), client.watch)
+                return self.retrieves.retrieve(client_id, self._scope(client, req), client.watch)
             case p.RetrieveDone():
                 with self._lock.hold(op):
-                    reply = self._retrieve_done(client_id, req.lease_id)
+                    reply = self.retrieves.done(client_id, req.lease_id)
             case p.Release():
                 request_id = self._session_id(client, req.request_id, req.cache_salt)
-                self._require_session(request_id)
+                self.session_book.require(request_id)
                 with self._lock.hold(op):
                     self.l1.unpin(request_id)
                 reply = p.Ok()
             case p.EndSession():
                 request_id = self._session_id(client, req.request_id, req.cache_salt)
-                self._require_session(request_id)
+                self.session_book.require(request_id)
                 with self._lock.hold(op):
-                    self._remove_session(request_id)
+                    self.session_book.remove(request_id)
                 reply = p.Ok()
             case p.Goodbye():
                 with self._lock.hold(op):
@@ -289,14 +308,16 @@ class Engine:
             case p.ReserveKeys():
                 self._require_watch(client, "ReserveKeys")
                 req = self._scope_names(client, req)
-                reply = self._reserve(client_id, req, self._range_keys(req), client.watch)
+                keys = self.session_book.range_keys(req)
+                reply = self.stores.reserve(client_id, req, keys, client.watch)
             case p.StoreKeysInline():
                 req = self._scope_names(client, req)
-                reply = self._store_inline(client_id, req, payloads, answer)
+                reply = self.stores.store_inline(client_id, req, payloads, answer)
             case p.RetrieveKeys():
                 if not req.inline:
                     self._require_watch(client, "RetrieveKeys")
-                return self._retrieve(client_id, self._scope_names(client, req), client.watch)
+                req = self._scope_names(client, req)
+                return self.retrieves.retrieve(client_id, req, client.watch)
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
         if reply is None:
@@ -420,400 +441,28 @@ class Engine:
         logger.info("client %s closed", client_id)
         self._reclaim(self.leases.disconnect(client_id))
 
-    # -- sessions and names (no engine lock: sessions guard themselves) -------------------------
-
-    def _session(self, request_id: str, tokens: bytes) -> Session:
-        before = self._held_tokens(request_id)
-        session = naming.session_for(self.sessions, request_id, tokens)
-        self._account(session, before)
-        return session
-
-    def _held_tokens(self, request_id: str) -> int:
-        session = self.sessions.peek(request_id)
-        return 0 if session is None else session.num_tokens
-
-    def _account(self, session: Session, before: int) -> None:
-        """Count the session's token change against --max-session-tokens; shed if over."""
-        with self._lock.hold("sessions"):
-            self._session_tokens += session.num_tokens - before
-            if (
-                self.sessions.active_count() > self.config.max_sessions
-                or self._session_tokens > self.config.max_session_tokens
-            ):
-                self._shed_sessions_for(session)
-
-    def _shed_sessions_for(self, keep: Session) -> None:
-        """End the longest-idle sessions until both session bounds hold with 10% to spare (so
-        a server at its bound does not sort its sessions on every request); counted."""
-        max_sessions = self.config.max_sessions * 9 // 10
-        max_tokens = self.config.max_session_tokens * 9 // 10
-        for session in self.sessions.sessions():  # least recently used first
-            if self.sessions.active_count() <= max_sessions and self._session_tokens <= max_tokens:
-                break
-            if session is keep:
-                continue
-            self._shed_sessions += 1
-            self._remove_session(session.request_id)
-
-    def _range_keys(self, req: p.RangeRequest | p.KeyRequest) -> list[ChunkKey]:
-        if isinstance(req, p.KeyRequest):  # named by the caller: no session, no token range
-            if req.num_chunks != len(req.names):
-                raise BadArrayError(
-                    f"the array holds {req.num_chunks} chunks but {len(req.names)} names came"
-                )
-            return named_chunk_keys(
-                req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
-            )
-        before = self._held_tokens(req.request_id)
-        keys = naming.range_keys(self.sessions, self.chunk_size, req)
-        session = self.sessions.peek(req.request_id)
-        if session is not None:
-            self._account(session, before)
-        return keys
-
-    _keys = staticmethod(naming.chunk_keys)
-
-    def _require_session(self, request_id: str) -> Session:
-        session = self.sessions.get(request_id)
-        if session is None:
-            raise UnknownSessionError(
-                f"no session {request_id!r}: it never existed, already ended, or expired "
-                f"(--session-ttl {self.config.session_ttl:g}s)"
-            )
-        return session
-
-    def _remove_session(self, request_id: str) -> Session | None:
-        """End a session on purpose (not an expiry)."""
-        self._ending.add(request_id)
-        try:
-            return self.sessions.remove(request_id)
-        finally:
-            self._ending.discard(request_id)
-
-    def _on_session_destroyed(self, session: Session) -> None:
-        with self._lock.hold("session ended"):
-            self._session_tokens -= session.num_tokens
-            self.lookups.forget(session.request_id)
-            held_pins = self.l1.unpin(session.request_id)
-            if held_pins and session.request_id not in self._ending:
-                self.orphaned_sessions += 1  # the engine abandoned it mid-flight, holding cache
-
     # -- lookup ---------------------------------------------------------------------------------
 
     def _lookup(self, req: p.Lookup, answer: Answer) -> p.LookupReply | None:
         """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
-        session = self._session(req.request_id, req.tokens)
+        session = self.session_book.session(req.request_id, req.tokens)
         num_tokens = session.num_tokens
         end = num_tokens - num_tokens % self.chunk_size
-        keys = self._keys(session, req.model, req.cache_salt, req.world_size, end)
+        keys = naming.chunk_keys(session, req.model, req.cache_salt, req.world_size, end)
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
             return self.lookups.lookup(req, keys, num_tokens, layout, answer)
 
     def _exists_keys(self, req: p.ExistsKeys, answer: Answer) -> p.ExistsReply | None:
-        """Leading named chunks every rank has; the ones only L2 holds are loaded into L1 first
-        (a prefetch job; the answer comes when it ends, or at once from L1 when none can start).
-
-        Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
-        chunk evicted before the caller's get is a miss there, never wrong bytes.
-        """
+        """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
         keys = named_chunk_keys(
             req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
         )
         layout = self.layouts.get(req.model, req.world_size)
-
-        def count(_loaded: object = None) -> p.ExistsReply:  # under the lock
-            hit = self.l1.count_prefix(keys)
-            self.l1.touch(keys[:hit])
-            return p.ExistsReply(hit)
-
         with self._lock.hold(answer.operation):
-            hit = self.l1.count_prefix(keys)
-            if hit < len(keys) and layout is not None and self.tiers.tiers:
-                started = self.prefetcher.submit(
-                    keys[hit:],
-                    nbytes=layout.nbytes,
-                    layout=layout.text,
-                    on_done=lambda loaded: answer.reply(count(loaded)),
-                )
-                if started:
-                    return None
-            return count()
-
-    # -- store ----------------------------------------------------------------------------------
-
-    def _reserve(
-        self,
-        client_id: str,
-        req: p.RangeRequest | p.KeyRequest,
-        keys: list[ChunkKey],
-        watch: Watch | None,
-    ) -> p.ReserveReply:
-        """Staging slots for `keys`; `watch` tells while whoever copies into them may still
-        touch them (the client's process, or the server's own inline copy)."""
-        layout = self.layouts.check(
-            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
-        )
-        offsets: list[int] = []
-        reserved: list[ChunkKey] = []
-        with self._lock.hold("Reserve"):
-            try:
-                for key in keys:
-                    if self.l1.is_busy(key, req.worker_id):
-                        # Another client is storing it right now: this store cannot call it
-                        # stored (that client may still abort or die).
-                        offsets.append(p.IN_FLIGHT)
-                        continue
-                    offset = self.l1.reserve(
-                        key,
-                        req.worker_id,
-                        layout.nbytes,
-                        owner=client_id,
-                        lease_s=self.config.staging_lease,
-                        layout=layout.text,
-                    )
-                    offsets.append(p.STORED if offset is None else offset)
-                    if offset is not None:
-                        reserved.append(key)
-            except BaseException:  # NoSpaceError or a bug: never leak the slots taken so far
-                for key in reserved:
-                    self.l1.abort(key, req.worker_id, owner=client_id)
-                raise
-            reservation_id = 0
-            if reserved:
-                reservation_id = self.leases.add_reservation(
-                    Reservation(
-                        client_id,
-                        req.worker_id,
-                        keys,
-                        reserved,
-                        layout.nbytes,
-                        self.clock() + self.config.staging_lease,
-                        watch=None if watch is None else watch.retain(),
-                    )
-                )
-        return p.ReserveReply(reservation_id, offsets, layout.nbytes)
-
-    def _stored_prefix(self, keys: list[ChunkKey], worker_id: int) -> int:
-        """How many leading chunks of `keys` are READY for this rank: what a store reports."""
-        n = 0
-        for key in keys:
-            if self.l1.get_shard(key, worker_id) is None:
-                break
-            n += 1
-        return n
-
-    def _end_reservation(self, res: Reservation) -> None:
-        """Free what an ended reservation still holds: its staging or quarantined slots."""
-        if res.lapsed:
-            for offset, nbytes in res.fenced:
-                self.l1.unfence(offset, nbytes)
-            res.fenced.clear()
-        else:
-            for key in res.reserved:
-                with contextlib.suppress(UnknownReservationError):  # committed meanwhile
-                    self.l1.abort(key, res.worker_id, owner=res.owner)
-        if res.watch is not None:
-            res.watch.release()
-            res.watch = None
-
-    def _fence(self, res: Reservation) -> None:
-        """Quarantine a lapsed reservation's staging slots: its writer may still be copying."""
-        for key in res.reserved:
-            with contextlib.suppress(UnknownReservationError):
-                res.fenced.append(self.l1.fence(key, res.worker_id, owner=res.owner))
-
-    def _lease_expired(self, what: str) -> LeaseExpiredError:
-        self._lease_expired_count += 1
-        return LeaseExpiredError(
-            f"{what} expired before it was acknowledged (--staging-lease "
-            f"{self.config.staging_lease:g}s): nothing of it counts; recompute"
-        )
-
-    def _commit(self, client_id: str, reservation_id: int) -> _Committed:
-        """Make a reservation's slots ready (under the lock); what to write through to L2."""
-        res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
-        if res.lapsed:
-            self._end_reservation(res)
-            raise self._lease_expired("the store's staging lease")
-        if res.watch is not None:
-            res.watch.release()
-            res.watch = None
-        lost = 0
-        shards: list[Shard] = []
-        for key in res.reserved:
-            try:
-                self.l1.commit(key, res.worker_id, owner=client_id)
-            except UnknownReservationError:
-                lost += 1
-                continue
-            if self.tiers.tiers:
-                shards.append(self._write_through_shard(key, res.worker_id))
-        self.l1.touch(res.keys)
-        self.metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
-        if lost:
-            return _Committed(
-                LeaseExpiredError(
-                    f"{lost} of {len(res.reserved)} staging slots expired before the commit "
-                    f"(--staging-lease {self.config.staging_lease:g}s); those chunks are not "
-                    "stored"
-                ),
-                shards,
-            )
-        return _Committed(p.StoreReply(self._stored_prefix(res.keys, res.worker_id)), shards)
-
-    def _write_committed(self, committed: _Committed, answer: Answer) -> p.StoreReply | None:
-        """Queue the committed shards for L2 (no lock held); the reply, or None when the
-        queue is full under the block policy and the answer waits for room."""
-        result = committed.result
-
-        def then() -> None:
-            if isinstance(result, KVTierError):
-                answer.error(result)
-            else:
-                answer.reply(result)
-
-        if not self._write_through.write(committed.shards, then):
-            return None
-        if isinstance(result, KVTierError):
-            raise result
-        return result
-
-    def _abort(self, client_id: str, reservation_id: int) -> p.Ok:
-        res = self.leases.take_reservation(client_id, reservation_id, self.config.staging_lease)
-        self._end_reservation(res)
-        return p.Ok()
-
-    def _store_inline(
-        self,
-        client_id: str,
-        req: p.StoreInline | p.StoreKeysInline,
-        payloads: Sequence[Any],
-        answer: Answer,
-    ) -> p.StoreReply | None:
-        layout = self.layouts.check(
-            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
-        )
-        if len(payloads) != req.num_chunks:
-            raise BadArrayError(
-                f"StoreInline announced {req.num_chunks} chunks but carried {len(payloads)} frames"
-            )
-        for i, frame in enumerate(payloads):
-            if len(frame) != layout.nbytes:
-                raise BadArrayError(
-                    f"chunk {i} carries {len(frame)} bytes; layout {layout.text} needs "
-                    f"{layout.nbytes}"
-                )
-        keys = self._range_keys(req)
-        # The server copies into the slots itself, outside the lock: the guard keeps them
-        # fenced, should the lease lapse, until that copy is over.
-        guard = CopyGuard()
-        reply = self._reserve(client_id, req, keys, guard)
-        try:
-            for offset, frame in zip(reply.offsets, payloads, strict=True):
-                if offset >= 0:  # a remote client's bytes have to land in the arena somehow
-                    self.arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
-        except BaseException:
-            if reply.reservation_id:
-                with self._lock.hold("StoreInline"):
-                    self._abort(client_id, reply.reservation_id)
-            raise
-        finally:
-            guard.finish()
-        if reply.reservation_id:
-            with self._lock.hold("StoreInline"):
-                committed = self._commit(client_id, reply.reservation_id)
-            return self._write_committed(committed, answer)
-        with self._lock.hold("StoreInline"):
-            return p.StoreReply(self._stored_prefix(keys, req.worker_id))
-
-    def _write_through_shard(self, key: ChunkKey, worker_id: int) -> Shard:
-        """A newly committed shard for the L2 tiers; its group stays held until written."""
-        shard = self.l1.get_shard(key, worker_id)
-        assert shard is not None
-        offset, size, layout = shard
-        self.l1.acquire(key)
-
-        def done() -> None:
-            with self._lock.hold("L2 written"):
-                self.l1.release(key)
-
-        return Shard(key.shard(worker_id), self.arena.view(offset, size), layout, done)
-
-    # -- retrieve -------------------------------------------------------------------------------
-
-    def _retrieve(
-        self, client_id: str, req: p.Retrieve | p.RetrieveKeys, watch: Watch | None
-    ) -> list[Any]:
-        """The leading chunks held for this rank: their slots under a lease (fenced by the
-        client's `watch` should it lapse), or, inline, their bytes copied by the server."""
-        layout = self.layouts.check(
-            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
-        )
-        keys = self._range_keys(req)
-        offsets: list[int] = []
-        lease_id = 0
-        guard = CopyGuard() if req.inline else None
-        # Named chunks have no session: their retrieve neither renews nor releases any pin.
-        session_id = req.request_id if isinstance(req, p.Retrieve) else None
-        with self._lock.hold("Retrieve"):
-            for key in keys:
-                shard = self.l1.get_shard(key, req.worker_id)
-                if shard is None or not self.l1.is_complete(key):
-                    break
-                offsets.append(shard[0])
-            found = keys[: len(offsets)]
-            if found:
-                self.l1.touch(found)
-                if session_id is not None and self.l1.pinned_keys(session_id):
-                    self.l1.renew(session_id, self.config.pin_lease)  # pins live while in use
-                for key in found:
-                    self.l1.acquire(key)  # held while the bytes are copied out
-                lease_id = self.leases.add_lease(
-                    RetrieveLease(
-                        client_id,
-                        session_id,
-                        req.worker_id,
-                        found,
-                        layout.nbytes,
-                        self.clock() + self.config.staging_lease,
-                        watch=guard if guard is not None else watch and watch.retain(),
-                    )
-                )
-        if not req.inline:
-            return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
-        # Inline: copy the held slots into frames outside the lock, then end the lease.
-        try:
-            frames = [bytes(self.arena.view(off, layout.nbytes)) for off in offsets]
-        finally:
-            assert guard is not None
-            guard.finish()
-        if lease_id:
-            with self._lock.hold("Retrieve"):
-                self._retrieve_done(client_id, lease_id)
-        elif session_id is not None:
-            with self._lock.hold("Retrieve"):
-                self.l1.mark_retrieved(session_id, req.worker_id)
-        return [p.encode(p.RetrieveReply(len(offsets), [], 0, layout.nbytes)), *frames]
-
-    def _retrieve_done(self, client_id: str, lease_id: int) -> p.Ok:
-        lease = self.leases.take_lease(client_id, lease_id)
-        self._end_lease(lease)
-        if lease.lapsed:  # the slots were kept, but the copy was not vouched for in time
-            raise self._lease_expired("the retrieve's lease")
-        if lease.request_id is not None:
-            self.l1.mark_retrieved(lease.request_id, lease.worker_id)
-        self.metrics.add_retrieved_bytes(len(lease.keys) * lease.nbytes)
-        return p.Ok()
-
-    def _end_lease(self, lease: RetrieveLease) -> None:
-        for key in lease.keys:
-            self.l1.release(key)
-        if lease.watch is not None:
-            lease.watch.release()
-            lease.watch = None
+            return self.lookups.exists(keys, layout, answer)
 
     # -- background -----------------------------------------------------------------------------
 
@@ -827,7 +476,7 @@ class Engine:
             for client_id in expired.dead_clients:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
             for res in expired.fenced:
-                self._fence(res)
+                self.stores.fence(res)
             self._reclaim(expired)
             staging = len(expired.reservations) + len(expired.fenced)
             pins = self.l1.reclaim_pins()
@@ -850,9 +499,9 @@ class Engine:
         """Release what the book ended (under the lock): reservations and leases whose owner
         can no longer touch their slots."""
         for res in gone.reservations:
-            self._end_reservation(res)
+            self.stores.end_reservation(res)
         for lease in gone.leases:
-            self._end_lease(lease)
+            self.retrieves.end_lease(lease)
 
     # -- admin backend --------------------------------------------------------------------------
 
@@ -871,12 +520,17 @@ class Engine:
                 lapsed=self.leases.num_lapsed,
                 fenced_slots=l1.fenced_slots,
                 fenced_bytes=l1.fenced_bytes,
-                lease_expired=self._lease_expired_count,
+                lease_expired=self.leases.num_expired_answers,
             )
 
     def session_bounds(self) -> SessionBounds:
         """Tokens held by sessions and sessions shed to stay within the bounds."""
-        return SessionBounds(tokens=self._session_tokens, shed=self._shed_sessions)
+        return self.session_book.bounds()
+
+    @property
+    def orphaned_sessions(self) -> int:
+        """Sessions that expired while still holding pins (the engine abandoned them)."""
+        return self.session_book.orphaned
 
     def lookup_totals(self) -> tuple[int, int]:
         """(tokens asked about, tokens found cached) by every lookup since start."""
@@ -890,7 +544,7 @@ class Engine:
     def end_session(self, request_id: str) -> bool:
         """End a session on purpose and drop its pins; False if there was none."""
         with self._lock:
-            return self._remove_session(request_id) is not None
+            return self.session_book.remove(request_id) is not None
 
     # -- lifecycle ------------------------------------------------------------------------------
 

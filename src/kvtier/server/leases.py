@@ -110,6 +110,7 @@ class LeaseBook:
         # RetrieveDone still hears "lease expired" rather than "unknown"
         self._expired_ids: set[int] = set()
         self._expired_order: deque[int] = deque()
+        self.num_expired_answers = 0  # commits and retrieve-dones answered LEASE_EXPIRED
 
     _EXPIRED_MEMORY = 65536  # expired ids remembered (oldest forgotten first)
 
@@ -225,6 +226,14 @@ class LeaseBook:
             raise ended
         raise UnknownReservationError(
             f"no retrieve lease {lease_id} held by this client: already done or expired"
+        )
+
+    def expired(self, what: str, staging_lease: float) -> LeaseExpiredError:
+        """The answer to an owner acknowledging a lapsed reservation or lease; counted."""
+        self.num_expired_answers += 1
+        return LeaseExpiredError(
+            f"{what} expired before it was acknowledged (--staging-lease "
+            f"{staging_lease:g}s): nothing of it counts; recompute"
         )
 
     @property

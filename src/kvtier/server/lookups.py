@@ -4,7 +4,9 @@ A lookup counts the leading groups complete in L1 and pins them for the request.
 groups after them may be in L2, it starts a prefetch job instead of answering: a blocking lookup
 is answered when the job ends, a non-blocking one answers "pending" at once and is polled. At
 the job's end the hit is what is complete in L1 then, and exactly that is pinned. A lookup of a
-request whose earlier lookup still loads joins that load. The book is guarded by the engine lock.
+request whose earlier lookup still loads joins that load. ExistsKeys, the lookup of named
+chunks, counts and loads the same way but pins nothing. The book is guarded by the engine lock:
+every method runs under it, the caller having named the chunks outside it.
 """
 
 from __future__ import annotations
@@ -94,6 +96,34 @@ class LookupBook:
             req.request_id, keys, hit, num_tokens, req.model, req.cache_salt, req.world_size
         )
         return p.LookupReply(hit_tokens)
+
+    def exists(
+        self, keys: list[ChunkKey], layout: Layout | None, answer: Answer
+    ) -> p.ExistsReply | None:
+        """Under the engine lock: the leading named chunks every rank has; the ones only L2
+        holds are loaded into L1 first (a prefetch job; the answer comes when it ends, or at
+        once from L1 when none can start).
+
+        Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
+        chunk evicted before the caller's get is a miss there, never wrong bytes.
+        """
+
+        def count(_loaded: object = None) -> p.ExistsReply:  # under the lock
+            hit = self._l1.count_prefix(keys)
+            self._l1.touch(keys[:hit])
+            return p.ExistsReply(hit)
+
+        hit = self._l1.count_prefix(keys)
+        if hit < len(keys) and layout is not None and self._tiers.tiers:
+            started = self._prefetcher.submit(
+                keys[hit:],
+                nbytes=layout.nbytes,
+                layout=layout.text,
+                on_done=lambda loaded: answer.reply(count(loaded)),
+            )
+            if started:
+                return None
+        return count()
 
     def poll(self, req: p.LookupPoll, answer: Answer) -> p.LookupReply | None:
         """Under the engine lock: a pending lookup's result (answered once), or pending."""

@@ -1,0 +1,129 @@
+"""Retrieves: the leading held chunks of a range, handed out under a lease or copied inline.
+
+Retrieve finds the leading chunks READY for the rank and holds them (never evicted) under a
+retrieve lease until RetrieveDone; a retrieve of a session renews its pins, and its RetrieveDone
+marks the rank done on them. Inline, the server copies the held slots into frames itself and ends
+the lease at once.
+
+Locking: `done` and `end_lease` run under the engine lock, which the caller holds. `retrieve`
+takes it itself for the bookkeeping only; the layout check, naming, the inline copy and encoding
+the reply run outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvtier import protocol as p
+from kvtier.config import ServerConfig
+from kvtier.metrics import Metrics
+from kvtier.server.fencing import CopyGuard, Watch
+from kvtier.server.layouts import LayoutRegistry
+from kvtier.server.leases import LeaseBook, RetrieveLease
+from kvtier.server.locking import TimedLock
+from kvtier.server.sessions import SessionBook
+from kvtier.storage.arena import Arena
+from kvtier.storage.l1 import L1Store
+
+__all__ = ["RetrieveBook"]
+
+
+class RetrieveBook:
+    """The retrieve path: retrieve leases, their end, inline retrieves."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        arena: Arena,
+        l1: L1Store,
+        layouts: LayoutRegistry,
+        leases: LeaseBook,
+        sessions: SessionBook,
+        metrics: Metrics,
+        lock: TimedLock,
+        clock: Callable[[], float],
+    ) -> None:
+        self._config = config
+        self._arena = arena
+        self._l1 = l1
+        self._layouts = layouts
+        self._leases = leases
+        self._sessions = sessions
+        self._metrics = metrics
+        self._lock = lock
+        self._clock = clock
+
+    def retrieve(
+        self, client_id: str, req: p.Retrieve | p.RetrieveKeys, watch: Watch | None
+    ) -> list[Any]:
+        """The leading chunks held for this rank: their slots under a lease (fenced by the
+        client's `watch` should it lapse), or, inline, their bytes copied by the server."""
+        layout = self._layouts.check(
+            req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+        )
+        keys = self._sessions.range_keys(req)
+        offsets: list[int] = []
+        lease_id = 0
+        guard = CopyGuard() if req.inline else None
+        # Named chunks have no session: their retrieve neither renews nor releases any pin.
+        session_id = req.request_id if isinstance(req, p.Retrieve) else None
+        with self._lock.hold("Retrieve"):
+            for key in keys:
+                shard = self._l1.get_shard(key, req.worker_id)
+                if shard is None or not self._l1.is_complete(key):
+                    break
+                offsets.append(shard[0])
+            found = keys[: len(offsets)]
+            if found:
+                self._l1.touch(found)
+                if session_id is not None and self._l1.pinned_keys(session_id):
+                    self._l1.renew(session_id, self._config.pin_lease)  # pins live while in use
+                for key in found:
+                    self._l1.acquire(key)  # held while the bytes are copied out
+                lease_id = self._leases.add_lease(
+                    RetrieveLease(
+                        client_id,
+                        session_id,
+                        req.worker_id,
+                        found,
+                        layout.nbytes,
+                        self._clock() + self._config.staging_lease,
+                        watch=guard if guard is not None else watch and watch.retain(),
+                    )
+                )
+        if not req.inline:
+            return [p.encode(p.RetrieveReply(len(offsets), offsets, lease_id, layout.nbytes))]
+        # Inline: copy the held slots into frames outside the lock, then end the lease.
+        try:
+            frames = [bytes(self._arena.view(off, layout.nbytes)) for off in offsets]
+        finally:
+            assert guard is not None
+            guard.finish()
+        if lease_id:
+            with self._lock.hold("Retrieve"):
+                self.done(client_id, lease_id)
+        elif session_id is not None:
+            with self._lock.hold("Retrieve"):
+                self._l1.mark_retrieved(session_id, req.worker_id)
+        return [p.encode(p.RetrieveReply(len(offsets), [], 0, layout.nbytes)), *frames]
+
+    def done(self, client_id: str, lease_id: int) -> p.Ok:
+        """RetrieveDone: end the lease; the rank is done on the session's pins."""
+        lease = self._leases.take_lease(client_id, lease_id)
+        self.end_lease(lease)
+        if lease.lapsed:  # the slots were kept, but the copy was not vouched for in time
+            raise self._leases.expired("the retrieve's lease", self._config.staging_lease)
+        if lease.request_id is not None:
+            self._l1.mark_retrieved(lease.request_id, lease.worker_id)
+        self._metrics.add_retrieved_bytes(len(lease.keys) * lease.nbytes)
+        return p.Ok()
+
+    def end_lease(self, lease: RetrieveLease) -> None:
+        """Release what an ended lease holds: its groups, its watch."""
+        for key in lease.keys:
+            self._l1.release(key)
+        if lease.watch is not None:
+            lease.watch.release()
+            lease.watch = None
