@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -91,6 +92,17 @@ class ServerProcess:
     def output(self) -> str:
         return "".join(self.log)
 
+    def close(self) -> None:
+        """Stop the server, and remove the shared-memory segment a crash (a test's SIGKILL)
+        left behind: a test machine must not fill /dev/shm run after run."""
+        self.stop()
+        for line in self.log:
+            if "/dev/shm/" in line:
+                segment = line.split("/dev/shm/")[1].split(";")[0].split()[0]
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/dev/shm/{segment}")
+                break
+
 
 def start_server(*args: str, address: str | None = None, timeout: float = 30.0) -> ServerProcess:
     """Start `kvtier serve` in its own process and wait until it says it is ready.
@@ -151,7 +163,7 @@ def server_factory() -> Iterator[Callable[..., ServerProcess]]:
 
     yield factory
     for server in started:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture

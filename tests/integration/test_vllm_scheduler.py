@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server() -> Iterator[ServerProcess]:
     srv = start_server("--l1-size", "64MiB", "--chunk-size", str(CHUNK), "--client-timeout", "5")
     yield srv
-    srv.stop()
+    srv.close()
 
 
 @pytest.fixture
