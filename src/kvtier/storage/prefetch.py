@@ -15,13 +15,15 @@ gives back the holds and the rest in one final section: a group is never evictab
 before anything else can evict them. Batches keep both the number and the length of holds
 small (each hold may also wait for the GIL or the CPU).
 
-The tier reads themselves run on reader threads at a lower CPU priority (nice +10 on Linux),
+The tier reads themselves run on reader threads at the lowest CPU priority (nice 19 on Linux),
 which never take the engine lock. A read from the page cache is a memcpy and a digest, CPU
 work that competes with the threads and client processes answering requests: lowered, it takes
-the CPUs they leave idle. The workers, which do take the lock, keep the normal priority, so a
-section of a job under the lock is never starved (nicing the workers themselves was measured:
-holds of the lock grew to 98 ms at nice 10). With it, L1-hit lookups beside back-to-back 16 MiB
-loads went from 2.4x to 1.2x their quiet p99 on 2 CPUs (the concurrency benchmark).
+the CPUs they leave idle, and on an idle machine it runs as fast as before. The workers, which
+do take the lock, keep the normal priority, so a section of a job under the lock is never
+starved (nicing the workers themselves was measured: holds of the lock grew to 98 ms at nice
+10). On 2 CPUs, L1-hit lookups beside back-to-back 16 MiB loads went from 2.4x their quiet p99
+to 1.6-1.9x (nice 10 gave 1.6-1.95x), the loads' own p50 from 12 to 13-14 ms (the concurrency
+benchmark).
 
 At most `max_jobs` jobs are in flight (LMCache bounds its async L2 prefetch the same way);
 `submit` refuses more, and the caller then answers from L1 alone.
@@ -55,7 +57,7 @@ _BATCH = 4  # groups reserved or committed per hold of the lock
 # processes that answer requests: on 2 CPUs one worker loaded faster than two (the concurrency
 # benchmark: 11.8 ms against 16.9 ms per 16 MiB prompt) and slowed L1 lookups less.
 _WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
-_READ_NICE = 10  # added to the reader threads' nice value (19 is the lowest priority)
+_READ_NICE = 19  # added to the reader threads' nice value, which stops at 19 (the lowest)
 _OWNER = "kvtier:l2-prefetch"  # the staging owner of slots being filled from L2
 
 #: called under the lock with the groups just loaded, in chain order
