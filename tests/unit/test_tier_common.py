@@ -110,3 +110,26 @@ def test_read_hashed_equals_one_shot_digest() -> None:
         block[:] = data[offset : offset + len(block)]
 
     assert fmt.read_hashed(out, fill) == fmt.digest(data) and out.tobytes() == data
+
+
+def test_aligned_header_pads_to_the_page_and_decodes_to_its_padded_size() -> None:
+    payload = bytes(range(256)) * 16
+    for text in ("k", "x" * 5000):  # a header of one page, and one past a page
+        header = fmt.encode_header(text, "uint8[4096]", payload, aligned=True)
+        assert len(header) % fmt.ALIGN == 0
+        assert len(header) == fmt.header_size(text, "uint8[4096]", aligned=True)
+        decoded = fmt.decode_header(header)
+        assert decoded is not None and decoded.size == len(header)
+        assert fmt.verify(decoded, text, "uint8[4096]", payload, len(header) + len(payload)) is (
+            fmt.Verdict.OK
+        )
+    plain = fmt.encode_header("k", "uint8[4096]", payload)
+    assert len(plain) == fmt.header_size("k", "uint8[4096]") < fmt.ALIGN
+    decoded = fmt.decode_header(plain)
+    assert decoded is not None and decoded.size == len(plain)
+
+
+def test_a_header_with_an_unknown_flag_does_not_decode() -> None:
+    header = bytearray(fmt.encode_header("k", "uint8[4]", b"abcd"))
+    header[10:12] = (2).to_bytes(2, "little")  # the flags field
+    assert fmt.decode_header(header) is None

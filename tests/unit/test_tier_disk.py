@@ -473,3 +473,25 @@ def test_batch_read_of_large_objects_checks_each_digest(tmp_path: Path) -> None:
         tier.close()
     assert tier.get_many_into([(key(i), aligned(big), LAYOUT) for i in (0, 2)]) == [True, True]
     tier.close()
+
+
+def test_payload_starts_page_aligned_and_files_from_before_alignment_still_read(
+    tmp_path: Path,
+) -> None:
+    tier = DiskTier(tmp_path, 0)
+    tier.put(key(1), payload(1), LAYOUT)
+    path = file_of(tier, key(1))
+    assert (path.stat().st_size - SIZE) % disk_mod.fmt.ALIGN == 0
+    out = aligned()
+    assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(1)
+    # an object as kvtier wrote it before the payload was aligned: no padding, flags 0
+    text = key(1).to_str()
+    path.write_bytes(disk_mod.fmt.encode_header(text, LAYOUT, payload(2)) + payload(2))
+    for read in (
+        lambda: tier.get_into(key(1), out, LAYOUT),
+        lambda: tier.get_many_into([(key(1), out, LAYOUT), (key(1), out, LAYOUT)])[0],
+    ):
+        out[:] = bytes(SIZE)
+        assert read() and out.tobytes() == payload(2)
+    assert tier.stats().corrupt == 0
+    tier.close()

@@ -257,7 +257,7 @@ class DiskTier:
         """
         view = fmt.byte_view(data)
         text = key.to_str()
-        header = fmt.encode_header(text, layout, view)
+        header = fmt.encode_header(text, layout, view, aligned=True)
         size = len(header) + len(view)
         if self.capacity_bytes and size > self.capacity_bytes:
             raise ValueError(
@@ -443,7 +443,10 @@ class DiskTier:
         try:
             st = os.fstat(fd)
             total = st.st_size
-            expected_header = fmt.header_size(text, layout)
+            # the payload starts page-aligned (fmt.ALIGNED); files from before that have none
+            expected_header = fmt.header_size(text, layout, aligned=True)
+            if total != expected_header + n:
+                expected_header = fmt.header_size(text, layout)
             header: fmt.Header | None = None
             payload_digest: bytes | None = None
             if total == expected_header + n and not hash_blocks:

@@ -1,9 +1,15 @@
 """The object format both L2 tiers store: a self-describing header, then the payload.
 
 Header (little-endian): magic b"KVTO", u16 version, u16 key length, u16 layout length,
-u16 flags (0), u64 payload length, 16-byte xxh3-128 digest of the payload, then the key text
+u16 flags, u64 payload length, 16-byte xxh3-128 digest of the payload, then the key text
 (`ObjectKey.to_str()`, ASCII) and the layout string (UTF-8). The key is stored so that a value
 found under the wrong name (a renamed file, a mis-set Redis key) is caught, not served.
+
+Flag `ALIGNED` (the disk tier's files): zero bytes follow the texts up to the next multiple of
+`ALIGN`, so the payload starts page-aligned in the file. The kernel then copies it from the
+page cache into a page-aligned buffer (an L1 slot) at full speed: reading 4 MiB from offset
+200 ran at 5.5 GB/s here, from offset 4096 at 6.6 GB/s, like offset 0. Redis values carry no
+padding (flags 0). Files written before the flag existed (flags 0) are still read.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ _FIXED = struct.Struct("<4sHHHHQ16s")
 FIXED_SIZE = _FIXED.size  # 36 bytes
 DIGEST_AT = slice(FIXED_SIZE - 16, FIXED_SIZE)  # where an encoded header holds the digest
 MAX_TEXT = 0xFFFF  # key and layout lengths are u16
+ALIGNED = 1  # flag: the header is padded to a multiple of ALIGN
+ALIGN = 4096
 
 
 class Header(NamedTuple):
@@ -71,20 +79,28 @@ def read_hashed(out: memoryview, fill: Callable[[memoryview, int], None]) -> byt
     return hasher.digest()
 
 
-def header_size(key_text: str, layout: str) -> int:
+def _padded(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+def header_size(key_text: str, layout: str, *, aligned: bool = False) -> int:
     """The header length for this key and layout (the payload starts right after it)."""
-    return FIXED_SIZE + len(key_text) + len(layout.encode())
+    size = FIXED_SIZE + len(key_text) + len(layout.encode())
+    return _padded(size) if aligned else size
 
 
-def encode_header(key_text: str, layout: str, payload: Buffer) -> bytes:
-    """The header for `payload` stored under `key_text` with `layout`."""
+def encode_header(key_text: str, layout: str, payload: Buffer, *, aligned: bool = False) -> bytes:
+    """The header for `payload` stored under `key_text` with `layout`; `aligned` pads it so the
+    payload starts at a multiple of `ALIGN`."""
     key_b = key_text.encode("ascii")
     layout_b = layout.encode()
     if len(key_b) > MAX_TEXT or len(layout_b) > MAX_TEXT:
         raise ValueError(f"key or layout longer than {MAX_TEXT} bytes: layout={layout[:80]!r}")
     n = memoryview(payload).nbytes
-    fixed = _FIXED.pack(MAGIC, VERSION, len(key_b), len(layout_b), 0, n, digest(payload))
-    return fixed + key_b + layout_b
+    flags = ALIGNED if aligned else 0
+    fixed = _FIXED.pack(MAGIC, VERSION, len(key_b), len(layout_b), flags, n, digest(payload))
+    header = fixed + key_b + layout_b
+    return header + bytes(_padded(len(header)) - len(header)) if aligned else header
 
 
 def decode_header(buf: Buffer) -> Header | None:
@@ -93,7 +109,7 @@ def decode_header(buf: Buffer) -> Header | None:
     if len(view) < FIXED_SIZE:
         return None
     magic, version, key_len, layout_len, flags, payload_len, dig = _FIXED.unpack_from(view)
-    if magic != MAGIC or version != VERSION or flags != 0:
+    if magic != MAGIC or version != VERSION or flags & ~ALIGNED:
         return None
     end = FIXED_SIZE + key_len + layout_len
     if len(view) < end:
@@ -103,7 +119,7 @@ def decode_header(buf: Buffer) -> Header | None:
         layout = bytes(view[FIXED_SIZE + key_len : end]).decode()
     except UnicodeDecodeError:
         return None
-    return Header(key_text, layout, payload_len, dig, end)
+    return Header(key_text, layout, payload_len, dig, _padded(end) if flags & ALIGNED else end)
 
 
 def judge(header: Header | None, key_text: str, layout: str, out_len: int, total: int) -> Verdict:
