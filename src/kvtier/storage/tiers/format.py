@@ -89,16 +89,25 @@ def header_size(key_text: str, layout: str, *, aligned: bool = False) -> int:
     return _padded(size) if aligned else size
 
 
-def encode_header(key_text: str, layout: str, payload: Buffer, *, aligned: bool = False) -> bytes:
+def encode_header(
+    key_text: str,
+    layout: str,
+    payload: Buffer,
+    *,
+    aligned: bool = False,
+    payload_digest: bytes | None = None,
+) -> bytes:
     """The header for `payload` stored under `key_text` with `layout`; `aligned` pads it so the
-    payload starts at a multiple of `ALIGN`."""
+    payload starts at a multiple of `ALIGN`. `payload_digest`: `digest(payload)`, when the
+    caller computed it already."""
     key_b = key_text.encode("ascii")
     layout_b = layout.encode()
     if len(key_b) > MAX_TEXT or len(layout_b) > MAX_TEXT:
         raise ValueError(f"key or layout longer than {MAX_TEXT} bytes: layout={layout[:80]!r}")
     n = memoryview(payload).nbytes
     flags = ALIGNED if aligned else 0
-    fixed = _FIXED.pack(MAGIC, VERSION, len(key_b), len(layout_b), flags, n, digest(payload))
+    dig = digest(payload) if payload_digest is None else payload_digest
+    fixed = _FIXED.pack(MAGIC, VERSION, len(key_b), len(layout_b), flags, n, dig)
     header = fixed + key_b + layout_b
     return header + bytes(_padded(len(header)) - len(header)) if aligned else header
 
