@@ -5,12 +5,12 @@ through `respond(frames)` exactly once (see `answers.py`): at once for most requ
 (from another thread) for a lookup that waits on L2 loads or a commit that waits for room in a
 full L2 queue. Every failure becomes a typed error reply.
 
-The engine keeps the handshake (Hello, Register, Goodbye), the tenant scoping of every request,
-reaping and the admin accessors. Each request family has its own module, built here and handed
-the parts it needs: `lookups.py` (Lookup, LookupPoll, ExistsKeys), `stores.py` (Reserve,
-Commit, Abort, StoreInline and their key-addressed forms), `retrieves.py` (Retrieve,
-RetrieveDone), `sessions.py` (a request's session and chunk names, the session bounds, a
-session's end).
+The engine keeps the routing, Goodbye, reaping and the admin accessors. Each request family has
+its own module, built here and handed the parts it needs: `handshake.py` (Hello, Register),
+`tenants.py` (every request in its client's namespace), `lookups.py` (Lookup, LookupPoll,
+ExistsKeys), `stores.py` (Reserve, Commit, Abort, StoreInline and their key-addressed forms),
+`retrieves.py` (Retrieve, RetrieveDone), `sessions.py` (a request's session and chunk names,
+the session bounds, a session's end).
 
 State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
 L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
@@ -28,33 +28,30 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
 from kvtier import protocol as p
-from kvtier._version import __version__
 from kvtier.config import ServerConfig
 from kvtier.errors import (
-    HashContractError,
     InternalError,
     InvalidArgumentError,
     KVTierError,
-    NoSpaceError,
     NotConnectedError,
-    ProtocolVersionError,
 )
 from kvtier.hashing import TokenHasher
 from kvtier.metrics import Metrics
 from kvtier.names import named_chunk_keys
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.redaction import redact
-from kvtier.server import naming
+from kvtier.server import naming, tenants
 from kvtier.server.answers import Answer, Respond, offloaded
-from kvtier.server.auth import Authenticator, scoped
-from kvtier.server.fencing import FencingStats, watch_process
+from kvtier.server.auth import Authenticator
+from kvtier.server.fencing import FencingStats
+from kvtier.server.handshake import Handshake
 from kvtier.server.layouts import LayoutRegistry
-from kvtier.server.leases import Expired, LeaseBook, Peer
+from kvtier.server.leases import Expired, LeaseBook
 from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.lookups import LookupBook
@@ -63,7 +60,7 @@ from kvtier.server.sessions import SessionBook
 from kvtier.server.stores import StoreBook
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
-from kvtier.snapshots import ErrorRecord, Registration
+from kvtier.snapshots import ErrorRecord
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
@@ -72,12 +69,6 @@ from kvtier.storage.prefetch import Prefetcher
 __all__ = ["Engine", "EngineParts", "Respond"]
 
 logger = logging.getLogger(__name__)
-
-_Scoped = TypeVar("_Scoped", p.Lookup, p.Reserve, p.StoreInline, p.Retrieve)
-_ScopedNames = TypeVar(
-    "_ScopedNames", p.ExistsKeys, p.ReserveKeys, p.StoreKeysInline, p.RetrieveKeys
-)
-
 
 _OK = p.encode(p.Ok())
 
@@ -118,9 +109,6 @@ class Engine:
         self.started_at = time.time()
         self.hasher = parts.hasher
         self.chunk_size = config.chunk_size
-        self.contract = self.hasher.contract()
-        self.host_id = p.local_host_id()
-        self.server_id = uuid.uuid4().hex
         self.arena = parts.arena
         self.l1 = parts.l1
         self.tiers = parts.tiers
@@ -141,6 +129,16 @@ class Engine:
         self.sessions = parts.sessions
         self.layouts = LayoutRegistry()
         self.leases = LeaseBook(clock)
+        self.handshake = Handshake(
+            hasher=self.hasher,
+            auth=self.auth,
+            leases=self.leases,
+            layouts=self.layouts,
+            arena=self.arena,
+            chunk_size=self.chunk_size,
+            host_id=p.local_host_id(),
+            server_id=uuid.uuid4().hex,
+        )
         # The request families, each in its own module (see there what runs under the lock).
         self.lookups = LookupBook(config, self.l1, self.tiers, self.prefetcher, self.metrics)
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
@@ -245,7 +243,7 @@ class Engine:
         op = answer.operation
         if isinstance(req, p.Hello):
             with self._lock.hold(op):
-                return [p.encode(self._hello(identity, req))]
+                return [p.encode(self.handshake.hello(identity, req))]
         with self._lock.hold(op):
             client = self.leases.peer(identity)
         if client is None:
@@ -256,18 +254,18 @@ class Engine:
                 reply: p.Reply | None = p.Ok()
             case p.Register():
                 with self._lock.hold(op):
-                    reply = self._register(client, req)
+                    reply = self.handshake.register(client, req)
             case p.Lookup():
-                reply = self._lookup(self._scope(client, req), answer)
+                reply = self._lookup(tenants.scope(client, req), answer)
             case p.LookupPoll():
                 poll = msgspec.structs.replace(
-                    req, request_id=self._session_id(client, req.request_id, req.cache_salt)
+                    req, request_id=tenants.session_id(client, req.request_id, req.cache_salt)
                 )
                 with self._lock.hold(op):
                     reply = self.lookups.poll(poll, answer)
             case p.Reserve():
-                self._require_watch(client, "Reserve")
-                req = self._scope(client, req)
+                tenants.require_watch(client, "Reserve")
+                req = tenants.scope(client, req)
                 keys = self.session_book.range_keys(req)
                 reply = self.stores.reserve(client_id, req, keys, client.watch)
             case p.Commit():
@@ -278,23 +276,23 @@ class Engine:
                 with self._lock.hold(op):
                     reply = self.stores.abort(client_id, req.reservation_id)
             case p.StoreInline():
-                req = self._scope(client, req)
+                req = tenants.scope(client, req)
                 reply = self.stores.store_inline(client_id, req, payloads, answer)
             case p.Retrieve():
                 if not req.inline:
-                    self._require_watch(client, "Retrieve")
-                return self.retrieves.retrieve(client_id, self._scope(client, req), client.watch)
+                    tenants.require_watch(client, "Retrieve")
+                return self.retrieves.retrieve(client_id, tenants.scope(client, req), client.watch)
             case p.RetrieveDone():
                 with self._lock.hold(op):
                     reply = self.retrieves.done(client_id, req.lease_id)
             case p.Release():
-                request_id = self._session_id(client, req.request_id, req.cache_salt)
+                request_id = tenants.session_id(client, req.request_id, req.cache_salt)
                 self.session_book.require(request_id)
                 with self._lock.hold(op):
                     self.l1.unpin(request_id)
                 reply = p.Ok()
             case p.EndSession():
-                request_id = self._session_id(client, req.request_id, req.cache_salt)
+                request_id = tenants.session_id(client, req.request_id, req.cache_salt)
                 self.session_book.require(request_id)
                 with self._lock.hold(op):
                     self.session_book.remove(request_id)
@@ -304,137 +302,25 @@ class Engine:
                     self._goodbye(client_id)
                 reply = p.Ok()
             case p.ExistsKeys():
-                reply = self._exists_keys(self._scope_names(client, req), answer)
+                reply = self._exists_keys(tenants.scope_names(client, req), answer)
             case p.ReserveKeys():
-                self._require_watch(client, "ReserveKeys")
-                req = self._scope_names(client, req)
+                tenants.require_watch(client, "ReserveKeys")
+                req = tenants.scope_names(client, req)
                 keys = self.session_book.range_keys(req)
                 reply = self.stores.reserve(client_id, req, keys, client.watch)
             case p.StoreKeysInline():
-                req = self._scope_names(client, req)
+                req = tenants.scope_names(client, req)
                 reply = self.stores.store_inline(client_id, req, payloads, answer)
             case p.RetrieveKeys():
                 if not req.inline:
-                    self._require_watch(client, "RetrieveKeys")
-                req = self._scope_names(client, req)
+                    tenants.require_watch(client, "RetrieveKeys")
+                req = tenants.scope_names(client, req)
                 return self.retrieves.retrieve(client_id, req, client.watch)
             case _:
                 raise InternalError(f"no handler for {type(req).__name__}")
         if reply is None:
             return None
         return [_OK if type(reply) is p.Ok else p.encode(reply)]
-
-    # -- tenants ----------------------------------------------------------------------------------
-
-    @staticmethod
-    def _session_id(client: Peer, request_id: str, cache_salt: str) -> str:
-        """Sessions and pins are scoped per tenant: its credential's, or with none its salt, so
-        one tenant reusing another's request id neither sees nor ends the other's session."""
-        return scoped(client.tenant or cache_salt, request_id)
-
-    def _scope(self, client: Peer, req: _Scoped) -> _Scoped:
-        """The request as the engine handles it: session id, model and salt in the client's
-        tenant's namespace (the anonymous tenant's names are unchanged), after checking that its
-        credential may use the salt."""
-        client.credential.check_salt(req.cache_salt)
-        request_id = self._session_id(client, req.request_id, req.cache_salt)
-        if not client.tenant:
-            if request_id == req.request_id:
-                return req
-            return msgspec.structs.replace(req, request_id=request_id)
-        return msgspec.structs.replace(
-            req,
-            request_id=request_id,
-            model=scoped(client.tenant, req.model),
-            cache_salt=scoped(client.tenant, req.cache_salt),
-        )
-
-    @staticmethod
-    def _scope_names(client: Peer, req: _ScopedNames) -> _ScopedNames:
-        """A key-addressed request in the client's tenant's namespace (model and salt), after
-        checking that its credential may use the salt. Named chunks have no session."""
-        client.credential.check_salt(req.cache_salt)
-        if not client.tenant:
-            return req
-        return msgspec.structs.replace(
-            req,
-            model=scoped(client.tenant, req.model),
-            cache_salt=scoped(client.tenant, req.cache_salt),
-        )
-
-    @staticmethod
-    def _require_watch(client: Peer, what: str) -> None:
-        if client.watch is None:
-            raise InvalidArgumentError(
-                f"{what} hands out arena slots, which only a client on this machine whose "
-                "process the server can watch may use (name its pid at Hello); move the bytes "
-                "inline instead (StoreInline, Retrieve with inline=True)"
-            )
-
-    # -- handshake and registration -------------------------------------------------------------
-
-    def _hello(self, identity: bytes, req: p.Hello) -> p.HelloReply:
-        if req.protocol_version != p.PROTOCOL_VERSION:
-            raise ProtocolVersionError(
-                f"client speaks protocol version {req.protocol_version}, this server speaks "
-                f"{p.PROTOCOL_VERSION}: install matching kvtier versions "
-                f"(server {__version__})"
-            )
-        server_info = self.hasher.contract_info()
-        if req.contract is not None and req.contract != self.contract:
-            diffs = [
-                f"{k}: client {req.contract_info.get(k)!r}, server {v!r}"
-                for k, v in server_info.items()
-                if req.contract_info.get(k) != v
-            ]
-            detail = "; ".join(diffs) or "same settings, different hash implementation"
-            raise HashContractError(
-                f"hash contract mismatch (client {req.contract}, server {self.contract}): "
-                f"{detail}. Chunk names would differ; use the server's settings "
-                "(--chunk-size, --hash-algorithm, --hash-seed)"
-            )
-        credential = self.auth.authenticate(req.token)
-        # Only a process on this machine can touch the arena; the pidfd is what fences it.
-        watch = watch_process(req.pid) if req.host_id == self.host_id else None
-        self.leases.connect(identity, req.client_id, credential=credential, watch=watch)
-        return p.HelloReply(
-            server_version=__version__,
-            protocol_version=p.PROTOCOL_VERSION,
-            contract=self.contract,
-            contract_info=dict(server_info),
-            chunk_size=self.chunk_size,
-            arena_name=self.arena.name,
-            arena_size=self.arena.size,
-            host_id=self.host_id,
-            server_id=self.server_id,
-        )
-
-    def _register(self, client: Peer, req: p.Register) -> p.Ok:
-        # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
-        # the same model name first cannot lock this tenant's workers out.
-        layout = self.layouts.register(
-            scoped(client.tenant, req.model),
-            req.world_size,
-            req.worker_id,
-            req.chunk_shape,
-            req.dtype,
-        )
-        if layout.nbytes * req.world_size > self.arena.size:
-            raise NoSpaceError(
-                f"one chunk of {req.model!r} needs {layout.nbytes * req.world_size} bytes "
-                f"({req.world_size} ranks of {layout.nbytes}), more than the whole L1 of "
-                f"{self.arena.size} bytes: restart the server with a larger --l1-size"
-            )
-        registration = Registration(
-            model=req.model,
-            world_size=req.world_size,
-            worker_id=req.worker_id,
-            chunk_shape=list(layout.chunk_shape),
-            dtype=layout.dtype,
-        )
-        if registration not in client.registrations:
-            client.registrations.append(registration)
-        return p.Ok()
 
     def _goodbye(self, client_id: str) -> None:
         """A client closed on purpose: forget it and reclaim what it still holds."""
