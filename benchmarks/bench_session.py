@@ -135,8 +135,9 @@ def _growth_section() -> list[str]:
         " changed prompt); hashing itself is per new chunk only",
         f"- set_tokens(list full prefix) to 32k: {list_32k * 1e3:.1f} ms vs the naive whole-list"
         f" conversion {naive_32k * 1e3:.1f} ms = {speedup:.1f}x. The prefix check is exact: the"
-        " previous list, kept, is extended by the tail and compared whole (one C-level list"
-        " comparison; the same int objects pass on identity)",
+        " previous list, kept, is extended by the tail and compared whole (one memcmp of the"
+        " two lists' item pointers when they hold the same int objects, else ==;"
+        " `kvtier.samelist`)",
         *_lineage_list_lines(list_32k, naive_32k, token_list),
     ]
 
