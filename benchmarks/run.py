@@ -39,7 +39,8 @@ def _header() -> str:
             "ratio against a baseline measured in the same run on the same machine, because the",
             "machines this runs on are shared and noisy; absolute times are context only.",
             "",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"- written: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; each section ends"
+            " with the time it was measured (`--only` reruns some and keeps the others)",
             f"- machine: {platform.machine()}, {_cpu_count()} cores,"
             f" Python {platform.python_version()}, numpy {np.__version__}",
             "",
