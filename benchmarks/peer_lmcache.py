@@ -257,16 +257,9 @@ class EngineDrivenWorker:
 
     def store(self, token_ids: tuple[int, ...], request_id: str, block_ids: list[int]) -> None:
         """PREPARE_STORE, gather into the SHM slots, COMMIT_STORE."""
-        future = self._transfer.submit_store(
-            request_id,
-            self._key(token_ids, request_id),
-            self.kv_caches,
-            [block_ids],
-            None,
-            self.blocks_in_chunk,
+        self._transfer_chunks(
+            self._transfer.submit_store, "store", token_ids, request_id, block_ids
         )
-        if not future.result(timeout=self.timeout):
-            raise RuntimeError("LMCache's store failed")
 
     def lookup(self, token_ids: tuple[int, ...], request_id: str) -> int:
         """LOOKUP (read-locks the hit prefix for the retrieve); the number of chunks hit."""
@@ -283,16 +276,23 @@ class EngineDrivenWorker:
 
     def retrieve(self, token_ids: tuple[int, ...], request_id: str, block_ids: list[int]) -> None:
         """PREPARE_RETRIEVE, scatter from the SHM slots, COMMIT_RETRIEVE (after `lookup`)."""
-        future = self._transfer.submit_retrieve(
-            request_id,
-            self._key(token_ids, request_id),
-            self.kv_caches,
-            [block_ids],
-            None,
-            self.blocks_in_chunk,
+        self._transfer_chunks(
+            self._transfer.submit_retrieve, "retrieve", token_ids, request_id, block_ids
         )
+
+    def _transfer_chunks(
+        self,
+        submit: Any,
+        what: str,
+        token_ids: tuple[int, ...],
+        request_id: str,
+        block_ids: list[int],
+    ) -> None:
+        """One store or retrieve of the blocks through LMCache's transfer context, waited for."""
+        key = self._key(token_ids, request_id)
+        future = submit(request_id, key, self.kv_caches, [block_ids], None, self.blocks_in_chunk)
         if not future.result(timeout=self.timeout):
-            raise RuntimeError("LMCache's retrieve failed")
+            raise RuntimeError(f"LMCache's {what} failed")
 
     def end_session(self, request_id: str) -> None:
         self._client.end_session(request_id).result(timeout=self.timeout)

@@ -108,7 +108,7 @@ class LookupBook:
         chunk evicted before the caller's get is a miss there, never wrong bytes.
         """
 
-        def count(_loaded: object = None) -> p.ExistsReply:  # under the lock
+        def count() -> p.ExistsReply:  # under the lock
             hit = self._l1.count_prefix(keys)
             self._l1.touch(keys[:hit])
             return p.ExistsReply(hit)
@@ -119,7 +119,7 @@ class LookupBook:
                 keys[hit:],
                 nbytes=layout.nbytes,
                 layout=layout.text,
-                on_done=lambda loaded: answer.reply(count(loaded)),
+                on_done=lambda _loaded: answer.reply(count()),
             )
             if started:
                 return None

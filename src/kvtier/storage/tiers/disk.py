@@ -462,13 +462,12 @@ class DiskTier:
                 expected_header = fmt.header_size(text, layout)
             header: fmt.Header | None = None
             payload_digest: bytes | None = None
-            if total == expected_header + n and not hash_blocks:
+            if total == expected_header + n:
                 head = bytearray(expected_header)
-                if os.preadv(fd, [head, out], 0) == total:
-                    header = fmt.decode_split_header(head, out)
-            elif total == expected_header + n:
-                head = bytearray(expected_header)
-                if os.preadv(fd, [head], 0) == expected_header:
+                if not hash_blocks:
+                    if os.preadv(fd, [head, out], 0) == total:
+                        header = fmt.decode_split_header(head, out)
+                elif os.preadv(fd, [head], 0) == expected_header:
 
                     def fill(block: memoryview, offset: int) -> None:
                         if os.preadv(fd, [block], expected_header + offset) != len(block):
