@@ -70,7 +70,7 @@ def _hello(address: str, *, pid: int, host_id: str, client_id: str | None = None
 
     from kvtier import protocol as p
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: Any = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(address)
