@@ -324,8 +324,8 @@ class ServerConfig:
     max_queued_requests: int = _opt(
         64,
         "Requests one connection may have waiting unread (ZMQ RCVHWM; beyond it the server "
-        "reads that connection no further until it catches up), and replies waiting for a "
-        "peer that does not read them (SNDHWM; beyond it they are dropped)",
+        "reads that connection no further until it catches up); 16 times as many replies may "
+        "wait for a peer that does not read them (SNDHWM; beyond it they are dropped)",
         example="--max-queued-requests 64",
     )
     max_inflight_bytes: int = _opt(

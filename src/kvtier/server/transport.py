@@ -13,7 +13,8 @@ What a peer can make the server hold is bounded here, before any decoding:
 
 - a frame: MAXMSGSIZE, `--max-frame-bytes` but never more than the largest frame a valid request
   carries (one chunk, which cannot exceed `--l1-size`, or a header of `--max-request-tokens`);
-- queued messages: RCVHWM and SNDHWM, `--max-queued-requests` per connection;
+- queued messages: RCVHWM, `--max-queued-requests` per connection, and SNDHWM, 16 times that
+  (replies to a peer that does not read them are dropped beyond it);
 - before its Hello, a connection's request of more than `MAX_UNKNOWN_BYTES` is answered
   NOT_CONNECTED unread (a Hello is tiny);
 - bytes received and not yet answered: `--max-inflight-bytes` (NO_SPACE beyond it).
@@ -57,6 +58,9 @@ _POLL_MS = 100  # how often the loop checks its stop event while idle
 MAX_UNKNOWN_BYTES = 64 << 10
 #: requests up to this size never count against --max-inflight-bytes (heartbeats, lookups...)
 _SMALL_BYTES = 64 << 10
+#: replies queued for one peer that does not read them, per request it may queue unread: a
+#: client that pipelines requests reads its replies later, one that never reads loses them
+_SNDHWM_FACTOR = 16
 #: how a Hello header starts: a msgpack array, then the tag "Hello" as a 5-byte fixstr
 _HELLO_TAG = b"\xa5Hello"
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -155,7 +159,7 @@ class Transport:
         self.socket: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, cfg.max_queued_requests)
-        self.socket.setsockopt(zmq.SNDHWM, cfg.max_queued_requests)
+        self.socket.setsockopt(zmq.SNDHWM, _SNDHWM_FACTOR * cfg.max_queued_requests)
         self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self.addresses: list[str] = []
         self._thread: threading.Thread | None = None  # the loop's thread while it serves
