@@ -7,6 +7,7 @@ below (name, default, help), so an option cannot exist in one place and not the 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import stat
@@ -20,10 +21,12 @@ from kvtier.redaction import redact
 __all__ = [
     "ADMIN_TOKEN_ENV",
     "DEFAULT_L2",
+    "MIN_ADMIN_TOKEN_CHARS",
     "ConfigError",
     "ServerConfig",
     "admin_token_file",
     "format_size",
+    "is_loopback_host",
     "parse_size",
 ]
 
@@ -77,6 +80,19 @@ def format_size(num_bytes: int) -> str:
 
 
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
+
+#: the shortest --admin-token accepted where other machines can reach the admin API
+MIN_ADMIN_TOKEN_CHARS = 16
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when `host` (a name or address to bind) only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def _runtime_dir() -> Path:
@@ -286,6 +302,42 @@ class ServerConfig:
         metavar="PATH",
     )
 
+    max_clients_per_tenant: int = _opt(
+        1024,
+        "Client ids one tenant may have connected at once (all anonymous clients are one "
+        "tenant); a Hello beyond it is refused with NO_SPACE",
+        example="--max-clients-per-tenant 1024",
+    )
+    max_connections_per_client: int = _opt(
+        256,
+        "Sockets one client id may say Hello on (a client opens one per thread); a Hello "
+        "beyond it is refused with NO_SPACE",
+        example="--max-connections-per-client 256",
+    )
+    max_watched_processes: int = _opt(
+        1024,
+        "Client processes watched at once (a pidfd each, shared by the process's clients; "
+        "never more than a quarter of the descriptor limit); a Hello beyond it is refused "
+        "with NO_SPACE",
+        example="--max-watched-processes 1024",
+    )
+    max_queued_requests: int = _opt(
+        64,
+        "Requests one connection may have waiting unread (ZMQ RCVHWM; beyond it the server "
+        "reads that connection no further until it catches up); 16 times as many replies may "
+        "wait for a peer that does not read them (SNDHWM; beyond it they are dropped)",
+        example="--max-queued-requests 64",
+    )
+    max_inflight_bytes: int = _opt(
+        1024**3,
+        "Bytes of requests received and not yet answered (inline stores waiting for a "
+        "handler thread); a request that would pass it is refused with NO_SPACE, and one "
+        "request alone is always taken",
+        kind="size",
+        example="--max-inflight-bytes 1GiB",
+        metavar="SIZE",
+    )
+
     def __post_init__(self) -> None:
         raw = self.l1_size
         try:
@@ -342,14 +394,32 @@ class ServerConfig:
             self.max_frame_bytes = parse_size(raw_frame)
         except ValueError:
             raise self.error("max_frame_bytes", f"{raw_frame!r} is not a byte size") from None
+        raw_inflight = self.max_inflight_bytes
+        try:
+            self.max_inflight_bytes = parse_size(raw_inflight)
+        except ValueError:
+            raise self.error("max_inflight_bytes", f"{raw_inflight!r} is not a byte size") from None
         for name in ("max_frame_bytes", "max_request_tokens", "max_world_size", "max_sessions",
-                     "max_session_tokens"):  # fmt: skip
+                     "max_session_tokens", "max_clients_per_tenant", "max_connections_per_client",
+                     "max_watched_processes", "max_queued_requests",
+                     "max_inflight_bytes"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise self.error(name, f"must be positive, got {getattr(self, name)}")
         if not -1 <= self.admin_port <= 65535:
             raise self.error("admin_port", f"must be in [-1, 65535], got {self.admin_port}")
         if self.admin_token is not None and not self.admin_token:
             raise self.error("admin_token", "must not be empty")
+        if (
+            self.admin_token is not None
+            and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS
+            and not is_loopback_host(self.admin_host)
+        ):
+            raise self.error(
+                "admin_token",
+                f"{len(self.admin_token)} characters is too short to guard an admin API other "
+                f"machines can reach (--admin-host {self.admin_host}): use at least "
+                f"{MIN_ADMIN_TOKEN_CHARS}",
+            )
 
     @classmethod
     def error(cls, name: str, message: str) -> ConfigError:

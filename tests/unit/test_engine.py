@@ -53,6 +53,7 @@ def call(engine: Engine, msg: Any, payloads: list[bytes] | None = None, who: byt
 
 
 def connect(engine: Engine, who: bytes = CLIENT, client_id: str = "c1") -> None:
+    engine.handshake.prove(who, os.getpid())  # what the transport proves for an ipc:// peer
     hello = p.Hello(p.PROTOCOL_VERSION, client_id, host_id=p.local_host_id(), pid=os.getpid())
     assert isinstance(call(engine, hello, who=who), p.HelloReply)
     assert isinstance(call(engine, p.Register("m", 1, 0, SHAPE, "float32"), who=who), p.Ok)

@@ -11,6 +11,12 @@ always need the token: without `--admin-token` the server generates one into a 0
 `kvtier clear` reads (`kvtier.config.admin_token_file`). The token travels in an
 `Authorization: Bearer` header, or, for the page's reads, in an HttpOnly SameSite=Strict cookie
 set by `POST /login`; never in a URL.
+
+Bounds: a request body (`/clear`, `/login`) is at most `MAX_BODY_BYTES` (413 beyond, read no
+further), and JSON nested too deeply is a 400. When reads are open (loopback, no
+`--admin-token`), a request whose `Host` is not a loopback name or address gets 403: a web page
+that rebinds its own DNS name to 127.0.0.1 can make a browser connect, but not with
+`Host: localhost`, so it cannot read `/sessions` or `/status`.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 COOKIE = "kvtier_admin"
 DEFAULT_SESSIONS_LIMIT = 50
 MAX_SESSIONS_LIMIT = 1000
+#: the largest admin request body read (the bodies are a few small JSON fields)
+MAX_BODY_BYTES = 64 << 10
 
 T = TypeVar("T")
 
@@ -93,6 +101,33 @@ class AdminBackend(Protocol):
 
 class BadRequestError(ValueError):
     """Admin API input the server refuses; becomes a 400 reply naming the parameter."""
+
+
+async def _json_body(request: Request) -> Any:
+    """The request's JSON body (None when empty), read only up to MAX_BODY_BYTES: a bigger one
+    is a 413, whatever its Content-Length says; bad or too deeply nested JSON is a 400."""
+    too_large = HTTPException(
+        413, f"request body larger than {MAX_BODY_BYTES} bytes: the admin API takes small JSON"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequestError("request body is JSON nested too deeply") from None
 
 
 # -- route table ---------------------------------------------------------------------------------
@@ -188,11 +223,9 @@ class _Handlers:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def clear(self, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+        body = await _json_body(request)
+        if body is None:
+            body = {}
         if not isinstance(body, dict):
             raise BadRequestError(f"request body must be a JSON object, got {type(body).__name__}")
         unknown = sorted(set(body) - {"model", "cache_salt", "tenant"})
@@ -220,10 +253,7 @@ class _Handlers:
 
     async def login(self, request: Request) -> Response:
         """Trade the token for a cookie, so the page's reads carry it without a URL."""
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+        body = await _json_body(request)
         candidate = body.get("token") if isinstance(body, dict) else None
         if not isinstance(candidate, str) or not hmac.compare_digest(
             candidate.encode(), self.token.encode()
@@ -404,6 +434,39 @@ def access_of(method: str, path: str) -> str:
     return READ if method in ("GET", "HEAD") else WRITE
 
 
+def _loopback_host(scope: Scope) -> bool:
+    """Whether the request's Host header names this machine's loopback (a request without one,
+    HTTP/1.0, came from no browser: allowed); /health is for probes and always answered."""
+    if scope["path"] == "/health":
+        return True
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return is_loopback_name(value.decode("latin-1"))
+    return True
+
+
+def is_loopback_name(host: str) -> bool:
+    """True for a Host header value naming loopback: localhost, 127.x.y.z or [::1], with or
+    without a port."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        port = host[end + 1 :].removeprefix(":") if end >= 0 else "x"
+        if end < 0 or (port and not port.isdigit()) or host[end + 1 :] == ":":
+            return False
+        name = host[1:end]
+    else:
+        name, _, port = host.partition(":")
+        if port and not port.isdigit():
+            return False
+    if name in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class _TokenAuth:
     """ASGI middleware enforcing `access_of`: the token from a bearer header, or (for reads) the
     cookie `POST /login` sets."""
@@ -415,6 +478,16 @@ class _TokenAuth:
         self._open_reads = open_reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._open_reads and not _loopback_host(scope):
+            forbidden = JSONResponse(
+                {
+                    "error": "forbidden: without --admin-token the admin API answers only "
+                    "requests addressed to a loopback name (Host: localhost, 127.0.0.1, [::1])"
+                },
+                status_code=403,
+            )
+            await forbidden(scope, receive, send)
+            return
         if scope["type"] != "http" or self._allowed(scope):
             await self.app(scope, receive, send)
             return

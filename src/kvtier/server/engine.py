@@ -138,6 +138,9 @@ class Engine:
             chunk_size=self.chunk_size,
             host_id=p.local_host_id(),
             server_id=uuid.uuid4().hex,
+            max_clients_per_tenant=config.max_clients_per_tenant,
+            max_connections_per_client=config.max_connections_per_client,
+            max_watched_processes=config.max_watched_processes,
         )
         # The request families, each in its own module (see there what runs under the lock).
         self.lookups = LookupBook(config, self.l1, self.tiers, self.prefetcher, self.metrics)

@@ -5,23 +5,51 @@ hasher whose chunk names would differ (naming the setting that differs), authent
 token, and watches its process when it runs on this machine (the pidfd that fences its copies,
 see `fencing.py`). Register records a worker's KV layout per model in the client's tenant's
 namespace. Both run under the engine lock, which the caller holds.
+
+What a Hello may make the server hold is bounded: its fields (`limits.py`), the client ids of
+one tenant (--max-clients-per-tenant), the sockets of one client id
+(--max-connections-per-client) and the processes watched (--max-watched-processes, one pidfd
+per process however many clients it runs).
+
+The process is the one the transport proved for the connection (`prove`: the ipc:// peer
+credential), never the pid the Hello names: a tcp:// client, or one whose process the server
+cannot watch, is told that the arena is not for it (its HelloReply's host id is not the
+server's, so a kvtier Client moves bytes inline) and is refused arena slots.
+
+A client id acts only for the tenant and the process that made it: a Hello that names a known
+client id from a new socket must come with the same credential and the same proven process, and
+so must one naming a client id that a sweep took out while its slots are still quarantined (the
+socket of a paused process says Hello again when it wakes; anyone else is refused).
 """
 
 from __future__ import annotations
 
 from kvtier import protocol as p
 from kvtier._version import __version__
-from kvtier.errors import HashContractError, NoSpaceError, ProtocolVersionError
+from kvtier.errors import (
+    HashContractError,
+    NoSpaceError,
+    ProtocolVersionError,
+    UnauthorizedError,
+)
 from kvtier.hashing import TokenHasher
 from kvtier.server import tenants
-from kvtier.server.auth import Authenticator
-from kvtier.server.fencing import watch_process
+from kvtier.server.auth import Authenticator, Credential
+from kvtier.server.fencing import ProcessWatch, ProcessWatches, Watch
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Peer
 from kvtier.snapshots import Registration
 from kvtier.storage.arena import Arena
 
-__all__ = ["Handshake"]
+__all__ = ["NO_ARENA", "Handshake"]
+
+#: appended to the host id a HelloReply gives a client the server grants no arena slots: it
+#: cannot equal the client's own host id, so the client moves bytes inline
+NO_ARENA = " (no arena: the server cannot prove this connection's process; bytes go inline)"
+
+
+def _pid(watch: Watch | None) -> int | None:
+    return watch.pid if isinstance(watch, ProcessWatch) else None
 
 
 class Handshake:
@@ -38,6 +66,9 @@ class Handshake:
         chunk_size: int,
         host_id: str,
         server_id: str,
+        max_clients_per_tenant: int = 1024,
+        max_connections_per_client: int = 256,
+        max_watched_processes: int = 1024,
     ) -> None:
         self.hasher = hasher
         self.contract = hasher.contract()
@@ -48,10 +79,23 @@ class Handshake:
         self.chunk_size = chunk_size
         self.host_id = host_id
         self.server_id = server_id
+        self.max_clients_per_tenant = max_clients_per_tenant
+        self.max_connections_per_client = max_connections_per_client
+        self.watches = ProcessWatches(max_watched_processes)
+        # the process behind a connection, as the transport proved it for the Hello it is
+        # handing over right now (set and taken on the transport thread)
+        self._proofs: dict[bytes, int] = {}
+
+    def prove(self, identity: bytes, pid: int) -> None:
+        """The connection `identity` is process `pid` (the kernel said so): for its Hello."""
+        self._proofs[identity] = pid
+
+    def forget_proof(self, identity: bytes) -> None:
+        self._proofs.pop(identity, None)
 
     def hello(self, identity: bytes, req: p.Hello) -> p.HelloReply:
         """Check the protocol version, the hash contract and the credential; connect the
-        client (watching its process when it runs on this machine)."""
+        client (watching its process when the connection proves it runs on this machine)."""
         if req.protocol_version != p.PROTOCOL_VERSION:
             raise ProtocolVersionError(
                 f"client speaks protocol version {req.protocol_version}, this server speaks "
@@ -60,20 +104,26 @@ class Handshake:
             )
         server_info = self.hasher.contract_info()
         if req.contract is not None and req.contract != self.contract:
+            # every quoted value is bounded by limits.py; repr cut again, to be sure
             diffs = [
-                f"{k}: client {req.contract_info.get(k)!r}, server {v!r}"
+                f"{k}: client {repr(req.contract_info.get(k))[:64]}, server {v!r}"
                 for k, v in server_info.items()
                 if req.contract_info.get(k) != v
             ]
             detail = "; ".join(diffs) or "same settings, different hash implementation"
             raise HashContractError(
-                f"hash contract mismatch (client {req.contract}, server {self.contract}): "
+                f"hash contract mismatch (client {req.contract[:64]}, server {self.contract}): "
                 f"{detail}. Chunk names would differ; use the server's settings "
                 "(--chunk-size, --hash-algorithm, --hash-seed)"
             )
         credential = self.auth.authenticate(req.token)
-        # Only a process on this machine can touch the arena; the pidfd is what fences it.
-        watch = watch_process(req.pid) if req.host_id == self.host_id else None
+        # Only a process on this machine can touch the arena, and only one the server can watch:
+        # the pidfd is what fences it. The pid is the connection's, never the Hello's word.
+        pid = self._proofs.pop(identity, None)
+        if req.host_id != self.host_id:
+            pid = None
+        self._admit(identity, req.client_id, credential, pid)
+        watch = self.watches.watch(pid) if pid is not None else None
         self.leases.connect(identity, req.client_id, credential=credential, watch=watch)
         return p.HelloReply(
             server_version=__version__,
@@ -83,9 +133,47 @@ class Handshake:
             chunk_size=self.chunk_size,
             arena_name=self.arena.name,
             arena_size=self.arena.size,
-            host_id=self.host_id,
+            host_id=self.host_id if watch is not None else self.host_id + NO_ARENA,
             server_id=self.server_id,
         )
+
+    def _admit(
+        self, identity: bytes, client_id: str, credential: Credential, pid: int | None
+    ) -> None:
+        """Refuse a Hello that would act for another connection's client id, or pass a bound."""
+        peer = self.leases.peers.get(client_id)
+        if peer is not None:
+            if peer.credential != credential:
+                raise UnauthorizedError(
+                    "this client id belongs to another tenant's connection; use a fresh random id"
+                )
+            if identity in peer.connections:
+                return  # this socket again
+            if _pid(peer.watch) != pid:
+                raise UnauthorizedError(
+                    "this client id belongs to another process's connection: a client id acts "
+                    "only for the process that made it; use a fresh random id"
+                )
+            if len(peer.connections) >= self.max_connections_per_client:
+                raise NoSpaceError(
+                    f"client id {client_id[:16]!r}... has said Hello on {len(peer.connections)} "
+                    f"sockets, the most (--max-connections-per-client "
+                    f"{self.max_connections_per_client})"
+                )
+            return
+        held = self.leases.lapsed_watch(client_id)
+        if isinstance(held, ProcessWatch) and held.alive() and held.pid != pid:
+            raise UnauthorizedError(
+                "this client id belongs to a process whose arena slots are still quarantined: "
+                "only that process may say Hello for it again; use a fresh random id"
+            )
+        tenant = credential.tenant
+        if self.leases.num_clients(tenant) >= self.max_clients_per_tenant:
+            who = f"tenant {tenant!r}" if tenant else "the anonymous tenant"
+            raise NoSpaceError(
+                f"{who} has {self.leases.num_clients(tenant)} clients connected, the most "
+                f"(--max-clients-per-tenant {self.max_clients_per_tenant}): close idle clients"
+            )
 
     def register(self, client: Peer, req: p.Register) -> p.Ok:
         """Record a worker's KV layout for a model (refused when one chunk cannot fit L1)."""

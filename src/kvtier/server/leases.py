@@ -39,6 +39,7 @@ class Peer:
     registrations: list[Registration] = field(default_factory=list)
     credential: Credential = ANONYMOUS  # what its Hello's token allows
     watch: ProcessWatch | None = None  # its process, when the server can watch it (same host)
+    connections: set[bytes] = field(default_factory=set)  # the sockets that said Hello for it
 
     @property
     def tenant(self) -> str:
@@ -103,6 +104,7 @@ class LeaseBook:
         self.clock = clock
         self.peers: dict[str, Peer] = {}
         self._connections: dict[bytes, str] = {}  # ZMQ routing identity -> client id
+        self._tenant_clients: dict[str, int] = {}  # connected client ids per tenant
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, RetrieveLease] = {}
         self._lapsed: dict[int, Reservation | RetrieveLease] = {}  # quarantined, by id
@@ -146,15 +148,51 @@ class LeaseBook:
             raise UnauthorizedError(
                 "this client id belongs to another tenant's connection; use a fresh random id"
             )
+        before = self._connections.get(identity)
+        if before is not None and before != client_id and before in self.peers:
+            self.peers[before].connections.discard(identity)  # the socket now speaks for another
         self._connections[identity] = client_id
         if peer is None:
             peer = self.peers[client_id] = Peer(client_id, now, now, credential=credential)
+            tenant = credential.tenant
+            self._tenant_clients[tenant] = self._tenant_clients.get(tenant, 0) + 1
+        peer.connections.add(identity)
         if watch is not None:
             if peer.watch is not None:
                 peer.watch.release()
             peer.watch = watch
         peer.last_seen = now
         return peer
+
+    def is_connected(self, identity: bytes) -> bool:
+        """Whether a socket has said Hello (one dictionary read: safe without the lock, for
+        the transport's check of what it reads before a Hello)."""
+        return identity in self._connections
+
+    def num_clients(self, tenant: str) -> int:
+        """Client ids of `tenant` connected now."""
+        return self._tenant_clients.get(tenant, 0)
+
+    def lapsed_watch(self, client_id: str) -> Watch | None:
+        """The process of a client id that the book still holds quarantined slots for, after
+        the client itself was taken out (swept); None when it holds none."""
+        for item in self._lapsed.values():
+            if item.owner == client_id and item.watch is not None:
+                return item.watch
+        return None
+
+    def _forget_peer(self, peer: Peer) -> None:
+        for identity in peer.connections:
+            if self._connections.get(identity) == peer.client_id:
+                del self._connections[identity]
+        tenant = peer.tenant
+        left = self._tenant_clients.get(tenant, 0) - 1
+        if left > 0:
+            self._tenant_clients[tenant] = left
+        else:
+            self._tenant_clients.pop(tenant, None)
+        if peer.watch is not None:
+            peer.watch.release()
 
     def peer(self, identity: bytes) -> Peer | None:
         """The client behind a socket, marked as seen now; None before its Hello."""
@@ -245,9 +283,8 @@ class LeaseBook:
         """The client said goodbye: take it out with everything it holds. Goodbye is its
         acknowledgement that it touches none of its slots any more, quarantined ones included."""
         peer = self.peers.pop(client_id, None)
-        if peer is not None and peer.watch is not None:
-            peer.watch.release()
-        self._connections = {i: c for i, c in self._connections.items() if c != client_id}
+        if peer is not None:
+            self._forget_peer(peer)
         out = Expired(dead_clients=[client_id])
         for rid in [r for r, res in self._reservations.items() if res.owner == client_id]:
             out.reservations.append(self._reservations.pop(rid))
@@ -275,10 +312,7 @@ class LeaseBook:
         ]
         dead = set(out.dead_clients)
         for client_id in dead:
-            peer = self.peers.pop(client_id)
-            if peer.watch is not None:
-                peer.watch.release()
-        self._connections = {i: c for i, c in self._connections.items() if c not in dead}
+            self._forget_peer(self.peers.pop(client_id))
         for rid in [
             r for r, res in self._reservations.items() if res.owner in dead or res.deadline < now
         ]:

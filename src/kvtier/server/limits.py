@@ -35,11 +35,50 @@ MAX_EXTRA_KEY_BYTES = 256
 #: most dimensions a chunk shape may have, and most entries in a Hello's contract_info
 MAX_DIMS = 16
 MAX_CONTRACT_FIELDS = 32
+#: a Hello's fields (UTF-8 bytes): each is checked before any other work on the Hello (the
+#: credential check, the contract comparison, the messages that quote them)
+MAX_CLIENT_ID_BYTES = 128
+MAX_TOKEN_BYTES = 1024  # tokens-file tokens are refused above this too (auth.py)
+MAX_CONTRACT_BYTES = 128  # a contract is a hex digest
+MAX_HOST_ID_BYTES = 512  # host name (<= 255) + "/" + boot id
+MAX_CONTRACT_KEY_BYTES = 64
+MAX_CONTRACT_VALUE_BYTES = 256  # a contract_info value: a number, a bool, None or a short text
 
 
-def _name(field: str, value: str, limit: int = MAX_NAME_BYTES) -> None:
+def _name(field: str, value: str, limit: int = MAX_NAME_BYTES, *, quote: bool = True) -> None:
+    """Refuse a text longer than `limit` UTF-8 bytes; the message quotes its start (`quote`
+    False for a secret)."""
+    # len() first: a str of more than `limit` characters has more than `limit` bytes, and a
+    # huge one is refused without being encoded
     if len(value) > limit or len(value.encode("utf-8", "surrogatepass")) > limit:
-        raise InvalidArgumentError(f"{field} is longer than {limit} bytes ({value[:32]!r}...)")
+        shown = f" ({value[:32]!r}...)" if quote else ""
+        raise InvalidArgumentError(f"{field} is longer than {limit} bytes{shown}")
+
+
+def _hello(req: p.Hello) -> None:
+    """Every field of a Hello bounded: it comes before any credential, from anyone."""
+    _name("token", req.token, MAX_TOKEN_BYTES, quote=False)
+    _name("client_id", req.client_id, MAX_CLIENT_ID_BYTES)
+    _name("host_id", req.host_id, MAX_HOST_ID_BYTES)
+    if req.contract is not None:
+        _name("contract", req.contract, MAX_CONTRACT_BYTES)
+    if len(req.contract_info) > MAX_CONTRACT_FIELDS:
+        raise InvalidArgumentError(
+            f"contract_info has {len(req.contract_info)} entries; at most {MAX_CONTRACT_FIELDS}"
+        )
+    for key, value in req.contract_info.items():
+        _name("a contract_info key", key, MAX_CONTRACT_KEY_BYTES)
+        if isinstance(value, str):
+            _name(f"contract_info[{key!r}]", value, MAX_CONTRACT_VALUE_BYTES)
+        elif not (value is None or isinstance(value, bool | int | float)):
+            raise InvalidArgumentError(
+                f"contract_info[{key!r}] must be a number, a bool, null or a text, got "
+                f"{type(value).__name__}"
+            )
+        elif isinstance(value, int) and not -(2**63) <= value < 2**64:
+            raise InvalidArgumentError(f"contract_info[{key!r}] is out of range")
+    if not 0 <= req.pid < 2**31:
+        raise InvalidArgumentError(f"pid {req.pid} is not a process id")
 
 
 def _extra_key(value: bytes) -> None:
@@ -67,14 +106,7 @@ class Limits:
         """Raise a typed error naming the value and the knob when `req` is out of bounds."""
         match req:
             case p.Hello():
-                _name("client_id", req.client_id, 128)
-                if len(req.contract_info) > MAX_CONTRACT_FIELDS:
-                    raise InvalidArgumentError(
-                        f"contract_info has {len(req.contract_info)} entries; at most "
-                        f"{MAX_CONTRACT_FIELDS}"
-                    )
-                if not 0 <= req.pid < 2**31:
-                    raise InvalidArgumentError(f"pid {req.pid} is not a process id")
+                _hello(req)
             case p.Register():
                 _name("model", req.model)
                 self._world(req.world_size, req.worker_id)
@@ -102,6 +134,9 @@ class Limits:
                 self._world(req.world_size, 0)
             case p.Release() | p.EndSession():
                 _name("request_id", req.request_id)
+            case p.LookupPoll():
+                _name("request_id", req.request_id)
+                _name("cache_salt", req.cache_salt)
             case _:
                 pass  # ids and empty messages: nothing to bound
 
