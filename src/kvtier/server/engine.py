@@ -122,6 +122,7 @@ class Engine:
             max_request_tokens=config.max_request_tokens,
             max_world_size=config.max_world_size,
             max_chunk_bytes=self.arena.size,
+            max_lookup_shards=config.max_lookup_shards,
         )
         # Requests with big prompts or inline bytes run here, so the transport thread only
         # decodes, routes and replies (see `_offloaded`).
@@ -256,7 +257,7 @@ class Engine:
                 with self._lock.hold(op):
                     reply = self.handshake.register(client, req)
             case p.Lookup():
-                reply = self._lookup(tenants.scope(client, req), answer)
+                reply = self._lookup(tenants.scope(client, req), answer, client.tenant)
             case p.LookupPoll():
                 poll = msgspec.structs.replace(
                     req, request_id=tenants.session_id(client, req.request_id, req.cache_salt)
@@ -302,7 +303,7 @@ class Engine:
                     self._goodbye(client_id)
                 reply = p.Ok()
             case p.ExistsKeys():
-                reply = self._exists_keys(tenants.scope_names(client, req), answer)
+                reply = self._exists_keys(tenants.scope_names(client, req), answer, client.tenant)
             case p.ReserveKeys():
                 tenants.require_watch(client, "ReserveKeys")
                 req = tenants.scope_names(client, req)
@@ -329,7 +330,7 @@ class Engine:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def _lookup(self, req: p.Lookup, answer: Answer) -> p.LookupReply | None:
+    def _lookup(self, req: p.Lookup, answer: Answer, tenant: str) -> p.LookupReply | None:
         """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
@@ -339,16 +340,16 @@ class Engine:
         keys = naming.chunk_keys(session, req.model, req.cache_salt, req.world_size, end)
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.lookup(req, keys, num_tokens, layout, answer)
+            return self.lookups.lookup(req, keys, num_tokens, layout, answer, tenant=tenant)
 
-    def _exists_keys(self, req: p.ExistsKeys, answer: Answer) -> p.ExistsReply | None:
+    def _exists_keys(self, req: p.ExistsKeys, answer: Answer, tenant: str) -> p.ExistsReply | None:
         """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
         keys = named_chunk_keys(
             req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.exists(keys, layout, answer)
+            return self.lookups.exists(keys, layout, answer, tenant=tenant)
 
     # -- background -----------------------------------------------------------------------------
 
