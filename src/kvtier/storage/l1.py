@@ -295,6 +295,13 @@ class L1Store:
     def _check_bounds(self, tenant: str, size: int, nbytes: int, bounds: TenantBounds) -> None:
         usage = self._usage.get(tenant) or _Usage()
         who = f"tenant {tenant[:64]!r}" if tenant else "the anonymous tenant"
+        limit = bounds.staging_bytes
+        if limit is not None and usage.staging + nbytes > limit:
+            raise NoSpaceError(
+                f"{who} holds {usage.staging} bytes in staging slots; a {size}-byte shard"
+                f" ({nbytes} in pages) would pass its {limit} bytes ({bounds.staging_knob}):"
+                " commit or abort first, or store fewer chunks at once"
+            )
         limit = bounds.quarantine_bytes
         if limit is not None and usage.staging + usage.fenced + nbytes > limit:
             raise NoSpaceError(
@@ -303,13 +310,6 @@ class L1Store:
                 f" {size}-byte shard ({nbytes} in pages) would pass its {limit} bytes"
                 f" ({bounds.quarantine_knob}): its stores fail until its clients commit, abort"
                 " or exit"
-            )
-        limit = bounds.staging_bytes
-        if limit is not None and usage.staging + nbytes > limit:
-            raise NoSpaceError(
-                f"{who} holds {usage.staging} bytes in staging slots; a {size}-byte shard"
-                f" ({nbytes} in pages) would pass its {limit} bytes ({bounds.staging_knob}):"
-                " commit or abort first, or store fewer chunks at once"
             )
 
     def _unstage(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
