@@ -279,30 +279,30 @@ class ServerConfig:
     )
     tenant_staging_share: float = _opt(
         0.5,
-        "Fraction of --l1-size one tenant's staging (reserved, uncommitted) slots may take; "
-        "a store past it gets NO_SPACE, other tenants' stores are not affected",
+        "With --auth-tokens-file: the fraction of --l1-size one tenant's staging (reserved, "
+        "uncommitted) slots may take; its store past it gets NO_SPACE, other tenants' do not",
         example="--tenant-staging-share 0.5",
         metavar="FRACTION",
     )
     tenant_quarantine_share: float = _opt(
         0.5,
-        "Fraction of --l1-size one tenant's quarantined slots (of its clients that went "
-        "silent while they may still write) plus its staging slots may take; past it its "
-        "stores get NO_SPACE until its clients commit, abort or exit",
+        "With --auth-tokens-file: the fraction of --l1-size one tenant's quarantined slots (of "
+        "its clients that went silent while they may still write) plus its staging slots may "
+        "take; past it its stores get NO_SPACE until its clients commit, abort or exit",
         example="--tenant-quarantine-share 0.5",
         metavar="FRACTION",
     )
     tenant_pinned_share: float = _opt(
         0.5,
-        "Fraction of --l1-size one tenant's lookups may hold pinned; a lookup reports as hit "
-        "only the leading chunks that fit",
+        "With --auth-tokens-file: the fraction of --l1-size one tenant's lookups may hold "
+        "pinned; a lookup reports as hit only the leading chunks that fit",
         example="--tenant-pinned-share 0.5",
         metavar="FRACTION",
     )
     tenant_prefetch_share: float = _opt(
         0.5,
-        "Fraction of --max-prefetch-jobs one tenant's lookups may run at once (at least one); "
-        "more of its lookups are answered from L1 alone",
+        "With --auth-tokens-file: the fraction of --max-prefetch-jobs one tenant's lookups may "
+        "run at once (at least one); more of its lookups are answered from L1 alone",
         example="--tenant-prefetch-share 0.5",
         metavar="FRACTION",
     )

@@ -12,6 +12,8 @@ prompt of 4096 chunks at world size 1024 is 4 million tier lookups (seconds of p
 hundreds of megabytes). `max_lookup_shards` bounds chunks x world size per lookup.
 
 `tenant_bounds` turns the per-tenant shares of the L1 into bytes (see `storage.l1.TenantBounds`).
+They apply with a tokens file, where clients act for tenants that need not trust each other.
+Without one, every client is the one anonymous tenant: a share would only shrink the server.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ import msgspec
 from kvtier import protocol as p
 from kvtier.config import ServerConfig
 from kvtier.errors import BadArrayError, InvalidArgumentError, MisalignedRangeError
-from kvtier.storage.l1 import TenantBounds
+from kvtier.storage.l1 import UNBOUNDED, TenantBounds
 
 __all__ = ["Limits", "SessionBounds", "tenant_bounds", "tenant_prefetch_jobs"]
 
 
 def tenant_bounds(config: ServerConfig, capacity: int) -> TenantBounds:
-    """The bytes of an L1 of `capacity` one tenant may hold in staging, quarantine and pins."""
+    """The bytes of an L1 of `capacity` one tenant may hold in staging, quarantine and pins;
+    none without --auth-tokens-file (one tenant)."""
+    if not config.auth_tokens_file:
+        return UNBOUNDED
     return TenantBounds(
         staging_bytes=int(config.tenant_staging_share * capacity),
         quarantine_bytes=int(config.tenant_quarantine_share * capacity),
@@ -38,8 +43,11 @@ def tenant_bounds(config: ServerConfig, capacity: int) -> TenantBounds:
     )
 
 
-def tenant_prefetch_jobs(config: ServerConfig) -> int:
-    """Prefetch jobs one tenant may run at once: its share of --max-prefetch-jobs, at least 1."""
+def tenant_prefetch_jobs(config: ServerConfig) -> int | None:
+    """Prefetch jobs one tenant may run at once: its share of --max-prefetch-jobs, at least 1;
+    no bound but that one without --auth-tokens-file (one tenant)."""
+    if not config.auth_tokens_file:
+        return None
     return max(1, int(config.tenant_prefetch_share * config.max_prefetch_jobs))
 
 

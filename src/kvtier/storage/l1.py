@@ -26,7 +26,7 @@ from kvtier.keys import ChunkKey
 from kvtier.snapshots import L1Stats, TenantUsage
 from kvtier.storage.arena import Allocator
 
-__all__ = ["L1Store", "ShardState", "TenantBounds"]
+__all__ = ["UNBOUNDED", "L1Store", "ShardState", "TenantBounds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,7 @@ class TenantBounds:
     quarantine_knob: str = "--tenant-quarantine-share"
 
 
+#: no bound on any tenant (a server whose clients are all one tenant)
 UNBOUNDED = TenantBounds()
 
 
