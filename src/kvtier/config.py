@@ -293,6 +293,41 @@ class ServerConfig:
         "Tokens held by all sessions together; beyond it the longest-idle sessions are ended",
         example="--max-session-tokens 67108864",
     )
+    tenant_staging_share: float = _opt(
+        0.5,
+        "With --auth-tokens-file: the fraction of --l1-size one tenant's staging (reserved, "
+        "uncommitted) slots may take; its store past it gets NO_SPACE, other tenants' do not",
+        example="--tenant-staging-share 0.5",
+        metavar="FRACTION",
+    )
+    tenant_quarantine_share: float = _opt(
+        0.5,
+        "With --auth-tokens-file: the fraction of --l1-size one tenant's quarantined slots (of "
+        "its clients that went silent while they may still write) plus its staging slots may "
+        "take; past it its stores get NO_SPACE until its clients commit, abort or exit",
+        example="--tenant-quarantine-share 0.5",
+        metavar="FRACTION",
+    )
+    tenant_pinned_share: float = _opt(
+        0.5,
+        "With --auth-tokens-file: the fraction of --l1-size one tenant's lookups may hold "
+        "pinned; a lookup reports as hit only the leading chunks that fit",
+        example="--tenant-pinned-share 0.5",
+        metavar="FRACTION",
+    )
+    tenant_prefetch_share: float = _opt(
+        0.5,
+        "With --auth-tokens-file: the fraction of --max-prefetch-jobs one tenant's lookups may "
+        "run at once (at least one); more of its lookups are answered from L1 alone",
+        example="--tenant-prefetch-share 0.5",
+        metavar="FRACTION",
+    )
+    max_lookup_shards: int = _opt(
+        1 << 18,
+        "Most shards (chunks x world size) one lookup or ExistsKeys may ask the tiers about: "
+        "the work a prefetch job does is bounded by it",
+        example="--max-lookup-shards 262144",
+    )
     auth_tokens_file: str | None = _opt(
         None,
         "File of client credentials, one 'TOKEN TENANT [SALT ...]' per line: a client must "
@@ -402,9 +437,14 @@ class ServerConfig:
         for name in ("max_frame_bytes", "max_request_tokens", "max_world_size", "max_sessions",
                      "max_session_tokens", "max_clients_per_tenant", "max_connections_per_client",
                      "max_watched_processes", "max_queued_requests",
-                     "max_inflight_bytes"):  # fmt: skip
+                     "max_inflight_bytes", "max_lookup_shards"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise self.error(name, f"must be positive, got {getattr(self, name)}")
+        for name in ("tenant_staging_share", "tenant_quarantine_share", "tenant_pinned_share",
+                     "tenant_prefetch_share"):  # fmt: skip
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise self.error(name, f"must be a fraction in (0, 1], got {value}")
         if not -1 <= self.admin_port <= 65535:
             raise self.error("admin_port", f"must be in [-1, 65535], got {self.admin_port}")
         if self.admin_token is not None and not self.admin_token:

@@ -29,8 +29,18 @@ __all__ = [
     "ServerStatus",
     "SessionCounts",
     "SessionInfo",
+    "TenantUsage",
     "Traffic",
 ]
+
+
+class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one tenant holds in L1 against its shares ("" is the anonymous tenant)."""
+
+    tenant: str
+    staging_bytes: int  # reserved, not committed (--tenant-staging-share)
+    fenced_bytes: int  # quarantined (--tenant-quarantine-share, with staging_bytes)
+    pinned_bytes: int  # groups its lookups pin (--tenant-pinned-share)
 
 
 class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +56,7 @@ class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
     evicted_bytes: int
     fenced_slots: int = 0  # lapsed slots quarantined until their owner can no longer touch them
     fenced_bytes: int = 0
+    tenants: list[TenantUsage] = msgspec.field(default_factory=list)  # with anything held
 
 
 class L2Summary(msgspec.Struct, frozen=True, kw_only=True):

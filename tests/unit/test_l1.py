@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
-from kvtier.snapshots import L1Stats
+from kvtier.snapshots import L1Stats, TenantUsage
 from kvtier.storage.arena import PAGE_SIZE
 from kvtier.storage.l1 import L1Store
 
@@ -462,6 +462,7 @@ def test_stats_track_everything() -> None:
         pinned_groups=1,
         evictions=0,
         evicted_bytes=0,
+        tenants=[TenantUsage(tenant="", staging_bytes=PAGE, fenced_bytes=0, pinned_bytes=PAGE)],
     )
     assert l1.capacity_bytes == 10 * PAGE and l1.used_bytes == 6 * PAGE
     assert l1.num_groups == 3 and l1.num_ready_groups == 2
@@ -516,3 +517,108 @@ def test_random_operations_keep_the_index_consistent(ops: list[tuple[str, int, i
         ready_bytes = sum(length for _, length in ranges)
         assert ready_bytes + sum(staging.values()) == l1.used_bytes <= l1.capacity_bytes
         assert l1.stats().staging_shards == len(staging)
+
+
+# ---------------------------------------------------------------- per-tenant accounting
+
+
+def usage(l1: L1Store, tenant: str) -> tuple[int, int, int]:
+    u = l1.tenant_usage(tenant)
+    return u.staging_bytes, u.fenced_bytes, u.pinned_bytes
+
+
+def test_staging_and_quarantine_are_counted_per_tenant() -> None:
+    l1, _, _ = make(8)
+    l1.reserve(key(1), 0, PAGE, owner="a1", lease_s=30, tenant="a")
+    l1.reserve(key(2), 0, PAGE + 1, owner="a2", lease_s=30, tenant="a")
+    l1.reserve(key(3), 0, PAGE, owner="b1", lease_s=30, tenant="b")
+    assert usage(l1, "a") == (3 * PAGE, 0, 0) and usage(l1, "b") == (PAGE, 0, 0)
+    slot = l1.fence(key(2), 0, owner="a2")  # quarantined: staging -> fenced, same tenant
+    assert usage(l1, "a") == (PAGE, 2 * PAGE, 0)
+    l1.commit(key(1), 0, owner="a1")
+    l1.abort(key(3), 0, owner="b1")
+    assert usage(l1, "a") == (0, 2 * PAGE, 0) and usage(l1, "b") == (0, 0, 0)
+    l1.unfence(*slot, tenant="a")
+    assert usage(l1, "a") == (0, 0, 0)
+    assert [u.tenant for u in l1.stats().tenants] == []  # nothing held: nobody listed
+
+
+def test_reclaim_staging_by_owner_touches_only_that_owner() -> None:
+    l1, _, _ = make(8)
+    for i in range(4):
+        l1.reserve(key(i), 0, PAGE, owner=f"w{i % 2}", lease_s=30, tenant="t")
+    assert l1.reclaim_staging("w0") == 2
+    assert l1.reclaim_staging("w0") == 0
+    assert l1.is_busy(key(1), 0) and l1.is_busy(key(3), 0)
+    assert usage(l1, "t") == (2 * PAGE, 0, 0)
+
+
+def test_a_group_counts_once_against_the_tenant_that_pins_it() -> None:
+    l1, _, _ = make(8)
+    for i in range(3):
+        store(l1, key(i))
+    assert l1.pin("r1", [key(0), key(1)], ranks=[0], lease_s=30, tenant="a") == 2
+    assert l1.pin("r2", [key(0), key(1), key(2)], ranks=[0], lease_s=30, tenant="a") == 3
+    assert usage(l1, "a") == (0, 0, 3 * PAGE)
+    l1.unpin("r2")
+    assert usage(l1, "a") == (0, 0, 2 * PAGE)  # key(2) is no longer pinned by anyone
+    l1.unpin("r1")
+    assert usage(l1, "a") == (0, 0, 0)
+
+
+def test_a_pin_stops_at_the_tenants_pinned_bound() -> None:
+    l1, _, _ = make(8)
+    for i in range(5):
+        store(l1, key(i))
+    chain = [key(i) for i in range(5)]
+    assert l1.pin("r1", chain[:2], ranks=[0], lease_s=30, tenant="a", max_bytes=3 * PAGE) == 2
+    # r2 may add one more group: the two r1 pins already are charged
+    assert l1.pin("r2", chain, ranks=[0], lease_s=30, tenant="a", max_bytes=3 * PAGE) == 3
+    assert l1.pinned_keys("r2") == chain[:3]
+    assert usage(l1, "a") == (0, 0, 3 * PAGE)
+    # another tenant's bound is its own
+    store(l1, key(9, model="other"))
+    other = [key(9, model="other")]
+    assert l1.pin("b", other, ranks=[0], lease_s=30, tenant="b", max_bytes=PAGE) == 1
+    # the groups past the bound stay evictable
+    for i in range(20, 24):
+        store(l1, key(i))
+    assert l1.is_complete(key(2)) and not l1.is_complete(key(3)) and not l1.is_complete(key(4))
+
+
+def test_reclaim_pins_releases_only_the_expired_and_follows_renewals() -> None:
+    l1, clock, _ = make(8)
+    store(l1, key(1))
+    store(l1, key(2))
+    l1.pin("a", [key(1)], ranks=[0], lease_s=10)
+    l1.pin("b", [key(2)], ranks=[0], lease_s=10)
+    clock.advance(5)
+    l1.renew("a", 10)  # now due at +15
+    l1.pin("b", [key(2)], ranks=[0], lease_s=2)  # shortened: due at +7
+    clock.advance(3)
+    assert l1.reclaim_pins() == 1 and l1.pinned_keys("b") == []
+    clock.advance(5)  # +13: a's first entry came due, but it was renewed
+    assert l1.reclaim_pins() == 0 and l1.pinned_keys("a") == [key(1)]
+    clock.advance(3)
+    assert l1.reclaim_pins() == 1 and l1.pinned_keys("a") == []
+    assert l1.reclaim_pins() == 0
+
+
+def test_released_pins_leave_the_expiry_heap_bounded() -> None:
+    l1, _, _ = make(8)
+    store(l1, key(1))
+    for i in range(10_000):
+        l1.pin(f"r{i}", [key(1)], ranks=[0], lease_s=30)
+        l1.unpin(f"r{i}")
+    assert len(l1._pin_heap) <= 1024 + 1
+
+
+def test_no_space_message_counts_quarantined_bytes() -> None:
+    l1, _, _ = make(2)
+    l1.reserve(key(1), 0, PAGE, owner="a", lease_s=30, tenant="a")
+    l1.fence(key(1), 0, owner="a")
+    store(l1, key(2))
+    l1.acquire(key(2))
+    expected = f"{PAGE} pinned or in use, 0 staging, {PAGE} quarantined"
+    with pytest.raises(NoSpaceError, match=expected):
+        l1.reserve(key(3), 0, PAGE, owner="w", lease_s=30)

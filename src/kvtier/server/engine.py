@@ -122,6 +122,7 @@ class Engine:
             max_request_tokens=config.max_request_tokens,
             max_world_size=config.max_world_size,
             max_chunk_bytes=self.arena.size,
+            max_lookup_shards=config.max_lookup_shards,
         )
         # Requests with big prompts or inline bytes run here, so the transport thread only
         # decodes, routes and replies (see `_offloaded`).
@@ -259,7 +260,7 @@ class Engine:
                 with self._lock.hold(op):
                     reply = self.handshake.register(client, req)
             case p.Lookup():
-                reply = self._lookup(tenants.scope(client, req), answer)
+                reply = self._lookup(tenants.scope(client, req), answer, client.tenant)
             case p.LookupPoll():
                 poll = msgspec.structs.replace(
                     req, request_id=tenants.session_id(client, req.request_id, req.cache_salt)
@@ -305,7 +306,7 @@ class Engine:
                     self._goodbye(client_id)
                 reply = p.Ok()
             case p.ExistsKeys():
-                reply = self._exists_keys(tenants.scope_names(client, req), answer)
+                reply = self._exists_keys(tenants.scope_names(client, req), answer, client.tenant)
             case p.ReserveKeys():
                 tenants.require_watch(client, "ReserveKeys")
                 req = tenants.scope_names(client, req)
@@ -332,7 +333,7 @@ class Engine:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def _lookup(self, req: p.Lookup, answer: Answer) -> p.LookupReply | None:
+    def _lookup(self, req: p.Lookup, answer: Answer, tenant: str) -> p.LookupReply | None:
         """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
@@ -344,9 +345,9 @@ class Engine:
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.lookup(req, keys, num_tokens, layout, answer)
+            return self.lookups.lookup(req, keys, num_tokens, layout, answer, tenant=tenant)
 
-    def _exists_keys(self, req: p.ExistsKeys, answer: Answer) -> p.ExistsReply | None:
+    def _exists_keys(self, req: p.ExistsKeys, answer: Answer, tenant: str) -> p.ExistsReply | None:
         """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
         keys = named_chunk_keys(
             req.names,
@@ -357,7 +358,7 @@ class Engine:
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.exists(keys, layout, answer)
+            return self.lookups.exists(keys, layout, answer, tenant=tenant)
 
     # -- background -----------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ class Reservation:
     watch: Watch | None = None  # whoever copies, while it may still touch the slots
     lapsed: bool = False  # the lease ran out before the owner acknowledged
     fenced: list[tuple[int, int]] = field(default_factory=list)  # quarantined (offset, nbytes)
+    tenant: str = ""  # whose staging and quarantine bytes its slots count in
 
 
 @dataclass(slots=True)

@@ -6,6 +6,14 @@ make the server allocate or loop in proportion to a number the client chose: a w
 name. Only then does a handler touch the L1, the sessions or the tiers. Frames themselves are
 bounded earlier, by ZMQ (`max_frame_bytes` becomes the socket's MAXMSGSIZE, so an oversized
 frame is refused before it is read into memory).
+
+Size alone does not bound work: a lookup asks the tiers about every shard of every chunk, so a
+prompt of 4096 chunks at world size 1024 is 4 million tier lookups (seconds of prefetch work and
+hundreds of megabytes). `max_lookup_shards` bounds chunks x world size per lookup.
+
+`tenant_bounds` turns the per-tenant shares of the L1 into bytes (see `storage.l1.TenantBounds`).
+They apply with a tokens file, where clients act for tenants that need not trust each other.
+Without one, every client is the one anonymous tenant: a share would only shrink the server.
 """
 
 from __future__ import annotations
@@ -16,9 +24,31 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier import protocol as p
+from kvtier.config import ServerConfig
 from kvtier.errors import BadArrayError, InvalidArgumentError, MisalignedRangeError
+from kvtier.storage.l1 import UNBOUNDED, TenantBounds
 
-__all__ = ["Limits", "SessionBounds"]
+__all__ = ["Limits", "SessionBounds", "tenant_bounds", "tenant_prefetch_jobs"]
+
+
+def tenant_bounds(config: ServerConfig, capacity: int) -> TenantBounds:
+    """The bytes of an L1 of `capacity` one tenant may hold in staging, quarantine and pins;
+    none without --auth-tokens-file (one tenant)."""
+    if not config.auth_tokens_file:
+        return UNBOUNDED
+    return TenantBounds(
+        staging_bytes=int(config.tenant_staging_share * capacity),
+        quarantine_bytes=int(config.tenant_quarantine_share * capacity),
+        pinned_bytes=int(config.tenant_pinned_share * capacity),
+    )
+
+
+def tenant_prefetch_jobs(config: ServerConfig) -> int | None:
+    """Prefetch jobs one tenant may run at once: its share of --max-prefetch-jobs, at least 1;
+    no bound but that one without --auth-tokens-file (one tenant)."""
+    if not config.auth_tokens_file:
+        return None
+    return max(1, int(config.tenant_prefetch_share * config.max_prefetch_jobs))
 
 
 class SessionBounds(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,6 +127,7 @@ class Limits:
     max_request_tokens: int
     max_world_size: int
     max_chunk_bytes: int  # a chunk shard larger than this could never fit the arena anyway
+    max_lookup_shards: int = 1 << 18  # chunks x world size one lookup may make the tiers check
 
     @property
     def max_request_chunks(self) -> int:
@@ -116,6 +147,7 @@ class Limits:
                 _extra_key(req.extra_key)
                 self._world(req.world_size, 0)
                 self._tokens(req.tokens)
+                self._lookup_work(len(req.tokens) // 4 // self.chunk_size, req.world_size)
             case p.RangeRequest():
                 self._strings(req.request_id, req.model, req.cache_salt)
                 _extra_key(req.extra_key)
@@ -132,6 +164,7 @@ class Limits:
                 self._strings("", req.model, req.cache_salt)
                 _extra_key(req.extra_key)
                 self._world(req.world_size, 0)
+                self._lookup_work(len(req.names), req.world_size)
             case p.Release() | p.EndSession():
                 _name("request_id", req.request_id)
             case p.LookupPoll():
@@ -171,6 +204,14 @@ class Limits:
             raise BadArrayError(
                 f"a chunk of shape {chunk_shape} ({elements} elements) cannot fit the "
                 f"{self.max_chunk_bytes}-byte arena (--l1-size)"
+            )
+
+    def _lookup_work(self, num_chunks: int, world_size: int) -> None:
+        if num_chunks * world_size > self.max_lookup_shards:
+            raise InvalidArgumentError(
+                f"a lookup of {num_chunks} chunks at world_size {world_size} asks about "
+                f"{num_chunks * world_size} shards; at most {self.max_lookup_shards} "
+                "(--max-lookup-shards): look up a shorter prefix"
             )
 
     def _tokens(self, tokens: bytes) -> None:

@@ -7,10 +7,17 @@ the job's end the hit is what is complete in L1 then, and exactly that is pinned
 request whose earlier lookup still loads joins that load. ExistsKeys, the lookup of named
 chunks, counts and loads the same way but pins nothing. The book is guarded by the engine lock:
 every method runs under it, the caller having named the chunks outside it.
+
+Per tenant: its lookups run at most its share of the prefetch jobs (`--tenant-prefetch-share`;
+past it a lookup is answered from L1 alone), a job's staging counts against its staging shares,
+and its pins hold at most `--tenant-pinned-share` of the L1 (a lookup reports as hit only the
+leading groups its pins could hold; past the share, a miss). Another tenant's lookups are not
+affected by either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier import protocol as p
@@ -20,6 +27,7 @@ from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.server.answers import Answer
 from kvtier.server.layouts import Layout
+from kvtier.server.limits import tenant_bounds, tenant_prefetch_jobs
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher
@@ -37,6 +45,7 @@ class _LookupJob:
     model: str
     cache_salt: str
     world_size: int
+    tenant: str
     done: bool = False
     hit_tokens: int = 0
     waiters: list[Answer] = field(default_factory=list)
@@ -60,6 +69,8 @@ class LookupBook:
         self._prefetcher = prefetcher
         self._metrics = metrics
         self._jobs: dict[str, _LookupJob] = {}
+        self._bounds = tenant_bounds(config, l1.capacity_bytes)
+        self._tenant_jobs = tenant_prefetch_jobs(config)
         self.requested_tokens = 0
         self.hit_tokens = 0
 
@@ -70,6 +81,8 @@ class LookupBook:
         num_tokens: int,
         layout: Layout | None,
         answer: Answer,
+        *,
+        tenant: str = "",
     ) -> p.LookupReply | None:
         """Under the engine lock: the reply, or None when `answer` waits for a prefetch job."""
         running = self._jobs.get(req.request_id)
@@ -78,27 +91,39 @@ class LookupBook:
         hit = self._l1.count_prefix(keys)
         if hit < len(keys) and layout is not None and self._tiers.tiers:
             if hit:  # hold what is hit while the rest loads
-                self._pin(req.request_id, keys[:hit], req.world_size)
+                self._pin(req.request_id, keys[:hit], req.world_size, tenant)
             job = _LookupJob(
-                req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size
+                req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size, tenant
             )
-            started = self._prefetcher.submit(
-                keys[hit:],
-                nbytes=layout.nbytes,
-                layout=layout.text,
-                on_done=lambda _loaded: self._loaded(job),
-            )
+            started = self._submit(keys[hit:], layout, tenant, lambda _loaded: self._loaded(job))
             if started:
                 self._jobs[req.request_id] = job
                 return self._wait_or_pending(job, req.wait, answer)
         self._jobs.pop(req.request_id, None)  # a done job nobody polled
         hit_tokens = self._finish(
-            req.request_id, keys, hit, num_tokens, req.model, req.cache_salt, req.world_size
+            req.request_id, keys, hit, num_tokens, req.model, req.world_size, tenant
         )
         return p.LookupReply(hit_tokens)
 
+    def _submit(
+        self,
+        keys: list[ChunkKey],
+        layout: Layout,
+        tenant: str,
+        on_done: Callable[[list[ChunkKey]], None],
+    ) -> bool:
+        return self._prefetcher.submit(
+            keys,
+            nbytes=layout.nbytes,
+            layout=layout.text,
+            on_done=on_done,
+            tenant=tenant,
+            tenant_jobs=self._tenant_jobs,
+            bounds=self._bounds,
+        )
+
     def exists(
-        self, keys: list[ChunkKey], layout: Layout | None, answer: Answer
+        self, keys: list[ChunkKey], layout: Layout | None, answer: Answer, *, tenant: str = ""
     ) -> p.ExistsReply | None:
         """Under the engine lock: the leading named chunks every rank has; the ones only L2
         holds are loaded into L1 first (a prefetch job; the answer comes when it ends, or at
@@ -114,15 +139,13 @@ class LookupBook:
             return p.ExistsReply(hit)
 
         hit = self._l1.count_prefix(keys)
-        if hit < len(keys) and layout is not None and self._tiers.tiers:
-            started = self._prefetcher.submit(
-                keys[hit:],
-                nbytes=layout.nbytes,
-                layout=layout.text,
-                on_done=lambda _loaded: answer.reply(count()),
-            )
-            if started:
-                return None
+        if (
+            hit < len(keys)
+            and layout is not None
+            and self._tiers.tiers
+            and self._submit(keys[hit:], layout, tenant, lambda _loaded: answer.reply(count()))
+        ):
+            return None
         return count()
 
     def poll(self, req: p.LookupPoll, answer: Answer) -> p.LookupReply | None:
@@ -159,13 +182,7 @@ class LookupBook:
             return  # the session ended meanwhile: nothing is pinned for it
         hit = self._l1.count_prefix(job.keys)
         job.hit_tokens = self._finish(
-            job.request_id,
-            job.keys,
-            hit,
-            job.num_tokens,
-            job.model,
-            job.cache_salt,
-            job.world_size,
+            job.request_id, job.keys, hit, job.num_tokens, job.model, job.world_size, job.tenant
         )
         job.done = True
         if job.waiters:
@@ -184,12 +201,14 @@ class LookupBook:
         hit: int,
         num_tokens: int,
         model: str,
-        salt: str,
         world_size: int,
+        tenant: str,
     ) -> int:
-        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens."""
+        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens:
+        those its pins hold (at most the tenant's pinned share)."""
         if hit:
-            self._pin(request_id, keys[:hit], world_size)
+            hit = self._pin(request_id, keys[:hit], world_size, tenant)
+        if hit:
             self._l1.touch(keys[:hit])
         else:
             self._l1.unpin(request_id)
@@ -199,5 +218,13 @@ class LookupBook:
         self._metrics.observe_lookup(model, num_tokens, hit_tokens)
         return hit_tokens
 
-    def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int) -> None:
-        self._l1.pin(request_id, keys, ranks=range(world_size), lease_s=self._config.pin_lease)
+    def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int, tenant: str) -> int:
+        """Pin what the tenant's pinned share allows of `keys`; how many leading ones."""
+        return self._l1.pin(
+            request_id,
+            keys,
+            ranks=range(world_size),
+            lease_s=self._config.pin_lease,
+            tenant=tenant,
+            max_bytes=self._bounds.pinned_bytes,
+        )

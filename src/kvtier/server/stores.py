@@ -5,6 +5,12 @@ and hands the new shards to the L2 write-through; Abort, a lapsed lease or a dea
 them (fenced first while the writer may still be copying). StoreInline is the same for a client
 without the arena: the server copies the frames into the slots itself.
 
+Every staging slot counts against its client's tenant: at most `--tenant-staging-share` of the
+L1 staging, and at most `--tenant-quarantine-share` staging and quarantined together (a slot of
+a client that went silent stays quarantined while its process lives, and every staging slot can
+become one). A tenant past either gets NO_SPACE on its stores before anything is evicted for it;
+other tenants' stores are not affected.
+
 Locking: `commit`, `abort`, `stored_prefix`, `end_reservation` and `fence` run under the engine
 lock, which the caller holds. `reserve` and `store_inline` take it themselves for the
 bookkeeping only; layout checks and the inline copy run outside it, as does `write_committed`
@@ -27,6 +33,7 @@ from kvtier.server.answers import Answer
 from kvtier.server.fencing import CopyGuard, Watch
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Reservation
+from kvtier.server.limits import tenant_bounds
 from kvtier.server.locking import TimedLock
 from kvtier.server.sessions import SessionBook
 from kvtier.server.writethrough import Shard, WriteThrough
@@ -74,6 +81,7 @@ class StoreBook:
         self._metrics = metrics
         self._lock = lock
         self._clock = clock
+        self._bounds = tenant_bounds(config, l1.capacity_bytes)
 
     def reserve(
         self,
@@ -90,6 +98,8 @@ class StoreBook:
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
         with self._lock.hold("Reserve"):
+            peer = self._leases.peers.get(client_id)
+            tenant = "" if peer is None else peer.tenant
             try:
                 for key in keys:
                     if self._l1.is_busy(key, req.worker_id):
@@ -104,6 +114,8 @@ class StoreBook:
                         owner=client_id,
                         lease_s=self._config.staging_lease,
                         layout=layout.text,
+                        tenant=tenant,
+                        bounds=self._bounds,
                     )
                     offsets.append(p.STORED if offset is None else offset)
                     if offset is not None:
@@ -123,6 +135,7 @@ class StoreBook:
                         layout.nbytes,
                         self._clock() + self._config.staging_lease,
                         watch=None if watch is None else watch.retain(),
+                        tenant=tenant,
                     )
                 )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
@@ -140,7 +153,7 @@ class StoreBook:
         """Free what an ended reservation still holds: its staging or quarantined slots."""
         if res.lapsed:
             for offset, nbytes in res.fenced:
-                self._l1.unfence(offset, nbytes)
+                self._l1.unfence(offset, nbytes, tenant=res.tenant)
             res.fenced.clear()
         else:
             for key in res.reserved:

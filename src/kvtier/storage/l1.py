@@ -2,22 +2,51 @@
 
 `L1Store` is bookkeeping only: it hands out arena offsets from an `Allocator` and tracks shard
 states, pins and recency; clients copy the bytes themselves. It is single-owner and not
-thread-safe: the server engine calls it only while holding its engine lock.
+thread-safe: the server engine calls it only while holding its engine lock, so every method
+costs in proportion to what it touches (an owner's shards, the pins that expire), never to the
+whole index.
+
+It also counts, per tenant, the bytes that no eviction can take back: staging slots, quarantined
+(fenced) slots and pinned groups (`tenant_usage`). The server's shares (`server/stores.py`,
+`server/lookups.py`) are checked against these counts.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
-from kvtier.snapshots import L1Stats
+from kvtier.snapshots import L1Stats, TenantUsage
 from kvtier.storage.arena import Allocator
 
-__all__ = ["L1Store", "ShardState"]
+__all__ = ["UNBOUNDED", "L1Store", "ShardState", "TenantBounds"]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantBounds:
+    """What one tenant may hold that eviction cannot take back, in bytes (None: no bound).
+
+    `staging_bytes` bounds its staging slots; `quarantine_bytes` its staging plus quarantined
+    slots together, since every staging slot becomes quarantined when its writer goes silent:
+    so its quarantine never exceeds it. `pinned_bytes` bounds what its pins hold.
+    """
+
+    staging_bytes: int | None = None
+    quarantine_bytes: int | None = None
+    pinned_bytes: int | None = None
+    staging_knob: str = "--tenant-staging-share"
+    quarantine_knob: str = "--tenant-quarantine-share"
+
+
+#: no bound on any tenant (a server whose clients are all one tenant)
+UNBOUNDED = TenantBounds()
 
 
 class ShardState(enum.Enum):
@@ -28,10 +57,17 @@ class ShardState(enum.Enum):
 
 
 class _Shard:
-    __slots__ = ("deadline", "layout", "nbytes", "offset", "owner", "size", "state")
+    __slots__ = ("deadline", "layout", "nbytes", "offset", "owner", "size", "state", "tenant")
 
     def __init__(
-        self, offset: int, size: int, nbytes: int, layout: str, owner: str, deadline: float
+        self,
+        offset: int,
+        size: int,
+        nbytes: int,
+        layout: str,
+        owner: str,
+        deadline: float,
+        tenant: str,
     ) -> None:
         self.offset = offset
         self.size = size  # bytes asked for: what a reader copies
@@ -39,11 +75,35 @@ class _Shard:
         self.layout = layout
         self.owner = owner
         self.deadline = deadline
+        self.tenant = tenant  # whose staging bytes it counts in while STAGING
         self.state = ShardState.STAGING
 
 
+class _Usage:
+    """One tenant's bytes that eviction cannot take back."""
+
+    __slots__ = ("fenced", "pinned", "staging")
+
+    def __init__(self) -> None:
+        self.staging = 0
+        self.fenced = 0
+        self.pinned = 0
+
+
 class _Group:
-    __slots__ = ("doomed", "holds", "key", "missing", "nbytes", "refs", "shards", "staging")
+    __slots__ = (
+        "charged",
+        "doomed",
+        "holds",
+        "key",
+        "missing",
+        "nbytes",
+        "pin_tenant",
+        "pins",
+        "refs",
+        "shards",
+        "staging",
+    )
 
     def __init__(self, key: ChunkKey) -> None:
         self.key = key
@@ -52,6 +112,9 @@ class _Group:
         self.staging = 0
         self.holds = 0  # holder pins plus anonymous refs; > 0 means never evicted
         self.refs = 0  # anonymous refs alone, to check release() against acquire()
+        self.pins = 0  # pins holding it: the first charges its bytes to its tenant
+        self.pin_tenant = ""
+        self.charged = 0  # bytes charged to pin_tenant's pinned bytes while pins > 0
         self.nbytes = 0
         # Cleared while busy: invisible at once, freed when the last hold or staging shard
         # ends. Its key cannot be stored again until then (a reserve finds it busy).
@@ -59,12 +122,14 @@ class _Group:
 
 
 class _Pin:
-    __slots__ = ("deadline", "groups", "ranks")
+    __slots__ = ("deadline", "groups", "queued", "ranks", "tenant")
 
-    def __init__(self, groups: list[_Group], ranks: set[int], deadline: float) -> None:
+    def __init__(self, groups: list[_Group], ranks: set[int], deadline: float, tenant: str) -> None:
         self.groups = groups
         self.ranks = ranks
         self.deadline = deadline
+        self.tenant = tenant
+        self.queued = deadline  # the deadline its entry in the expiry heap carries
 
 
 class L1Store:
@@ -92,7 +157,15 @@ class L1Store:
         self._lru: OrderedDict[ChunkKey, _Group] = OrderedDict()
         self._lru_bytes = 0
         self._staging: dict[tuple[ChunkKey, int], _Shard] = {}
+        self._staging_bytes = 0
+        # The same shards by owner, so a client's end costs its own shards, not everyone's.
+        self._by_owner: dict[str, dict[tuple[ChunkKey, int], _Shard]] = {}
+        self._usage: dict[str, _Usage] = {}  # by tenant ("" anonymous)
         self._pins: dict[str, _Pin] = {}
+        # (deadline, seq, holder, pin), earliest first: what reclaim_pins looks at. A renewed
+        # pin keeps its entry, which is put back with the new deadline when it comes up.
+        self._pin_heap: list[tuple[float, int, str, _Pin]] = []
+        self._pin_seq = itertools.count()
         self._ready_groups = 0
         self._held_groups = 0
         self._evictions = 0
@@ -131,7 +204,36 @@ class L1Store:
             evicted_bytes=self._evicted_bytes,
             fenced_slots=self._fenced_slots,
             fenced_bytes=self._fenced_bytes,
+            tenants=[
+                self._tenant_usage(tenant, usage)
+                for tenant, usage in sorted(self._usage.items())
+                if usage.staging or usage.fenced or usage.pinned
+            ],
         )
+
+    def tenant_usage(self, tenant: str) -> TenantUsage:
+        """The tenant's staging, quarantined and pinned bytes now."""
+        usage = self._usage.get(tenant)
+        return self._tenant_usage(tenant, usage or _Usage())
+
+    @staticmethod
+    def _tenant_usage(tenant: str, usage: _Usage) -> TenantUsage:
+        return TenantUsage(
+            tenant=tenant,
+            staging_bytes=usage.staging,
+            fenced_bytes=usage.fenced,
+            pinned_bytes=usage.pinned,
+        )
+
+    def rounded(self, size: int) -> int:
+        """The bytes a `size`-byte shard takes (whole pages): what a reserve charges."""
+        return self._alloc.rounded(size)
+
+    def _usage_of(self, tenant: str) -> _Usage:
+        usage = self._usage.get(tenant)
+        if usage is None:
+            usage = self._usage[tenant] = _Usage()
+        return usage
 
     # ---------------------------------------------------------------- write path
 
@@ -144,11 +246,15 @@ class L1Store:
         owner: str,
         lease_s: float,
         layout: str = "",
+        tenant: str = "",
+        bounds: TenantBounds = UNBOUNDED,
     ) -> int | None:
-        """Reserve a STAGING shard of `size` bytes and return its offset.
+        """Reserve a STAGING shard of `size` bytes and return its offset; its bytes count as
+        `tenant`'s staging bytes until it is committed, aborted or fenced.
 
         Returns None when the shard already exists (staging or ready): there is nothing to
-        write. Evicts LRU groups to make room; NoSpaceError when even that cannot.
+        write. NoSpaceError when it would take the tenant past its `bounds` (then nothing is
+        evicted for it), or when evicting LRU groups cannot make room.
         """
         if size <= 0:
             raise ValueError(f"shard size must be positive, got {size}")
@@ -160,6 +266,8 @@ class L1Store:
         if group is not None and (group.doomed or group.shards[worker_id] is not None):
             return None
         nbytes = self._alloc.rounded(size)
+        if bounds is not UNBOUNDED:
+            self._check_bounds(tenant, size, nbytes, bounds)
         offset = self._alloc.alloc(nbytes)
         if offset is None:
             # The group we add to must not be evicted to make room for its own shard.
@@ -175,12 +283,45 @@ class L1Store:
             self._lru_discard(group)
         if group is None:
             group = self._groups[key] = _Group(key)
-        shard = _Shard(offset, size, nbytes, layout, owner, self._clock() + lease_s)
+        shard = _Shard(offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant)
         group.shards[worker_id] = shard
         group.staging += 1
         group.nbytes += nbytes
         self._staging[key, worker_id] = shard
+        self._staging_bytes += nbytes
+        self._by_owner.setdefault(owner, {})[key, worker_id] = shard
+        self._usage_of(tenant).staging += nbytes
         return offset
+
+    def _check_bounds(self, tenant: str, size: int, nbytes: int, bounds: TenantBounds) -> None:
+        usage = self._usage.get(tenant) or _Usage()
+        who = f"tenant {tenant[:64]!r}" if tenant else "the anonymous tenant"
+        limit = bounds.staging_bytes
+        if limit is not None and usage.staging + nbytes > limit:
+            raise NoSpaceError(
+                f"{who} holds {usage.staging} bytes in staging slots; a {size}-byte shard"
+                f" ({nbytes} in pages) would pass its {limit} bytes ({bounds.staging_knob}):"
+                " commit or abort first, or store fewer chunks at once"
+            )
+        limit = bounds.quarantine_bytes
+        if limit is not None and usage.staging + usage.fenced + nbytes > limit:
+            raise NoSpaceError(
+                f"{who} holds {usage.fenced} bytes quarantined (slots of its clients that went"
+                f" silent while they may still write) and {usage.staging} staging; a"
+                f" {size}-byte shard ({nbytes} in pages) would pass its {limit} bytes"
+                f" ({bounds.quarantine_knob}): its stores fail until its clients commit, abort"
+                " or exit"
+            )
+
+    def _unstage(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
+        """Take a shard out of the staging index and its tenant's staging bytes."""
+        del self._staging[key, worker_id]
+        self._staging_bytes -= shard.nbytes
+        owned = self._by_owner[shard.owner]
+        del owned[key, worker_id]
+        if not owned:
+            del self._by_owner[shard.owner]
+        self._usage_of(shard.tenant).staging -= shard.nbytes
 
     def commit(self, key: ChunkKey, worker_id: int, *, owner: str) -> bool:
         """Make a staging shard READY; True when that completed the whole group.
@@ -190,7 +331,7 @@ class L1Store:
         shard = self._staging.get((key, worker_id))
         if shard is None or shard.owner != owner:
             raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
-        del self._staging[key, worker_id]
+        self._unstage(key, worker_id, shard)
         shard.state = ShardState.READY
         group = self._groups[key]
         group.staging -= 1
@@ -213,7 +354,8 @@ class L1Store:
 
         The shard leaves its group (the chunk is not stored; another client may store it into a
         fresh slot), but its arena range stays allocated, so nothing else is placed where the
-        late writer's bytes may land. Returns (offset, nbytes) for `unfence`.
+        late writer's bytes may land. Its bytes move from the tenant's staging bytes to its
+        quarantined ones. Returns (offset, nbytes) for `unfence`.
         """
         shard = self._staging.get((key, worker_id))
         if shard is None or shard.owner != owner:
@@ -221,13 +363,15 @@ class L1Store:
         self._detach_staging(key, worker_id, shard)
         self._fenced_slots += 1
         self._fenced_bytes += shard.nbytes
+        self._usage_of(shard.tenant).fenced += shard.nbytes
         return shard.offset, shard.nbytes
 
-    def unfence(self, offset: int, nbytes: int) -> None:
-        """Free a quarantined slot: its writer acknowledged or its process is gone."""
+    def unfence(self, offset: int, nbytes: int, *, tenant: str = "") -> None:
+        """Free a quarantined slot of `tenant`: its writer acknowledged or its process is gone."""
         self._alloc.free(offset, nbytes)
         self._fenced_slots -= 1
         self._fenced_bytes -= nbytes
+        self._usage_of(tenant).fenced -= nbytes
 
     def is_busy(self, key: ChunkKey, worker_id: int) -> bool:
         """True while the shard is being written (staging), or its group was cleared while in
@@ -248,8 +392,8 @@ class L1Store:
         if owner is None:
             now = self._clock()
             doomed = [(k, s) for k, s in self._staging.items() if s.deadline <= now]
-        else:
-            doomed = [(k, s) for k, s in self._staging.items() if s.owner == owner]
+        else:  # the owner's own shards only (indexed), not a scan of everyone's
+            doomed = list(self._by_owner.get(owner, {}).items())
         for (key, worker_id), shard in doomed:
             self._drop_staging(key, worker_id, shard)
         return len(doomed)
@@ -297,10 +441,21 @@ class L1Store:
     # ---------------------------------------------------------------- pins
 
     def pin(
-        self, holder: str, keys: Sequence[ChunkKey], *, ranks: Iterable[int], lease_s: float
-    ) -> None:
-        """Pin the groups of `keys` that are in L1 for `holder`, replacing its previous pin.
+        self,
+        holder: str,
+        keys: Sequence[ChunkKey],
+        *,
+        ranks: Iterable[int],
+        lease_s: float,
+        tenant: str = "",
+        max_bytes: int | None = None,
+    ) -> int:
+        """Pin the groups of `keys` that are in L1 for `holder`, replacing its previous pin;
+        returns how many groups it pins.
 
+        A group's bytes count once against the pinned bytes of the tenant that pinned it first,
+        however many of its pins hold it. With `max_bytes`, only the leading groups that keep
+        `tenant`'s pinned bytes within it are pinned (groups it pins already cost nothing).
         `ranks` are the workers that still have to retrieve; the pin is released when all of
         them called `mark_retrieved`, by `unpin`, or when the lease expires (`reclaim_pins`).
         """
@@ -309,20 +464,35 @@ class L1Store:
         pending = set(ranks)
         get = self._groups.get
         groups = [g for g in map(get, keys) if g is not None and not g.doomed]
+        if max_bytes is not None:
+            room = max_bytes - self._usage_of(tenant).pinned
+            for n, group in enumerate(groups):
+                if group.pins == 0:  # not yet charged to anyone
+                    room -= group.nbytes
+                    if room < 0:
+                        del groups[n:]
+                        break
+        deadline = self._clock() + lease_s
         old = self._pins.get(holder)
         if old is not None and old.groups == groups:
             # A repeated lookup of the same prompt (the common case): the same groups are held
             # already, so only the pending ranks and the lease start over.
             old.ranks = pending
-            old.deadline = self._clock() + lease_s
-            return
+            self._set_deadline(holder, old, deadline)
+            return len(groups)
         for group in groups:
             self._hold(group)
-        # Release the old pin after taking the new one, so groups in both stay held throughout.
-        old = self._pins.pop(holder, None)
-        self._pins[holder] = _Pin(groups, pending, self._clock() + lease_s)
-        if old is not None:
-            self._release_pin(old)
+            self._charge_pin(group, tenant)
+        # Release the old groups after taking the new ones, so groups in both stay held.
+        if old is None:
+            pin = self._pins[holder] = _Pin(groups, pending, deadline, tenant)
+            heapq.heappush(self._pin_heap, (deadline, next(self._pin_seq), holder, pin))
+            self._compact_pin_heap()
+        else:
+            released, old.groups, old.ranks = old.groups, groups, pending
+            self._set_deadline(holder, old, deadline)
+            self._release_groups(released)
+        return len(groups)
 
     def mark_retrieved(self, holder: str, worker_id: int) -> bool:
         """Rank `worker_id` finished retrieving; True when that released the holder's pin."""
@@ -351,15 +521,46 @@ class L1Store:
         pin = self._pins.get(holder)
         if pin is None:
             raise UnknownReservationError(f"holder {holder!r} has no pin (expired or released)")
-        pin.deadline = self._clock() + lease_s
+        self._set_deadline(holder, pin, self._clock() + lease_s)
 
     def reclaim_pins(self) -> int:
-        """Release every pin whose lease expired; returns how many."""
+        """Release every pin whose lease expired; returns how many.
+
+        Costs the heap entries that came due (expired pins, renewed ones put back, released
+        ones dropped), not the number of pins.
+        """
         now = self._clock()
-        expired = [h for h, pin in self._pins.items() if pin.deadline <= now]
-        for holder in expired:
-            self._release_pin(self._pins.pop(holder))
-        return len(expired)
+        heap = self._pin_heap
+        n = 0
+        while heap and heap[0][0] <= now:
+            due, _, holder, pin = heapq.heappop(heap)
+            if self._pins.get(holder) is not pin or due != pin.queued:
+                continue  # released or replaced, or a duplicate entry of a shortened lease
+            if pin.deadline <= now:
+                del self._pins[holder]
+                self._release_pin(pin)
+                n += 1
+            else:  # renewed since: due again at its new deadline
+                pin.queued = pin.deadline
+                heapq.heappush(heap, (pin.deadline, next(self._pin_seq), holder, pin))
+        return n
+
+    def _set_deadline(self, holder: str, pin: _Pin, deadline: float) -> None:
+        pin.deadline = deadline
+        if deadline < pin.queued:  # earlier than its heap entry says: a new entry
+            pin.queued = deadline
+            heapq.heappush(self._pin_heap, (deadline, next(self._pin_seq), holder, pin))
+
+    def _compact_pin_heap(self) -> None:
+        """Drop the entries of released pins once they outnumber the live ones (amortized)."""
+        if len(self._pin_heap) <= 2 * len(self._pins) + 1024:
+            return
+        self._pin_heap = [
+            entry
+            for entry in self._pin_heap
+            if self._pins.get(entry[2]) is entry[3] and entry[0] == entry[3].queued
+        ]
+        heapq.heapify(self._pin_heap)
 
     def pinned_keys(self, holder: str) -> list[ChunkKey]:
         """The keys the holder's pin actually holds (those that were in L1 when pinned)."""
@@ -459,9 +660,23 @@ class L1Store:
             self._lru_add(group)
 
     def _release_pin(self, pin: _Pin) -> None:
+        self._release_groups(pin.groups)
+
+    def _release_groups(self, groups: list[_Group]) -> None:
         # Reversed, so the chain head is released last and ends most recent (see `touch`).
-        for group in reversed(pin.groups):
+        for group in reversed(groups):
+            group.pins -= 1
+            if group.pins == 0:
+                self._usage_of(group.pin_tenant).pinned -= group.charged
+                group.charged = 0
             self._unhold(group)
+
+    def _charge_pin(self, group: _Group, tenant: str) -> None:
+        if group.pins == 0:
+            group.pin_tenant = tenant
+            group.charged = group.nbytes
+            self._usage_of(tenant).pinned += group.nbytes
+        group.pins += 1
 
     def _drop_staging(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
         self._detach_staging(key, worker_id, shard)
@@ -469,7 +684,7 @@ class L1Store:
 
     def _detach_staging(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
         """Take a staging shard out of its group (the caller frees or quarantines its range)."""
-        del self._staging[key, worker_id]
+        self._unstage(key, worker_id, shard)
         group = self._groups[key]
         group.shards[worker_id] = None
         group.staging -= 1
@@ -515,19 +730,17 @@ class L1Store:
         raise NoSpaceError(self._no_space_message(size, nbytes))
 
     def _no_space_message(self, size: int, nbytes: int) -> str:
-        staging = sum(shard.nbytes for shard in self._staging.values())
-        pinned = sum(
-            shard.nbytes
-            for group in self._groups.values()
-            if group.holds
-            for shard in group.shards
-            if shard is not None and shard.state is ShardState.READY
-        )
+        # From running counts, not a scan: this is built under the engine lock, on the path a
+        # flooding client makes busy. Held: ready shards out of the LRU order (pinned, being
+        # read or written to L2, or in a group still waiting for another rank).
+        staging, fenced = self._staging_bytes, self._fenced_bytes
+        held = self._alloc.used_bytes - self._lru_bytes - staging - fenced
         return (
             f"L1 cannot hold a {size}-byte shard ({nbytes} bytes in pages): capacity"
-            f" {self._alloc.capacity} bytes, {pinned} pinned, {staging} staging,"
-            f" {self._alloc.free_bytes} free (largest contiguous {self._alloc.largest_free})"
-            " and nothing else to evict; raise --l1-size or lower the concurrency"
+            f" {self._alloc.capacity} bytes, {held} pinned or in use, {staging} staging,"
+            f" {fenced} quarantined, {self._alloc.free_bytes} free (largest contiguous"
+            f" {self._alloc.largest_free}) and nothing else to evict; raise --l1-size or lower"
+            " the concurrency"
         )
 
     @staticmethod

@@ -25,8 +25,10 @@ starved (nicing the workers themselves was measured: holds of the lock grew to 9
 to 1.6-1.9x (nice 10 gave 1.6-1.95x), the loads' own p50 from 12 to 13-14 ms (the concurrency
 benchmark).
 
-At most `max_jobs` jobs are in flight (LMCache bounds its async L2 prefetch the same way);
-`submit` refuses more, and the caller then answers from L1 alone.
+At most `max_jobs` jobs are in flight (LMCache bounds its async L2 prefetch the same way), and
+at most `tenant_jobs` of one tenant, so one tenant's lookups never take every slot; `submit`
+refuses more, and the caller then answers from L1 alone. A job's staging slots count against its
+tenant's staging bounds (`TenantBounds`): a load stops where they would be passed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.storage.arena import Arena
-from kvtier.storage.l1 import L1Store
+from kvtier.storage.l1 import UNBOUNDED, L1Store, TenantBounds
 from kvtier.storage.manager import TierManager
 
 __all__ = ["Prefetcher"]
@@ -104,38 +106,70 @@ class Prefetcher:
         )
         self._count_lock = threading.Lock()
         self.in_flight = 0
+        self._tenant_jobs: dict[str, int] = {}  # jobs in flight per tenant
         self.started = 0
-        self.refused = 0  # jobs not started because max_jobs were in flight
+        self.refused = 0  # jobs not started because max_jobs (or the tenant's share) ran
+        self.refused_tenant = 0  # of which because the tenant's share was in flight
         self.loaded_groups = 0
 
     def submit(
-        self, keys: Sequence[ChunkKey], *, nbytes: int, layout: str, on_done: OnDone
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        nbytes: int,
+        layout: str,
+        on_done: OnDone,
+        tenant: str = "",
+        tenant_jobs: int | None = None,
+        bounds: TenantBounds = UNBOUNDED,
     ) -> bool:
-        """Start loading the leading loadable groups of `keys`; False when too many jobs run.
+        """Start loading the leading loadable groups of `keys` for `tenant`; False when
+        `max_jobs` jobs run, or `tenant_jobs` of this tenant's.
 
         `on_done(loaded)` runs exactly once on a worker thread, under the lock, even when the
         job fails (then with what loaded before the failure).
         """
         with self._count_lock:
-            if self.in_flight >= self.max_jobs:
+            mine = self._tenant_jobs.get(tenant, 0)
+            if self.in_flight >= self.max_jobs or (tenant_jobs is not None and mine >= tenant_jobs):
                 self.refused += 1
+                if self.in_flight < self.max_jobs:
+                    self.refused_tenant += 1
                 return False
             self.in_flight += 1
+            self._tenant_jobs[tenant] = mine + 1
             self.started += 1
         try:
-            self._pool.submit(self._run, list(keys), nbytes, layout, on_done)
+            self._pool.submit(self._run, list(keys), nbytes, layout, on_done, tenant, bounds)
         except RuntimeError:  # the pool is shut down: the server is closing
-            with self._count_lock:
-                self.in_flight -= 1
+            self._job_ended(tenant, 0)
             return False
         return True
+
+    def _job_ended(self, tenant: str, loaded: int) -> None:
+        with self._count_lock:
+            self.in_flight -= 1
+            left = self._tenant_jobs[tenant] - 1
+            if left:
+                self._tenant_jobs[tenant] = left
+            else:
+                del self._tenant_jobs[tenant]
+            self.loaded_groups += loaded
 
     def close(self) -> None:
         """Wait for the running jobs and stop the workers."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._readers.shutdown(wait=True)
 
-    def _run(self, keys: list[ChunkKey], nbytes: int, layout: str, on_done: OnDone) -> None:
+    def _run(
+        self,
+        keys: list[ChunkKey],
+        nbytes: int,
+        layout: str,
+        on_done: OnDone,
+        tenant: str,
+        bounds: TenantBounds,
+    ) -> None:
         loaded: list[ChunkKey] = []
         reserved: list[tuple[ChunkKey, list[tuple[int, int]]]] = []
         try:
@@ -146,7 +180,9 @@ class Prefetcher:
                 loadable += 1
             for lo in range(0, loadable, _BATCH):  # short holds: a batch of groups each
                 with self._hold():
-                    batch = self._reserve(keys[lo : min(loadable, lo + _BATCH)], nbytes, layout)
+                    batch = self._reserve(
+                        keys[lo : min(loadable, lo + _BATCH)], nbytes, layout, tenant, bounds
+                    )
                 reserved += batch
                 if len(batch) < min(_BATCH, loadable - lo):
                     break
@@ -171,15 +207,18 @@ class Prefetcher:
                     logger.exception("prefetch on_done failed")
                 for key in loaded:
                     self._l1.release(key)
-            with self._count_lock:
-                self.in_flight -= 1
-                self.loaded_groups += len(loaded)
+            self._job_ended(tenant, len(loaded))
 
     def _reserve(
-        self, keys: Sequence[ChunkKey], nbytes: int, layout: str
+        self,
+        keys: Sequence[ChunkKey],
+        nbytes: int,
+        layout: str,
+        tenant: str,
+        bounds: TenantBounds,
     ) -> list[tuple[ChunkKey, list[tuple[int, int]]]]:
         """Staging slots for the missing shards of the leading groups, until one cannot get
-        them (no room, or another client writes that shard now)."""
+        them (no room, past the tenant's bounds, or another client writes that shard now)."""
         l1 = self._l1
         out: list[tuple[ChunkKey, list[tuple[int, int]]]] = []
         for key in keys:
@@ -189,7 +228,14 @@ class Prefetcher:
                     continue
                 try:
                     offset = l1.reserve(
-                        key, worker_id, nbytes, owner=_OWNER, lease_s=self._lease_s, layout=layout
+                        key,
+                        worker_id,
+                        nbytes,
+                        owner=_OWNER,
+                        lease_s=self._lease_s,
+                        layout=layout,
+                        tenant=tenant,
+                        bounds=bounds,
                     )
                 except NoSpaceError:
                     offset = None
