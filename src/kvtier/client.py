@@ -1,7 +1,8 @@
 """The client library used by schedulers and workers.
 
-One `Client` per process is enough: it is thread-safe (each thread gets its own ZMQ socket, all
-under one client id, so TP workers in threads do not serialize on a lock). On the server's
+One `Client` per process is enough: it is thread-safe (each call takes a ZMQ socket from a small
+pool and gives it back, all under one client id, so TP workers in threads do not serialize on a
+lock, and threads that end leave no socket behind). On the server's
 machine the KV bytes go straight between the caller's arrays and the server's shared-memory
 arena; elsewhere they travel inline as ZMQ frames. Both paths give the same results.
 """
@@ -34,7 +35,7 @@ from kvtier.errors import (
 )
 from kvtier.hashing import TokenHasher, TokenIds, token_bytes
 from kvtier.names import ChunkName, check_names
-from kvtier.slots import RetrievedSlots, StoreSlots
+from kvtier.slots import RetrievedSlots, StoreSlots, reply_as
 from kvtier.storage.arena import Arena
 
 __all__ = ["Client", "LookupHandle", "RetrievedSlots", "StoreSlots"]
@@ -116,6 +117,20 @@ class _NoReply(NotConnectedError):
 
 _PROBE_TIMEOUT = 5.0  # how long a heartbeat waits before it calls the server unreachable
 _GOODBYE_TIMEOUT = 0.5  # how long close() waits for the server to hear its goodbye
+_CLOSE_WAIT_S = 2.0  # how long close() waits for woken calls to give their sockets back
+_MAX_IDLE_SOCKETS = 32  # idle sockets kept for later calls; more are closed when given back
+
+
+class _Conn:
+    """One DEALER socket of the pool, and a poller that waits on it and on close()'s wake-up."""
+
+    __slots__ = ("poller", "sock")
+
+    def __init__(self, sock: zmq.Socket[bytes], wake_fd: int) -> None:
+        self.sock = sock
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(wake_fd, zmq.POLLIN)
 
 
 def _check_address(address: object) -> None:
@@ -128,9 +143,8 @@ def _check_address(address: object) -> None:
 
 
 class LookupHandle:
-    """A lookup whose L2 loads may still run on the server; `poll()` until it has a result."""
-
-    _BACKOFF_S = (0.0005, 0.001, 0.002, 0.005, 0.01)  # result()'s waits between polls
+    """A lookup whose L2 loads may still run on the server: `poll()` asks without waiting,
+    `result()` waits on the server for the answer."""
 
     def __init__(
         self, client: Client, request_id: str, hit_tokens: int | None, cache_salt: str = ""
@@ -141,33 +155,46 @@ class LookupHandle:
         self._cache_salt = cache_salt
 
     def poll(self) -> int | None:
-        """The hit tokens once known, else None; one round trip at most."""
+        """The hit tokens once known, else None; one round trip at most, never waits."""
         if self._hit_tokens is None:
             poll = p.LookupPoll(self.request_id, cache_salt=self._cache_salt)
             reply, _ = self._client._call(poll)
-            assert isinstance(reply, p.LookupReply)
-            if not reply.pending:
-                self._hit_tokens = reply.hit_tokens
+            done = reply_as(reply, p.LookupReply, "LookupPoll")
+            if not done.pending:
+                self._hit_tokens = done.hit_tokens
         return self._hit_tokens
 
     def result(self, timeout: float | None = None) -> int:
-        """Poll until the hit is known; NotConnectedError when `timeout` seconds pass first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for attempt in itertools.count():
-            hit = self.poll()
-            if hit is not None:
-                return hit
-            pause = self._BACKOFF_S[min(attempt, len(self._BACKOFF_S) - 1)]
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
+        """Wait until the hit is known; NotConnectedError when `timeout` seconds pass first.
+
+        One request that the server answers when the loads end (no polling). Without a
+        timeout it waits as long as the server answers heartbeats, asking again each
+        `Client.timeout` seconds.
+        """
+        if self._hit_tokens is not None:
+            return self._hit_tokens
+        client = self._client
+        poll = p.LookupPoll(self.request_id, wait=True, cache_salt=self._cache_salt)
+        while True:
+            wait_s = client.timeout if timeout is None else timeout
+            try:
+                if wait_s <= 0:  # no time to wait: one look, then the timeout's error
+                    hit = self.poll()
+                    if hit is not None:
+                        return hit
+                    raise _NoReply("no time to wait")
+                reply, _ = client._call(poll, wait_s=wait_s)
+                break
+            except _NoReply:
+                if timeout is not None:
                     raise NotConnectedError(
                         f"lookup of request {self.request_id!r} still loading from L2 after "
                         f"{timeout:g}s (LookupHandle.result(timeout=...))"
-                    )
-                pause = min(pause, left)
-            time.sleep(pause)
-        raise AssertionError("unreachable")
+                    ) from None
+                # no timeout: ask again; a server that stopped answering heartbeats meanwhile
+                # makes the next call fail fast with NotConnectedError
+        self._hit_tokens = reply_as(reply, p.LookupReply, "LookupPoll").hit_tokens
+        return self._hit_tokens
 
     def __repr__(self) -> str:
         state = "pending" if self._hit_tokens is None else f"hit_tokens={self._hit_tokens}"
@@ -205,13 +232,17 @@ class Client:
         self.hasher = hasher
         self.client_id = client_id or uuid.uuid4().hex
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._local = threading.local()
-        self._sockets: list[zmq.Socket[bytes]] = []
-        self._sockets_lock = threading.Lock()
+        self._idle: list[_Conn] = []  # the socket pool: sockets no call holds now
+        self._busy = 0  # sockets checked out by calls in flight
+        self._pool_lock = threading.Lock()
+        self._pool_changed = threading.Condition(self._pool_lock)
+        self._wake_r, self._wake_w = os.pipe()  # written once by close(): wakes every call
+        self._released = False
         self._seq = itertools.count(1)
         self._world_sizes: dict[str, int] = {}
         self._registrations: dict[tuple[str, int, int], p.Register] = {}
-        self._closed = False
+        self._closing = False  # close() began: no new call, no new handshake
+        self._closed = False  # calls in flight end with NotConnectedError
         self._hello_timeout = connect_timeout  # the first handshake fails fast
         self._transfer = transfer
         self._arena: Arena | None = None
@@ -220,13 +251,15 @@ class Client:
         self._unreachable_since: float | None = None  # monotonic time of the first missed reply
         try:
             try:
-                self.server = self._socket_hello()
+                conn, self.server = self._open()
             except _NoReply as exc:
                 raise NotConnectedError(exc.message) from None
+            self._idle.append(conn)
             if transfer != "inline":
                 self._attach_arena(transfer)
         except BaseException:
-            self._ctx.destroy(linger=0)
+            self._closing = self._closed = True
+            self._release_sockets()
             raise
         self._hello_timeout = timeout
         self._stop = threading.Event()
@@ -276,31 +309,79 @@ class Client:
                 f"{self.server.host_id!r}, this is {p.local_host_id()!r}"
             )
 
-    def _socket(self) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] | None = getattr(self._local, "socket", None)
-        if sock is None:
-            self._socket_hello()
-            sock = self._local.socket
-        return sock
+    # -- sockets --------------------------------------------------------------------------------
+    #
+    # A call checks a socket out of the pool and gives it back when it ends, so a thread that
+    # ends leaves nothing behind and the sockets number at most the calls in flight at once.
+    # Each socket says Hello once, when it is opened. A late reply to a call that timed out
+    # can still arrive on a socket; the sequence number in every reply tells it apart, so the
+    # next call on that socket skips it.
 
-    def _socket_hello(self) -> p.HelloReply:
-        """Open this thread's socket and shake hands on it."""
-        if self._closed:
-            raise NotConnectedError("the client is closed")
+    def _checkout(self, *, closing: bool = False) -> _Conn:
+        """A socket for one call: an idle one, else a new one that shook hands; `closing`
+        lets close() have one for its goodbye."""
+        with self._pool_lock:
+            if self._closed or (self._closing and not closing):
+                raise NotConnectedError(f"the client is closed: a new Client({self.address!r})")
+            self._busy += 1
+            conn = self._idle.pop() if self._idle else None
+        if conn is not None:
+            return conn
+        try:
+            conn, hello = self._open()
+            if hello.server_id != self.server.server_id:
+                self._rejoin(conn, hello)  # the server restarted: its arena, our registrations
+        except BaseException:
+            self._checkin(None)
+            raise
+        return conn
+
+    def _checkin(self, conn: _Conn | None, *, broken: bool = False) -> None:
+        """Give a socket back after its call; closed instead when the client closed, when it
+        failed (`broken`), or when enough sockets are idle already."""
+        with self._pool_lock:
+            self._busy -= 1
+            keep = not (broken or self._closed) and len(self._idle) < _MAX_IDLE_SOCKETS
+            if conn is not None and keep:
+                self._idle.append(conn)
+                conn = None
+            finish = self._closed and self._busy == 0
+            self._pool_changed.notify_all()
+        if conn is not None:
+            conn.sock.close(linger=0)
+        if finish:
+            self._release_sockets()
+
+    def _open(self) -> tuple[_Conn, p.HelloReply]:
+        """A new socket, connected, after its Hello (closed again if that fails)."""
         try:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.address)
         except zmq.ZMQError as exc:
-            if self._closed:
-                raise NotConnectedError("the client is closed") from None
             raise NotConnectedError(f"cannot connect to {self.address!r}: {exc}") from exc
-        with self._sockets_lock:
-            self._sockets.append(sock)
-        self._local.socket = sock
-        return self._hello_on(sock)
+        conn = _Conn(sock, self._wake_r)
+        try:
+            return conn, self._hello_on(conn)
+        except BaseException:
+            sock.close(linger=0)
+            raise
 
-    def _hello_on(self, sock: zmq.Socket[bytes]) -> p.HelloReply:
+    def _release_sockets(self) -> None:
+        """Once the client is closed and no call holds a socket: close them all, end the
+        context. Runs once, on whichever thread gave the last socket back (or in close())."""
+        with self._pool_lock:
+            if self._released:
+                return
+            self._released = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.sock.close(linger=0)
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _hello_on(self, conn: _Conn) -> p.HelloReply:
         hello = p.Hello(
             protocol_version=p.PROTOCOL_VERSION,
             client_id=self.client_id,
@@ -310,20 +391,26 @@ class Client:
             pid=os.getpid(),  # the server fences our arena slots by this process
             token=self._token,
         )
-        reply, _ = self._call_on(sock, hello, timeout=self._hello_timeout)
-        assert isinstance(reply, p.HelloReply)
-        return reply
+        reply, _ = self._call_on(conn, hello, timeout=self._hello_timeout)
+        return reply_as(reply, p.HelloReply, "Hello")
 
     def _call(
-        self, msg: Any, payloads: Sequence[Any] = (), *, probe: bool = False
+        self,
+        msg: Any,
+        payloads: Sequence[Any] = (),
+        *,
+        probe: bool = False,
+        wait_s: float | None = None,
     ) -> tuple[p.Reply, list[zmq.Frame]]:
         """One request, re-joining a restarted server once; fails fast while it is unreachable.
 
         A request that timed out, or a heartbeat (`probe`) that did, marks the server
         unreachable: later requests raise NotConnectedError at once instead of each waiting out
-        the timeout, until a heartbeat gets an answer again.
+        the timeout, until a heartbeat gets an answer again. `wait_s`: a request the server
+        answers only once something ends (a lookup's loads); its silence for that long is no
+        sign of an unreachable server, and is raised as `_NoReply`.
         """
-        if self._closed:
+        if self._closing:
             raise NotConnectedError(
                 f"the client is closed: {type(msg).__name__} needs a new Client({self.address!r})"
             )
@@ -333,25 +420,39 @@ class Client:
                 f"{time.monotonic() - self._unreachable_since:.1f}s; failing fast until a "
                 "heartbeat gets through"
             )
-        timeout = min(self.timeout, _PROBE_TIMEOUT) if probe else self.timeout
-        sock = self._socket()
+        if wait_s is not None:
+            timeout = wait_s
+        else:
+            timeout = min(self.timeout, _PROBE_TIMEOUT) if probe else self.timeout
+        try:
+            conn = self._checkout()
+        except _NoReply as exc:  # a new socket's Hello went unanswered
+            self._unreachable_since = self._unreachable_since or time.monotonic()
+            raise NotConnectedError(exc.message) from None
+        broken = False
         try:
             try:
-                result = self._call_on(sock, msg, payloads, timeout)
+                result = self._call_on(conn, msg, payloads, timeout)
             except _Forgotten:
-                self._rejoin(sock)  # the server restarted: shake hands again, then retry once
-                result = self._call_on(sock, msg, payloads, timeout)
+                self._rejoin(conn)  # the server restarted: shake hands again, then retry once
+                result = self._call_on(conn, msg, payloads, timeout)
         except _NoReply as exc:
+            if wait_s is not None:
+                raise
             if self._unreachable_since is None:
                 self._unreachable_since = time.monotonic()
             raise NotConnectedError(exc.message) from None
-        except zmq.ZMQError as exc:  # the context went away under this call: close() ran
-            raise NotConnectedError(f"the client is closed ({exc})") from None
+        except zmq.ZMQError as exc:
+            broken = True
+            raise NotConnectedError(f"kvtier at {self.address}: socket failed ({exc})") from None
+        finally:
+            self._checkin(conn, broken=broken)
         self._unreachable_since = None
         return result
 
-    def _rejoin(self, sock: zmq.Socket[bytes]) -> None:
-        """Hello again on `sock`; if the server is a new one, map its arena and re-register.
+    def _rejoin(self, conn: _Conn, hello: p.HelloReply | None = None) -> None:
+        """Hello again on `conn` (or take the `hello` it just got); if the server is a new one,
+        map its arena and re-register.
 
         The old mapping is closed at once: a thread still copying through it holds its own
         reference, which keeps those pages mapped until the copy ends (its store's commit is then
@@ -359,7 +460,10 @@ class Client:
         mapped in a long-lived client.
         """
         with self._rejoin_lock:
-            hello = self._hello_on(sock)
+            if self._closing:  # a goodbye was said: never shake hands again
+                raise NotConnectedError(f"the client is closed: a new Client({self.address!r})")
+            if hello is None:
+                hello = self._hello_on(conn)
             if hello.server_id == self.server.server_id:
                 return  # another thread already re-joined this server
             logger.info("kvtier at %s restarted: re-joining", self.address)
@@ -370,24 +474,34 @@ class Client:
             if self._transfer != "inline":
                 self._attach_arena(self._transfer)
             for register in self._registrations.values():
-                self._call_on(sock, register)
+                self._call_on(conn, register)
 
     def _call_on(
         self,
-        sock: zmq.Socket[bytes],
+        conn: _Conn,
         msg: Any,
         payloads: Sequence[Any] = (),
         timeout: float | None = None,
     ) -> tuple[p.Reply, list[zmq.Frame]]:
+        """Send on `conn` and wait for the reply of the same sequence number; close() wakes
+        the wait (NotConnectedError), so no call outlives the client."""
         timeout = self.timeout if timeout is None else timeout
         if self._closed:
             raise NotConnectedError("the client is closed")
         seq = next(self._seq).to_bytes(8, "little")
+        sock = conn.sock
         sock.send_multipart([seq, _encode(msg), *payloads], copy=False)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
+            ready = conn.poller.poll(int(remaining * 1000) + 1) if remaining > 0 else []
+            if self._closed:
+                raise NotConnectedError(
+                    f"the client was closed while {type(msg).__name__} waited for its reply"
+                )
+            if not any(item is sock for item, _ in ready):
+                if remaining > 0 and time.monotonic() < deadline:
+                    continue
                 raise _NoReply(
                     f"no reply from kvtier at {self.address} within {timeout:g}s to "
                     f"{type(msg).__name__}: is `kvtier serve --address {self.address}` running?"
@@ -808,20 +922,37 @@ class Client:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Say goodbye and disconnect; idempotent. The server reclaims what this client holds."""
-        if self._closed:
-            return
+        """Say goodbye and disconnect; idempotent. The server reclaims what this client holds.
+
+        Safe while other threads are mid-call: they are woken and raise NotConnectedError, and
+        each socket is closed by the thread holding it (a ZMQ socket is never touched by two
+        threads at once), the last one ending the context.
+        """
+        with self._pool_lock:
+            if self._closing:
+                return
+            self._closing = True  # no new call from here on
         self._stop.set()
-        if self._heartbeat.is_alive() and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=2)
         if self._unreachable_since is None:
-            self._hello_timeout = _GOODBYE_TIMEOUT  # if this thread needs a socket first
+            self._hello_timeout = _GOODBYE_TIMEOUT  # if every socket is in use
             try:  # best effort: a server that does not hear it notices the missing heartbeats
-                self._call_on(self._socket(), p.Goodbye(), timeout=_GOODBYE_TIMEOUT)
+                conn = self._checkout(closing=True)
+                try:
+                    self._call_on(conn, p.Goodbye(), timeout=_GOODBYE_TIMEOUT)
+                finally:
+                    self._checkin(conn)
             except (KVTierError, zmq.ZMQError) as exc:
                 logger.debug("goodbye not answered: %s", exc)
-        self._closed = True
-        self._ctx.destroy(linger=0)
+        with self._pool_lock:
+            self._closed = True
+            os.write(self._wake_w, b"\0")  # every poll in flight returns, now and later
+            self._pool_changed.wait_for(lambda: self._busy == 0, timeout=_CLOSE_WAIT_S)
+            idle = self._busy == 0
+        if idle:
+            self._release_sockets()
+        # else: a call still holds its socket; the last one given back ends the context
+        if self._heartbeat.is_alive() and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=_CLOSE_WAIT_S)
         self._arena_bytes = None
         if self._arena is not None:
             self._arena.close()

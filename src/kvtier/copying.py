@@ -11,8 +11,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +21,7 @@ import numpy.typing as npt
 __all__ = ["copy_addresses", "copy_pairs", "copy_threads"]
 
 Bytes = npt.NDArray[np.uint8]
+T = TypeVar("T")
 
 #: below this many bytes in all, one thread copies (a pool round trip costs ~20-50 us)
 PARALLEL_MIN_BYTES = 4 << 20
@@ -46,6 +48,27 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _split(copy: Callable[[Sequence[T]], None], shares: list[Sequence[T]]) -> None:
+    """`copy` each share, the first on the caller's thread and the others on the pool.
+
+    Returns or raises only once no part runs any more: when one part fails, those not started
+    are cancelled and those running are waited for, so no pool thread writes into memory the
+    caller may already have given back (arena slots it aborts or releases on the error).
+    """
+    pool = _get_pool()
+    futures = [pool.submit(copy, share) for share in shares[1:] if share]
+    try:
+        copy(shares[0])  # the caller's thread takes a share too
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        for future in futures:
+            future.cancel()  # only those not started yet: the rest are waited for
+        wait(futures)
+    for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            future.result()  # raises the part's error
+
+
 def _copy_all(pieces: Sequence[tuple[Bytes, Bytes]]) -> None:
     for dst, src in pieces:
         np.copyto(dst, src)
@@ -64,12 +87,7 @@ def copy_pairs(pairs: Sequence[tuple[Bytes, Bytes]], *, threads: int | None = No
         for lo in range(0, n, PIECE_BYTES):
             hi = min(n, lo + PIECE_BYTES)
             pieces.append((dst[lo:hi], src[lo:hi]))
-    shares = [pieces[i::threads] for i in range(threads)]
-    pool = _get_pool()
-    futures = [pool.submit(_copy_all, share) for share in shares[1:] if share]
-    _copy_all(shares[0])  # the caller's thread takes a share too
-    for future in futures:
-        future.result()
+    _split(_copy_all, [pieces[i::threads] for i in range(threads)])
 
 
 def _memmove_all(copies: Sequence[tuple[int, int, int]]) -> None:
@@ -88,9 +106,4 @@ def copy_addresses(copies: Sequence[tuple[int, int, int]], *, threads: int | Non
     if threads <= 1 or total < PARALLEL_MIN_BYTES:
         _memmove_all(copies)
         return
-    shares = [copies[i::threads] for i in range(threads)]
-    pool = _get_pool()
-    futures = [pool.submit(_memmove_all, share) for share in shares[1:] if share]
-    _memmove_all(shares[0])
-    for future in futures:
-        future.result()
+    _split(_memmove_all, [copies[i::threads] for i in range(threads)])

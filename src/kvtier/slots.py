@@ -11,21 +11,43 @@ from __future__ import annotations
 
 import contextlib
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier import protocol as p
-from kvtier.errors import KVTierError
+from kvtier.errors import InternalError, KVTierError, NotConnectedError
 from kvtier.server.layouts import Layout
 
 if TYPE_CHECKING:
     from kvtier.client import Client
 
-__all__ = ["RetrievedSlots", "StoreSlots"]
+__all__ = ["RetrievedSlots", "StoreSlots", "reply_as"]
 
 Bytes = npt.NDArray[np.uint8]
+R = TypeVar("R", bound=p.Reply)
+
+
+def reply_as(reply: p.Reply, kind: type[R], request: str) -> R:
+    """`reply` as the reply type `request` gets; InternalError (a kvtier error, so the engine
+    adapters recompute) when the server answered with another."""
+    if not isinstance(reply, kind):
+        raise InternalError(
+            f"{request} was answered with {type(reply).__name__}, not {kind.__name__}: the "
+            "server at the other end does not speak this client's protocol"
+        )
+    return reply
+
+
+def _arena_gone(client: Client, request: str) -> NotConnectedError:
+    """The error of a request answered with arena slots this process no longer maps."""
+    if client._closing:
+        return NotConnectedError(f"the client was closed during {request}")
+    return NotConnectedError(
+        f"{request} re-joined a restarted kvtier whose arena this process cannot map: "
+        "nothing moved; retry (bytes now travel inline)"
+    )
 
 
 class StoreSlots:
@@ -62,10 +84,8 @@ class StoreSlots:
             ]
             self._targets = list(enumerate(self._inline))
             return
-        reply, _ = client._call(reserve(**fields))
-        assert isinstance(reply, p.ReserveReply)
-        arena = client._arena_bytes  # again: the call may have re-joined a restarted server
-        assert arena is not None
+        answer, _ = client._call(reserve(**fields))
+        reply = reply_as(answer, p.ReserveReply, reserve.__name__)
         self.chunk_nbytes = nbytes = reply.chunk_nbytes
         self._reservation_id = reply.reservation_id
         if not reply.reservation_id:  # nothing to write: stored already, or being stored
@@ -78,6 +98,12 @@ class StoreSlots:
             )
             self._stored_tokens = self.stored_chunks * client.chunk_size
             return
+        arena = client._arena_bytes  # again: the call may have re-joined a restarted server
+        if arena is None:  # ... whose arena is not mappable here, or close() ran meanwhile
+            self._done = True
+            with contextlib.suppress(KVTierError):
+                client._call(p.Abort(reply.reservation_id))
+            raise _arena_gone(client, reserve.__name__)
         self._targets = [
             (i, arena[offset : offset + nbytes])
             for i, offset in enumerate(reply.offsets)
@@ -106,9 +132,9 @@ class StoreSlots:
             reply, _ = client._call(self._store_inline(**self._fields), self._inline)
         else:
             reply, _ = client._call(p.Commit(self._reservation_id))
-        assert isinstance(reply, p.StoreReply)
-        self.stored_chunks = reply.stored_chunks
-        self._stored_tokens = reply.stored_chunks * client.chunk_size
+        stored = reply_as(reply, p.StoreReply, "Commit" if self._inline is None else "a store")
+        self.stored_chunks = stored.stored_chunks
+        self._stored_tokens = stored.stored_chunks * client.chunk_size
         return self._stored_tokens
 
     def abort(self) -> None:
@@ -155,8 +181,8 @@ class RetrievedSlots:
         """`retrieve`: the key-addressed request for chunks named by the caller."""
         self._client = client
         inline = client._arena_bytes is None
-        reply, frames = client._call(retrieve(**fields, inline=inline))
-        assert isinstance(reply, p.RetrieveReply)
+        answer, frames = client._call(retrieve(**fields, inline=inline))
+        reply = reply_as(answer, p.RetrieveReply, retrieve.__name__)
         self.num_chunks: int = reply.num_chunks
         self.chunk_nbytes: int = reply.chunk_nbytes
         self.num_tokens: int = reply.num_chunks * client.chunk_size
@@ -168,8 +194,13 @@ class RetrievedSlots:
             for view in views:
                 view.flags.writeable = False
         else:
-            arena = client._arena_bytes
-            assert arena is not None
+            arena = client._arena_bytes  # None: the call re-joined a server not mappable here
+            if arena is None:
+                self._done = True
+                if reply.lease_id:
+                    with contextlib.suppress(KVTierError):
+                        client._call(p.RetrieveDone(reply.lease_id))
+                raise _arena_gone(client, retrieve.__name__)
             nbytes = reply.chunk_nbytes
             for offset in reply.offsets:
                 view = arena[offset : offset + nbytes]

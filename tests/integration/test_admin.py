@@ -463,6 +463,7 @@ def test_health_503_while_a_critical_thread_is_stalled(tmp_path: Path) -> None:
     config = ServerConfig(
         address=[f"ipc://{tmp_path}/kvtier.sock"],
         l1_size=4 << 20,
+        l2=["none"],  # the default disk tier would leave a folder under ~/.cache per run
         arena_name=f"kvtier-admin-test-{os.getpid()}-{time.monotonic_ns()}",
         prefault=False,
         admin_port=0,

@@ -1,20 +1,27 @@
 """The client API connectors use, against real servers: a non-blocking lookup that loads from
-the disk tier, the slot API on both byte paths, lapsed leases, fail-fast connects and goodbye."""
+the disk tier (and one that waits on a stalled L2), the slot API on both byte paths (and across
+a restart to an arena it cannot map), lapsed leases, fail-fast connects and goodbye."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from kvtier import protocol as p
 from kvtier.client import Client, LookupHandle
 from kvtier.errors import InvalidArgumentError, LeaseExpiredError, NotConnectedError
+from kvtier.integrations.seam import Recompute
 
-from ..conftest import ServerProcess, free_port
+from ..conftest import ServerProcess, free_port, start_redis
+from .test_admin import metric_samples
 from .test_serve import CS, SHAPE, kv_for, status, wait_for
 from .test_tiers import written
 
@@ -173,3 +180,87 @@ def test_close_says_goodbye_and_the_log_tells_it_from_a_lost_client(
     lost._unreachable_since = time.monotonic()  # skip the goodbye: the server forgot it
     lost.close()
     assert f"client {polite.client_id} stopped heartbeating" not in server.output
+
+
+def _lookup_polls(server: ServerProcess) -> float:
+    """LookupPoll requests the server answered, from its /metrics."""
+    assert server.admin_url is not None
+    got = metric_samples(httpx.get(server.admin_url + "/metrics", timeout=5).text)
+    return got.get(("kvtier_requests_total", (("operation", "lookup"), ("step", "poll"))), 0.0)
+
+
+def test_result_waits_on_the_server_with_one_request_and_poll_never_waits(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    port = free_port()
+    stalled = start_redis(port)  # a real Redis that the test stops: each L2 read waits 2 s
+    try:
+        l2 = f"redis://127.0.0.1:{port}/0?prefix=kvtier-wait-{uuid.uuid4().hex[:8]}"
+        server = server_factory("--chunk-size", str(CS), "--l2", f"{l2}&timeout=2&cooldown=0")
+        tokens = list(range(6000, 6000 + 4 * CS))
+        with Client(server.address) as c:
+            c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+            stalled.send_signal(signal.SIGSTOP)
+            handle = c.lookup("r", tokens, model="m", wait=False)
+            t0 = time.monotonic()
+            assert handle.poll() is None  # still loading: poll answers at once
+            assert time.monotonic() - t0 < 1.0
+            assert handle.result(timeout=30) == 0  # the stalled L2 loaded nothing
+            assert time.monotonic() - t0 >= 1.0  # it waited for the loads to end
+            stalled.send_signal(signal.SIGCONT)  # /metrics asks the tier for its figures
+            assert _lookup_polls(server) == 2  # poll() and one waiting request: no polling
+            # a timeout bounds the wait, and leaves the client usable (not "unreachable")
+            stalled.send_signal(signal.SIGSTOP)
+            other = c.lookup("r2", tokens, model="m", wait=False)
+            t0 = time.monotonic()
+            with pytest.raises(NotConnectedError, match="still loading"):
+                other.result(timeout=0.3)
+            assert time.monotonic() - t0 < 1.5
+            c.release("r")
+            assert other.result(timeout=30) == 0
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+        stalled.kill()
+        stalled.wait()
+
+
+def _restart(old: ServerProcess, factory: Callable[..., ServerProcess]) -> ServerProcess:
+    """The server again at the same address, with its arena's name gone from /dev/shm: a
+    client on this machine can no longer map it (as when the new server runs in a container
+    with its own /dev/shm), so it moves bytes inline from its re-join on."""
+    old.stop()
+    new = factory("--chunk-size", str(CS), address=old.address)
+    segment = next(line for line in new.log if "/dev/shm/" in line)
+    os.unlink("/dev/shm/" + segment.split("/dev/shm/")[1].split(";")[0].strip())
+    return new
+
+
+def test_slots_that_rejoin_a_server_whose_arena_cannot_be_mapped_fail_typed(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    tokens = list(range(7000, 7000 + 2 * CS))
+    kv = kv_for(36, 2)
+    common = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16"}
+    first = server_factory("--chunk-size", str(CS), address=f"ipc://{tmp_path}/kvtier.sock")
+    # no heartbeats: the requests themselves meet each restarted server
+    with Client(first.address, heartbeat_interval=3600) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert c.transfer == "shm"
+        second = _restart(first, server_factory)
+        recompute = Recompute("test")  # what every engine adapter runs its kvtier calls under
+        assert recompute.call("store", -1, c.store, "w", tokens, kv, model="m") == -1
+        assert isinstance(recompute.last_error, NotConnectedError)
+        assert "cannot map" in recompute.last_error.message
+        assert c.transfer == "inline"
+        assert status(second)["l1"]["staging_shards"] == 0  # the reservation was given back
+        assert c.store("w", tokens, kv, model="m") == 2 * CS  # inline from now on
+        second.stop()
+        third = server_factory("--chunk-size", str(CS), address=first.address)
+        assert c.lookup("r", tokens, model="m") == 0  # re-joined: this arena maps again
+        assert c.transfer == "shm"
+        c.store("w", tokens, kv, model="m")
+        _restart(third, server_factory)
+        with pytest.raises(NotConnectedError, match="cannot map"):
+            c.retrieve_slots("r", tokens, end=2 * CS, **common)  # type: ignore[arg-type]
+        out = np.zeros_like(kv)
+        assert c.retrieve("r", tokens, out, model="m") == 0  # inline again; nothing stored here

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from kvtier.copying import PARALLEL_MIN_BYTES, copy_addresses, copy_pairs
+from kvtier import copying
+from kvtier.copying import PARALLEL_MIN_BYTES, PIECE_BYTES, copy_addresses, copy_pairs
 
 
 def _pieces(total: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
@@ -43,3 +46,82 @@ def test_copy_pairs_and_copy_addresses_agree(threads: int) -> None:
     base_dst, base_src = by_address.ctypes.data, src.ctypes.data
     copy_addresses([(base_dst + lo, base_src + lo, n) for lo, n in pieces], threads=threads)
     assert np.array_equal(dst, src) and np.array_equal(by_address, src)
+
+
+# -- a copy that fails ---------------------------------------------------------------------------
+
+
+def _occupy_pool() -> tuple[threading.Event, int]:
+    """Every thread of the copy pool busy until the returned gate opens (and their number)."""
+    pool = copying._get_pool()
+    workers: int = pool._max_workers  # type: ignore[attr-defined]
+    started = threading.Barrier(workers + 1)
+    gate = threading.Event()
+
+    def hold() -> None:
+        started.wait(10)
+        gate.wait(10)
+
+    for _ in range(workers):
+        pool.submit(hold)
+    started.wait(10)
+    return gate, workers
+
+
+def _drain_pool(workers: int) -> None:
+    """Return once every pool thread is free: all that was queued before has run."""
+    everyone = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        copying._get_pool().submit(everyone.wait, 10)
+    everyone.wait(10)
+
+
+def test_a_failed_copy_cancels_its_parts_that_did_not_start() -> None:
+    dst = np.zeros(2 * PIECE_BYTES, np.uint8)
+    src = np.full(2 * PIECE_BYTES, 7, np.uint8)
+    # pieces: 0 = the bad pair (the caller's share, first), 1 = dst[:4M] (the pool's share),
+    # 2 = dst[4M:] (the caller's, never reached)
+    pairs = [(np.zeros(10, np.uint8), np.zeros(20, np.uint8)), (dst, src)]
+    gate, workers = _occupy_pool()  # so the pool's share is still queued when the caller fails
+    try:
+        with pytest.raises(ValueError):
+            copy_pairs(pairs, threads=2)
+    finally:
+        gate.set()
+    _drain_pool(workers)
+    assert not dst.any(), "a part of the failed copy wrote after copy_pairs raised"
+
+
+def test_a_failed_copy_returns_only_after_its_running_parts_end() -> None:
+    n_a, n_b = 16 * PIECE_BYTES, 64 * PIECE_BYTES
+    dst_a, src_a = np.zeros(n_a, np.uint8), np.full(n_a, 3, np.uint8)
+    dst_b, src_b = np.zeros(n_b, np.uint8), np.full(n_b, 5, np.uint8)
+    # pieces 0-15 of a (even ones the caller's, odd ones the pool's), piece 16 the bad pair (the
+    # caller's: it fails after copying 8 pieces, while the pool copies), then b (the pool's
+    # share goes on with its odd pieces)
+    pairs = [(dst_a, src_a), (np.zeros(10, np.uint8), np.zeros(20, np.uint8)), (dst_b, src_b)]
+    with pytest.raises(ValueError):
+        copy_pairs(pairs, threads=2)
+    seen = dst_b.copy()
+    time.sleep(0.3)
+    assert np.array_equal(dst_b, seen), "a part of the failed copy wrote after copy_pairs raised"
+
+
+def test_a_part_that_fails_on_the_pool_is_raised_after_the_others_ended() -> None:
+    groups = 32
+    dst = np.zeros(groups * PIECE_BYTES, np.uint8)
+    src = np.full(groups * PIECE_BYTES, 9, np.uint8)
+    tiny_dst, tiny_src = np.zeros(groups, np.uint8), np.ones(groups, np.uint8)
+    pairs = []
+    for g in range(groups):  # one piece per pair; with 3 threads piece i goes to share i % 3
+        tiny = (tiny_dst[g : g + 1], tiny_src[g : g + 1])
+        pairs.append(tiny)  # share 0, the caller's: done at once
+        pairs.append((np.zeros(10, np.uint8), np.zeros(20, np.uint8)) if g == 0 else tiny)
+        pairs.append((dst[g * PIECE_BYTES : (g + 1) * PIECE_BYTES],
+                      src[g * PIECE_BYTES : (g + 1) * PIECE_BYTES]))  # fmt: skip
+    # share 1 fails on its first piece; share 2 copies 128 MiB meanwhile
+    with pytest.raises(ValueError):
+        copy_pairs(pairs, threads=3)
+    seen = dst.copy()
+    time.sleep(0.3)
+    assert np.array_equal(dst, seen), "a part of the failed copy wrote after copy_pairs raised"

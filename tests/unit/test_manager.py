@@ -9,12 +9,16 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 from typing_extensions import Buffer
 
+from kvtier import protocol as p
 from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
+from kvtier.periodic import PeriodicThreadRegistry
+from kvtier.server.app import build_engine
 from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.disk import DiskTier
 from kvtier.storage.tiers.redis import RedisTier
@@ -248,3 +252,59 @@ def test_queue_defaults_come_from_server_config(tmp_path: Path) -> None:
     mgr = TierManager([DiskTier(tmp_path, 0)])
     assert (mgr.queue_size, mgr.policy) == (config.l2_queue_size, config.l2_queue_policy)
     mgr.close()
+
+
+# -- the engine's writer --------------------------------------------------------------------------
+
+
+def _engine_config(tmp_path: Path, l2: list[str]) -> ServerConfig:
+    return ServerConfig(
+        address=[f"ipc://{tmp_path}/kvtier.sock"],
+        l1_size=1 << 20,
+        l2=l2,
+        chunk_size=16,
+        arena_name=f"kvtier-manager-test-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        prefault=False,
+    )
+
+
+def test_an_engine_from_build_engine_writes_its_stores_through(tmp_path: Path) -> None:
+    """build_engine opens the L2 tiers itself (no TierManager handed in): its writer runs, so
+    committed groups reach the disk tier and are evictable again once written."""
+    config = _engine_config(tmp_path, [f"disk://{tmp_path}/l2?size=16MiB"])
+    engine = build_engine(config, registry=PeriodicThreadRegistry(), start_threads=False)
+    try:
+        hello = p.Hello(p.PROTOCOL_VERSION, "c1", host_id=p.local_host_id(), pid=os.getpid())
+        assert isinstance(p.decode_reply(engine.call(b"me", p.encode(hello))[0]), p.HelloReply)
+        register = p.Register("m", 1, 0, [64], "uint8")
+        assert isinstance(p.decode_reply(engine.call(b"me", p.encode(register))[0]), p.Ok)
+        tokens = np.arange(4 * 16, dtype="<u4").tobytes()
+        store = p.StoreInline("r", tokens, "m", 1, 0, 0, 4 * 16, [64], "uint8", 4)
+        frames = engine.call(b"me", p.encode(store), [bytes([i]) * 64 for i in range(4)])
+        reply = p.decode_reply(frames[0])
+        assert isinstance(reply, p.StoreReply) and reply.stored_chunks == 4
+        assert engine.tiers.flush(timeout=10), "the L2 writer never wrote the queued stores"
+        summary = engine.tiers.summary()
+        assert (summary.written, summary.dropped, summary.tiers[0].objects) == (4, 0, 4)
+    finally:
+        engine.close()
+
+
+def test_build_engine_refuses_tiers_whose_writer_cannot_run(tmp_path: Path) -> None:
+    closed = TierManager([DiskTier(tmp_path / "l2", 0)])
+    closed.close()
+    config = _engine_config(tmp_path, ["none"])
+    try:
+        built = build_engine(config, tiers=closed, registry=PeriodicThreadRegistry())
+    except RuntimeError as exc:
+        assert "after close" in str(exc)
+    else:
+        built.close()
+        pytest.fail("build_engine took a closed TierManager, whose writer can never run")
+    assert not Path(f"/dev/shm/{config.arena_name}").exists()
+    running = TierManager([])
+    running.start()  # a server starts its tiers first: build_engine takes them as they run
+    engine = build_engine(config, tiers=running, registry=PeriodicThreadRegistry())
+    assert engine.tiers.running
+    engine.close()
+    assert not running.running

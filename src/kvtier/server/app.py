@@ -77,12 +77,25 @@ def build_engine(
     auth: Authenticator | None = None,
 ) -> Engine:
     """Build every part of the engine and hand them over; `start_threads` False leaves out the
-    lease reaper and session expiry threads (tests drive `reap()` and expiry by hand)."""
+    lease reaper and session expiry threads (tests drive `reap()` and expiry by hand).
+
+    The L2 writer runs in every engine this returns (started here unless `tiers` runs it
+    already): a committed group stays unevictable until its write ends, so an engine whose
+    writer never ran would hold its first `--l2-queue-size` groups for good.
+    """
     registry = registry or PeriodicThreadRegistry.get_instance()
     arena_name = config.arena_name or default_arena_name(config.address[0])
+    built_tiers = tiers is None  # closed here when the build fails; else the caller's
     tiers = tiers if tiers is not None else build_tiers(config, arena_name)
     hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
-    arena = Arena.create(arena_name, config.l1_size, prefault=config.prefault)
+    try:
+        if not tiers.running:
+            tiers.start()  # RuntimeError for a closed TierManager: no engine without a writer
+        arena = Arena.create(arena_name, config.l1_size, prefault=config.prefault)
+    except BaseException:
+        if built_tiers:
+            tiers.close()
+        raise
     try:
         l1 = L1Store(arena.size, clock=clock)
         lock = TimedLock()
@@ -118,6 +131,8 @@ def build_engine(
         engine = Engine(config, parts, clock=clock)
     except BaseException:  # a server that fails at start leaves no segment in /dev/shm
         arena.close()
+        if built_tiers:
+            tiers.close()
         raise
     if start_threads:
         engine.threads.append(

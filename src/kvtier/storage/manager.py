@@ -98,6 +98,11 @@ class TierManager:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    @property
+    def running(self) -> bool:
+        """Whether the background writer was started and the manager is not closed."""
+        return self._thread is not None and not self._closed
+
     def start(self) -> None:
         """Start the background writer; raises RuntimeError when started before or closed."""
         if self._thread is not None or self._closed:
