@@ -23,7 +23,6 @@ __all__ = [
     "Authenticator",
     "Credential",
     "is_local_address",
-    "scoped",
 ]
 
 
@@ -43,11 +42,6 @@ class Credential:
 
 
 ANONYMOUS = Credential("")
-
-
-def scoped(tenant: str, name: str) -> str:
-    """`name` inside `tenant`'s namespace; the anonymous tenant keeps names as they are."""
-    return f"{tenant}\x00{name}" if tenant else name
 
 
 class Authenticator:

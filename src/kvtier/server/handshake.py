@@ -13,7 +13,8 @@ from kvtier import protocol as p
 from kvtier._version import __version__
 from kvtier.errors import HashContractError, NoSpaceError, ProtocolVersionError
 from kvtier.hashing import TokenHasher
-from kvtier.server.auth import Authenticator, scoped
+from kvtier.server import tenants
+from kvtier.server.auth import Authenticator
 from kvtier.server.fencing import watch_process
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Peer
@@ -91,7 +92,7 @@ class Handshake:
         # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
         # the same model name first cannot lock this tenant's workers out.
         layout = self.layouts.register(
-            scoped(client.tenant, req.model),
+            tenants.scoped_model(client, req.model),
             req.world_size,
             req.worker_id,
             req.chunk_shape,
