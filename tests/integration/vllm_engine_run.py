@@ -3,6 +3,10 @@ JSON (tokens, logprobs, num_cached_tokens, seconds to the first token). With `--
 engine runs with KVTierConnector. Used by test_vllm_engine.py and benchmarks/bench_vllm.py.
 
     python tests/integration/vllm_engine_run.py MODEL_DIR PROMPTS.json [--address ADDR]
+        [--lora NAME=PATH ...]
+
+A prompt is a list of token ids, or {"prompt": [ids], "lora": NAME} for a request with one of
+the `--lora` adapters (which start the engine with LoRA enabled).
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=1, help="run the prompts this often")
     parser.add_argument("--warmup", action="store_true", help="first run a short other prompt")
+    parser.add_argument(
+        "--lora", action="append", default=[], help="NAME=PATH: a LoRA adapter (repeatable)"
+    )
+    parser.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config")
     args = parser.parse_args()
 
     import logging
@@ -39,6 +47,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    adapters = {}
+    for i, spec in enumerate(args.lora, start=1):
+        name, path = spec.split("=", 1)
+        adapters[name] = LoRARequest(name, i, path)
+    lora_args = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8} if adapters else {}
 
     kv_transfer = None
     if args.address:
@@ -46,7 +61,7 @@ def main() -> None:
             kv_connector="KVTierConnector",
             kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"address": args.address},
+            kv_connector_extra_config={"address": args.address, **json.loads(args.extra)},
             kv_load_failure_policy="recompute",
         )
     elif args.offload:
@@ -67,6 +82,7 @@ def main() -> None:
         kv_transfer_config=kv_transfer,
         distributed_executor_backend="uni",
         seed=0,
+        **lora_args,
     )
     startup = time.perf_counter() - t0
     prompts = json.loads(Path(args.prompts).read_text())
@@ -90,14 +106,23 @@ def main() -> None:
         fresh_prefix_cache()
     runs = []
     for _ in range(args.repeat):
-        for prompt in prompts:
+        for item in prompts:
+            prompt, lora = (
+                (item["prompt"], item.get("lora")) if isinstance(item, dict) else (item, None)
+            )
             t = time.perf_counter()
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            (out,) = llm.generate(
+                [TokensPrompt(prompt_token_ids=prompt)],
+                params,
+                use_tqdm=False,
+                lora_request=adapters[lora] if lora else None,
+            )
             elapsed = time.perf_counter() - t  # with --max-tokens 1: time to first token
             fresh_prefix_cache()  # a repeat must not hit vLLM's own prefix cache
             completion = out.outputs[0]
             runs.append(
                 {
+                    "lora": lora,
                     "seconds": elapsed,
                     "num_cached_tokens": out.num_cached_tokens,
                     "tokens": list(completion.token_ids),

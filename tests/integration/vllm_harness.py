@@ -73,6 +73,44 @@ def write_tiny_llama(
     return path
 
 
+def write_lora_adapter(
+    path: Path, model_dir: Path, *, seed: int, rank: int = 8, std: float = 0.2
+) -> Path:
+    """A random LoRA adapter on the attention's q and v projections of the model in
+    `model_dir`, written as PEFT writes one (adapter_config.json + adapter_model.safetensors).
+    Its B matrices are not zero (PEFT starts them at zero), so it changes the model's answers."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden = int(cfg["hidden_size"])
+    head = hidden // int(cfg["num_attention_heads"])
+    outs = {"q_proj": hidden, "v_proj": int(cfg["num_key_value_heads"]) * head}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(int(cfg["num_hidden_layers"])):
+        for proj, out in outs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * std
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * std
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(outs),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
 def vllm_config(
     model_dir: Path,
     *,

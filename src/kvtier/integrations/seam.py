@@ -10,13 +10,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 from kvtier.client import Client
 from kvtier.errors import InvalidArgumentError, KVTierError, NotConnectedError
 
-__all__ = ["LazyClient", "Recompute", "agree_min", "check_chunk_blocks", "head_range"]
+__all__ = [
+    "LazyClient",
+    "Recompute",
+    "agree_min",
+    "check_chunk_blocks",
+    "credential",
+    "head_range",
+    "refuse_unknown_keys",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,54 @@ def check_chunk_blocks(chunk_size: int, block_size: int, knob: str) -> int:
             f"multiple of the engine's block size ({block_size} tokens, {knob}): change one"
         )
     return chunk_size // block_size
+
+
+def refuse_unknown_keys(
+    settings: Mapping[str, object],
+    known: Mapping[str, str],
+    what: str,
+    error: type[Exception] = InvalidArgumentError,
+) -> None:
+    """An adapter's config keys are a table: a key not in it (a typo) is refused with the list
+    of valid ones, never ignored. `error` is what the engine stops on at start."""
+    unknown = sorted(str(k) for k in set(settings) - set(known))
+    if unknown:
+        valid = "; ".join(f"{k}: {v}" for k, v in known.items())
+        raise error(f"{what} has unknown key(s) {unknown}; it takes {valid}")
+
+
+#: the credential keys every adapter's config takes
+CREDENTIAL_KEYS = {
+    "token": "the credential for a server started with --auth-tokens-file",
+    "token_file": "a file holding that credential (its first line; instead of `token`)",
+}
+
+
+def credential(settings: Mapping[str, object], what: str) -> str:
+    """The credential from `token` or `token_file` (one of them at most); "" when neither.
+
+    A file is read once, at start; its first line is the credential, surrounding blanks
+    aside, so a file written with `echo` works.
+    """
+    token, token_file = settings.get("token"), settings.get("token_file")
+    if token and token_file:
+        raise InvalidArgumentError(
+            f"{what}: give `token` or `token_file`, not both (token_file={token_file!r})"
+        )
+    if token_file:
+        try:
+            with open(str(token_file), encoding="utf-8") as f:
+                value = f.readline().strip()
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"{what}: token_file={token_file!r} cannot be read: {exc.strerror}"
+            ) from None
+        if not value:
+            raise InvalidArgumentError(f"{what}: token_file={token_file!r} holds no credential")
+        return value
+    if token is not None and not isinstance(token, str):
+        raise InvalidArgumentError(f"{what}: token must be a string, got {type(token).__name__}")
+    return token or ""
 
 
 class Recompute:
@@ -108,9 +164,11 @@ class LazyClient:
         timeout: float,
         on_connect: Callable[[Client], None] | None = None,
         retry_s: float = 5.0,
+        token: str = "",
     ) -> None:
         self.address = address
         self.timeout = timeout
+        self._token = token
         self.on_connect = on_connect
         self.retry_s = retry_s
         self._client: Client | None = None
@@ -132,7 +190,7 @@ class LazyClient:
                     f"{self._next_try - now:.1f}s"
                 )
             self._next_try = now + self.retry_s
-            client = Client(self.address, timeout=self.timeout)
+            client = Client(self.address, timeout=self.timeout, token=self._token)
             try:
                 if self.on_connect is not None:
                     self.on_connect(client)

@@ -21,15 +21,14 @@ Launch (see README "Use with SGLang"):
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
     '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
       "class_name": "KVTierHiCacheStorage", "interface_v1": 1, "address": "ipc:///tmp/kvtier.sock"}'
-Extra config keys read here: `address`, `model` (defaults to SGLang's model name),
-`cache_salt`, `timeout` (seconds per request, default 5), `retry_interval` (seconds between
-connection attempts while the server is unreachable, default 5), `transfer` (auto|shm|inline).
+The extra config keys are `EXTRA_CONFIG_KEYS`; any other key is refused at start.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -48,10 +47,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.client import Client, Transfer
 from kvtier.copying import copy_addresses
-from kvtier.errors import BadArrayError, KVTierError, LayoutMismatchError
+from kvtier.errors import BadArrayError, InvalidArgumentError, KVTierError, LayoutMismatchError
+from kvtier.integrations.fingerprint import model_identity
+from kvtier.integrations.seam import CREDENTIAL_KEYS, credential, refuse_unknown_keys
 from kvtier.server.layouts import DTYPE_SIZES
 
-__all__ = ["KVTierHiCacheStorage", "PageGeometry"]
+__all__ = ["EXTRA_CONFIG_KEYS", "KVTierHiCacheStorage", "PageGeometry"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,28 @@ _FAILURES = (KVTierError, zmq.ZMQError, OSError)
 _MISFITS = (ValueError, BadArrayError, LayoutMismatchError)
 
 Bytes = npt.NDArray[np.uint8]
+
+#: the keys `--hicache-storage-backend-extra-config` may hold, with what each means
+EXTRA_CONFIG_KEYS = {
+    "backend_name": 'SGLang\'s name for the dynamic backend ("kvtier")',
+    "module_path": "read by SGLang: kvtier.integrations.sglang",
+    "class_name": "read by SGLang: KVTierHiCacheStorage",
+    "interface_v1": "1: copy straight between the host pool and kvtier's arena (default 0)",
+    "address": "the `kvtier serve --address` to talk to (default ipc:///tmp/kvtier.sock)",
+    "model": "kvtier's namespace for this model's KV (default: SGLang's model, a fingerprint "
+    "of its weights, host layout, dtype, path)",
+    "cache_salt": "a namespace within the model's (default none)",
+    "timeout": "seconds per request (default 5)",
+    "retry_interval": "seconds between connection attempts while the server is away (default 5)",
+    "transfer": "auto | shm | inline (default auto)",
+    **CREDENTIAL_KEYS,
+    # SGLang's own keys; it removes them before the backend is built, this is in case not
+    "prefetch_threshold": "read by SGLang",
+    "prefetch_timeout_base": "read by SGLang",
+    "prefetch_timeout_per_ki_token": "read by SGLang",
+    "hicache_storage_pass_prefix_keys": "read by SGLang",
+    "tp_lcm_size": "read by SGLang",
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +119,16 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
     ) -> None:
         settings: dict[str, Any] = {**(storage_config.extra_config or {}), **(kwargs or {})}
+        refuse_unknown_keys(
+            settings,
+            EXTRA_CONFIG_KEYS,
+            "--hicache-storage-backend-extra-config for the kvtier backend",
+            ValueError,
+        )
+        try:
+            self.token = credential(settings, "--hicache-storage-backend-extra-config")
+        except InvalidArgumentError as exc:
+            raise ValueError(str(exc)) from None
         if storage_config.should_split_heads or storage_config.dcp_size > 1:
             raise ValueError(
                 "the kvtier HiCache backend does not support split-head (heterogeneous TP) or "
@@ -104,6 +137,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
         self.storage_config = storage_config
         self.address = str(settings.get("address", "ipc:///tmp/kvtier.sock"))
+        self.explicit_model = bool(settings.get("model"))
         self.model_name = str(settings.get("model") or storage_config.model_name or "sglang")
         self.cache_salt = str(settings.get("cache_salt", ""))
         self.timeout = float(settings.get("timeout", 5.0))
@@ -160,8 +194,19 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         shape, label = _layout_of(element_sizes, dtype)
         pp = self.storage_config.pp_size
         stage = f" pp{self.storage_config.pp_rank}/{pp}" if pp > 1 else ""
-        model = f"{self.model_name} [sglang {pool.layout} {dtype} {path}{stage}]"
+        weights = "" if self.explicit_model else f" {self._weights(pool)}"
+        model = f"{self.model_name} [sglang{weights} {pool.layout} {dtype} {path}{stage}]"
         return PageGeometry(page_size, element_sizes, shape, label, model)
+
+    def _weights(self, pool: Any) -> str:
+        """The fingerprint of the weights behind SGLang's model name (`fingerprint.py`), so KV
+        of other weights saved at the same path is never read. SGLang may have appended its
+        host pool's format tag to the name; the path is the name without it."""
+        path = self.model_name
+        tag = getattr(pool, "storage_format_tag", None)
+        if tag and path.endswith(f"-{tag}") and not os.path.isdir(path):
+            path = path[: -len(tag) - 1]
+        return model_identity(path, _sglang_revision()).label
 
     def _check_and_register(self, client: Client) -> None:
         geometry = self.geometry
@@ -196,6 +241,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     timeout=self.timeout,
                     connect_timeout=min(self.timeout, 2.0),
                     transfer=self.transfer,
+                    token=self.token,
                 )
             except _FAILURES as exc:
                 self._fail("connect", exc)
@@ -428,6 +474,17 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _sglang_revision() -> str | None:
+    """The `--revision` SGLang was launched with, when it runs in a launched server."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        revision = getattr(get_server_args(), "revision", None)
+    except Exception:  # no launched server (a test, a benchmark), or another SGLang
+        return None
+    return None if revision is None else str(revision)
 
 
 def _flat_bytes(tensor: torch.Tensor, nbytes: int) -> int | None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import InvalidArgumentError
+from kvtier.integrations.fingerprint import model_identity
+from kvtier.integrations.seam import CREDENTIAL_KEYS, credential, refuse_unknown_keys
 
 DEFAULT_ADDRESS = "ipc:///tmp/kvtier.sock"
 DEFAULT_TIMEOUT_S = 5.0
@@ -14,9 +16,11 @@ DEFAULT_TIMEOUT_S = 5.0
 #: the keys `kv_connector_extra_config` may hold, with what each means
 EXTRA_CONFIG_KEYS = {
     "address": f"the `kvtier serve --address` to talk to (default {DEFAULT_ADDRESS})",
-    "model": "kvtier's namespace for this model's KV (default: vLLM's model, KV dtype, block size)",
+    "model": "kvtier's namespace for this model's KV (default: vLLM's model, a fingerprint of "
+    "its weights, dtypes, block size)",
     "timeout": f"seconds a kvtier call may take before it counts as failed (default "
     f"{DEFAULT_TIMEOUT_S:g})",
+    **CREDENTIAL_KEYS,
 }
 
 
@@ -27,6 +31,7 @@ class ConnectorConfig:
     address: str
     model: str
     timeout: float
+    token: str  # the credential for a server with --auth-tokens-file ("" for none)
     block_size: int
     world_size: int  # tensor-parallel size: the ranks a chunk is split over
     layer_names: tuple[str, ...]  # the full-attention layers, in the model's order
@@ -35,13 +40,12 @@ class ConnectorConfig:
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> ConnectorConfig:
         """Reads and checks the settings; raises InvalidArgumentError naming the knob."""
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-        if unknown:
-            known = "; ".join(f"{k}: {v}" for k, v in EXTRA_CONFIG_KEYS.items())
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config has unknown key(s) {unknown} for KVTierConnector; "
-                f"it takes {known}. (cache_salt comes from each request.)"
-            )
+        refuse_unknown_keys(
+            extra,
+            EXTRA_CONFIG_KEYS,
+            "kv_connector_extra_config for KVTierConnector (cache_salt comes from each request)",
+        )
+        token = credential(extra, "kv_connector_extra_config")
         parallel = vllm_config.parallel_config
         if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
             raise InvalidArgumentError(
@@ -60,6 +64,7 @@ class ConnectorConfig:
             address=str(extra.get("address", DEFAULT_ADDRESS)),
             model=str(model),
             timeout=timeout,
+            token=token,
             block_size=block_size,
             world_size=int(parallel.tensor_parallel_size),
             layer_names=layer_names,
@@ -67,13 +72,22 @@ class ConnectorConfig:
 
 
 def default_model_name(vllm_config: Any, block_size: int) -> str:
-    """`vllm:<model>:<kv dtype>:b<block size>`: a chunk's bytes are whole vLLM pages in that
-    dtype, so engines that differ in any of these never share chunks."""
-    cache = vllm_config.cache_config
-    dtype = cache.cache_dtype
-    if dtype in (None, "auto"):
-        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-    return f"vllm:{vllm_config.model_config.model}:{dtype}:b{block_size}"
+    """`vllm:<model>:<weights>:<dtype>[/kv<kv dtype>][:q<quantization>]:b<block size>`.
+
+    A chunk's bytes are whole vLLM pages of KV computed by these weights in these dtypes, so
+    engines that differ in any of them never share chunks. `<weights>` is the checkpoint's
+    fingerprint (`fingerprint.model_identity`): new weights saved at the same path get a new
+    name, and the old weights' KV (kept by the disk tier across restarts) is never read.
+    """
+    model_config = vllm_config.model_config
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    kv_dtype = vllm_config.cache_config.cache_dtype
+    if kv_dtype not in (None, "auto"):
+        dtype = f"{dtype}/kv{kv_dtype}"
+    quantization = getattr(model_config, "quantization", None)
+    quant = f":q{quantization}" if quantization else ""
+    weights = model_identity(str(model_config.model), getattr(model_config, "revision", None))
+    return f"vllm:{model_config.model}:{weights.label}:{dtype}{quant}:b{block_size}"
 
 
 def check_kv_cache_groups(kv_cache_config: Any) -> tuple[str, ...]:

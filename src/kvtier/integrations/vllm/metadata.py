@@ -22,6 +22,7 @@ class Transfer:
     kv_request_id: str  # the request's name in kvtier (unique across engines)
     tokens: bytes  # the request's token ids up to chunk_end, packed '<u4'
     cache_salt: str
+    extra_key: bytes  # the request's other KV-changing inputs (inputs.py); b"" for none
     chunk_start: int  # first token of the first chunk involved
     chunk_end: int  # end of the last chunk involved
     start: int  # first token copied (>= chunk_start)

@@ -15,6 +15,7 @@ from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.inputs import AdapterFingerprints, request_extra_key
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ class _Request:
     request: Any  # vllm.v1.request.Request
     kv_request_id: str
     recompute: Recompute
+    #: the request's other KV-changing inputs (inputs.py); None: not to be cached
+    extra_key: bytes | None
     lookup: LookupHandle | None = None
     lookup_round: int = -1  # request.num_preemptions when `lookup` was made
     hit: int = 0  # tokens kvtier holds, block-aligned and short of the last token
@@ -48,8 +51,11 @@ class SchedulerSide:
         self._tag = uuid.uuid4().hex[:12]  # vLLM request ids repeat across engines
         self._requests: dict[str, _Request] = {}
         self._finished_pending: dict[str, _Request] = {}  # blocks held until saves finish
+        self._adapters = AdapterFingerprints()
         self.chunk_size = 0
-        self.client = LazyClient(config.address, timeout=config.timeout, on_connect=self._check)
+        self.client = LazyClient(
+            config.address, timeout=config.timeout, on_connect=self._check, token=config.token
+        )
         self.client.try_connect("KVTierConnector scheduler")
 
     def _check(self, client: Client) -> None:
@@ -71,6 +77,8 @@ class SchedulerSide:
             state.lookup_round = request.num_preemptions
             state.lookup, state.hit = None, 0
             state.recompute.reset()
+            if not self._cacheable(state):
+                return 0, False
             client = self.client.try_connect("KVTierConnector scheduler")
             if client is None:
                 return 0, False
@@ -127,6 +135,8 @@ class SchedulerSide:
                 state.load = None
             if not self.chunk_size or state.recompute.last_error is not None:
                 continue  # kvtier never answered, or failed this request: no saves
+            if not self._cacheable(state):
+                continue
             request = state.request
             computed = request.num_computed_tokens + num_new  # once this step has run
             end = min(computed, request.num_tokens) // self.chunk_size * self.chunk_size
@@ -176,9 +186,19 @@ class SchedulerSide:
                 request,
                 f"vllm-{self._tag}-{request.request_id}",
                 Recompute(f"KVTierConnector request {request.request_id}"),
+                request_extra_key(request, self._adapters),
             )
             self._requests[request.request_id] = state
         return state
+
+    @staticmethod
+    def _cacheable(state: _Request) -> bool:
+        """Only requests whose every KV-changing input is named are looked up and saved.
+
+        Until the client carries the extra key, that is plain token prompts only: a request
+        with an adapter, images or embeddings is computed by vLLM alone.
+        """
+        return state.extra_key == b""
 
     def _block_ids(self, req_id: str) -> list[int]:
         assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
@@ -193,6 +213,7 @@ class SchedulerSide:
             kv_request_id=state.kv_request_id,
             tokens=_tokens(state.request.all_token_ids, chunk_end),
             cache_salt=state.request.cache_salt or "",
+            extra_key=state.extra_key or b"",
             chunk_start=chunk_start,
             chunk_end=chunk_end,
             start=start,

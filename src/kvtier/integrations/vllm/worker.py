@@ -51,7 +51,9 @@ class WorkerSide:
         self._saver.start()
         self._closed = False
         atexit.register(self.shutdown)
-        self.client = LazyClient(config.address, timeout=config.timeout, on_connect=self._setup)
+        self.client = LazyClient(
+            config.address, timeout=config.timeout, on_connect=self._setup, token=config.token
+        )
 
     # -- registration ----------------------------------------------------------------------------
 
