@@ -1,6 +1,7 @@
-"""One contract, every L2 tier: disk, Redis, Redis Cluster. A new tier costs a module, a row in
-`TIER_SCHEMES` and a fixture row here (`_open`); tier-specific behaviour is tested in
-tests/unit/test_tier_<kind>.py and tests/integration/test_tier_cluster.py."""
+"""One contract, every L2 tier: disk, Redis, Redis Cluster, Mooncake Store. A new tier costs a
+module, a row in `TIER_SCHEMES` and a fixture row here (`_open`); tier-specific behaviour is
+tested in tests/unit/test_tier_<kind>.py, tests/integration/test_tier_cluster.py and
+tests/integration/test_tier_mooncake.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvtier.storage.tiers import L2Tier, TierStats, open_tier
 from kvtier.storage.tiers.redis import RespTier
 
 from ..conftest import REDIS_HINT
+from .mooncake_pool import MooncakeMaster, mooncake_master  # noqa: F401 (a fixture)
 from .redis_cluster import RedisCluster
 
 LAYOUT = "float16[4,2,16]"
@@ -59,7 +61,7 @@ def _redis_flipper(
     return flip
 
 
-@pytest.fixture(params=["disk", "redis", "redis+cluster"])
+@pytest.fixture(params=["disk", "redis", "redis+cluster", "mooncake"])
 def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
     prefix = f"kvtier-contract-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if request.param == "disk":
@@ -87,6 +89,26 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
         tier = open_tier(f"redis://127.0.0.1:6379/0?prefix={prefix}")
         assert isinstance(tier, RespTier)
         yield Case(tier, _redis_flipper(tier, lambda name: plain))
+        tier.clear()
+        tier.close()
+        return
+    if request.param == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        tier = open_tier(master.url(prefix=prefix.replace(".", "-"), segment="64MiB"))
+        from kvtier.storage.tiers.mooncake import MooncakeTier
+
+        assert isinstance(tier, MooncakeTier)
+        pool = tier
+
+        def flip_pooled(k: ObjectKey) -> None:
+            # the pool keeps an existing object on a put: remove it, then store the damaged copy
+            name = pool.name_of(k)
+            value = bytearray(pool._store.get(name))
+            value[-1] ^= 0xFF
+            assert pool._store.remove(name, force=True) == 0
+            assert pool._store.put(name, bytes(value)) == 0
+
+        yield Case(tier, flip_pooled)
         tier.clear()
         tier.close()
         return

@@ -42,7 +42,7 @@ from kvtier.storage.arena import Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher
-from kvtier.storage.tiers.base import open_tier
+from kvtier.storage.tiers.base import RegistersMemory, open_tier
 
 __all__ = ["KVTierServer", "build_engine", "build_tiers"]
 
@@ -97,6 +97,9 @@ def build_engine(
             tiers.close()
         raise
     try:
+        for tier in tiers.tiers:  # Mooncake moves bytes in place between slots and its pool
+            if isinstance(tier, RegistersMemory):
+                tier.register_memory(arena.buffer)
         l1 = L1Store(arena.size, clock=clock)
         lock = TimedLock()
         sessions = SessionManager(

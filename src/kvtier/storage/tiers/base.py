@@ -57,7 +57,7 @@ class TierStats(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     name: str
-    kind: str  # "disk", "redis", "redis+cluster"
+    kind: str  # "disk", "redis", "redis+cluster", "mooncake"
     url: str  # the tier's URL with any password replaced by "***"
     healthy: bool
     last_error: str
@@ -130,6 +130,15 @@ class L2Tier(Protocol):
         ...
 
 
+@runtime_checkable
+class RegistersMemory(Protocol):
+    """A tier whose transfers need memory registered with it (Mooncake's transfer engine):
+    the server hands it the arena once, and its batch reads and writes then move bytes between
+    L1 slots and the backend in place."""
+
+    def register_memory(self, buffer: memoryview) -> None: ...
+
+
 def _open_disk(url: str) -> L2Tier:
     from kvtier.storage.tiers.disk import DiskTier
 
@@ -148,6 +157,12 @@ def _open_redis_cluster(url: str) -> L2Tier:
     return RedisClusterTier.from_url(url)
 
 
+def _open_mooncake(url: str) -> L2Tier:
+    from kvtier.storage.tiers.mooncake import MooncakeTier
+
+    return MooncakeTier.from_url(url)
+
+
 #: URL scheme -> tier factory; a new tier costs a module and a row here
 TIER_SCHEMES: dict[str, Callable[[str], L2Tier]] = {
     "disk": _open_disk,
@@ -159,6 +174,7 @@ TIER_SCHEMES: dict[str, Callable[[str], L2Tier]] = {
     "rediss+cluster": _open_redis_cluster,
     "valkey+cluster": _open_redis_cluster,
     "valkeys+cluster": _open_redis_cluster,
+    "mooncake": _open_mooncake,
 }
 
 

@@ -1,0 +1,145 @@
+"""A real Mooncake Store master on free loopback ports for the tests, with its HTTP metadata
+server, and the fixtures that start one: `mooncake_master` (shared by the session) and
+`private_mooncake` (one per test, for tests that kill, restart or fill it).
+
+`--client_ttl=2` makes a dead client's segment (and the objects in it) go in about 1.6 s.
+The transfer engine's own ports stay in a window of this test run (`MC_MIN_RPC_PORT`,
+`MC_MAX_RPC_PORT`), inherited by the `kvtier serve` processes the tests start.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+HINT = (
+    "the Mooncake tests need mooncake_master and Mooncake's client: pip install "
+    "'kvtier[mooncake]' (make install-test does) and apt-get install libibverbs1 (make browser)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def master_binary() -> str:
+    """mooncake_master beside this interpreter (the virtualenv's bin), else on PATH."""
+    beside = Path(sys.executable).parent / "mooncake_master"
+    exe = str(beside) if beside.exists() else shutil.which("mooncake_master")
+    if exe is None:
+        pytest.fail(HINT, pytrace=False)
+    return exe
+
+
+def _pick_transfer_ports() -> None:
+    if "MC_MIN_RPC_PORT" not in os.environ:
+        low = random.randrange(31000, 39000, 200)
+        os.environ["MC_MIN_RPC_PORT"] = str(low)
+        os.environ["MC_MAX_RPC_PORT"] = str(low + 199)
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+
+@dataclass
+class MooncakeMaster:
+    """One mooncake_master process; `url(...)` is a tier URL for it."""
+
+    rpc_port: int = field(default_factory=_free_port)
+    metadata_port: int = field(default_factory=_free_port)
+    metrics_port: int = field(default_factory=_free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, **options: str) -> str:
+        query = {
+            "metadata": f"http://127.0.0.1:{self.metadata_port}/metadata",
+            "metrics": f"http://127.0.0.1:{self.metrics_port}",
+            "host": "127.0.0.1",
+            **options,
+        }
+        q = "&".join(f"{k}={v}" for k, v in query.items())
+        return f"mooncake://127.0.0.1:{self.rpc_port}/?{q}"
+
+    def start(self, timeout: float = 20.0) -> None:
+        _pick_transfer_ports()
+        self.proc = subprocess.Popen(
+            [
+                master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.metadata_port}",
+                "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+                "--client_ttl=2", "--default_kv_lease_ttl=500",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
+            try:
+                url = f"http://127.0.0.1:{self.metrics_port}/health"
+                with urllib.request.urlopen(url, timeout=1) as reply:
+                    if b"service_ready" in reply.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"mooncake_master not ready after {timeout} s")
+
+    def kill(self) -> None:
+        """SIGKILL the master (a lost machine); `start()` brings it back on the same ports."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def figures(self) -> dict[str, float]:
+        """The master's Prometheus gauges and counters (no labels), by name."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            text = reply.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name and not name.startswith("#") and "{" not in name:
+                out[name] = float(value)
+        return out
+
+
+def _started() -> MooncakeMaster:
+    master = MooncakeMaster()
+    try:
+        master.start()
+    except (RuntimeError, OSError) as exc:
+        pytest.fail(f"cannot start mooncake_master: {exc}; {HINT}", pytrace=False)
+    return master
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    """One master for the session (tests use their own prefixes)."""
+    master = _started()
+    yield master
+    master.kill()
+
+
+@pytest.fixture
+def private_mooncake() -> Iterator[MooncakeMaster]:
+    """A master of this test alone: its pool holds only this test's segments."""
+    master = _started()
+    yield master
+    master.kill()
