@@ -97,7 +97,7 @@ class ServerProcess:
         left behind: a test machine must not fill /dev/shm run after run."""
         self.stop()
         for line in self.log:
-            if "/dev/shm/" in line:
+            if line.startswith("kvtier: L1 ") and "/dev/shm/" in line:
                 segment = line.split("/dev/shm/")[1].split(";")[0].split()[0]
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/dev/shm/{segment}")

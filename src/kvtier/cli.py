@@ -71,15 +71,30 @@ def _serve(**options: Any) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from kvtier.server.app import KVTierServer
+    from kvtier.server.app import KVTierServer, StartInterrupted, interrupt_start
 
+    # From here until run() takes the signals over, SIGINT/SIGTERM unwind the start-up so that
+    # nothing it made (a half-sized segment in /dev/shm, a started tier) is left behind.
+    interrupt_start()
     try:
         server = KVTierServer(config)
+    except StartInterrupted as exc:
+        _stopped_at_start(exc)
     except (ConfigError, KVTierError, ValueError) as exc:
         _fail("serve", redact(str(exc)), EXIT_USAGE)
-    except OSError as exc:  # e.g. the arena is held by a running server, an unreadable folder
-        _fail("serve", exc.strerror if exc.strerror and not exc.args[1:] else redact(str(exc)), 1)
-    server.run()
+    except OSError as exc:  # anything the start-up checks did not name: still one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        _fail("serve", redact(f"{where}{exc.strerror or exc}"), EXIT_USAGE)
+    try:
+        server.run()
+    except StartInterrupted as exc:  # the signal came before run() took the signals over
+        server.close()
+        _stopped_at_start(exc)
+
+
+def _stopped_at_start(exc: BaseException) -> typing.NoReturn:
+    typer.echo(f"kvtier serve: stopped by {exc} during start-up", err=True)
+    raise typer.Exit(0)
 
 
 def _serve_signature() -> inspect.Signature:

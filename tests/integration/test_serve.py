@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
+import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -341,7 +347,7 @@ def test_ctrl_c_stops_cleanly_and_a_stale_segment_does_not_block_a_restart(
     server_factory: Callable[..., ServerProcess],
 ) -> None:
     first = server_factory("--l1-size", "8MiB")
-    line = next(ln for ln in first.log if "/dev/shm/" in ln)
+    line = next(ln for ln in first.log if ln.startswith("kvtier: L1 "))
     segment = line.split("/dev/shm/")[1].split(";")[0]
     assert os.stat(f"/dev/shm/{segment}").st_mode & 0o777 == 0o600
     assert first.stop(signal.SIGINT) == 0
@@ -576,3 +582,147 @@ def test_a_client_error_does_not_disturb_other_clients(server: ServerProcess) ->
             with pytest.raises(KVTierError):
                 bad.store("x", tokens, np.zeros(3), model="m")
         assert good.store("g", tokens, kv_for(11, 2), model="m") == 2 * CS
+
+
+# -- start-up failures ---------------------------------------------------------------------------
+
+
+def _serve_argv(*args: str) -> list[str]:
+    address = f"ipc:///tmp/kvtier-test-{os.getpid()}-{os.urandom(4).hex()}.sock"
+    return [sys.executable, "-m", "kvtier.cli", "serve", "--address", address,
+            "--admin-port", "-1", *args]  # fmt: skip
+
+
+def _unwritable_folder(tmp_path: Path) -> tuple[Path, list[str]]:
+    """An existing folder this process cannot write, and the argv prefix that runs a command
+    where it is so: root writes everywhere, so as root the folder is a read-only bind mount in
+    a mount namespace of the command's own (`unshare -m`); otherwise plain mode 0555."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return folder, []
+    unshare = shutil.which("unshare")
+    assert unshare, "unshare (util-linux) is needed to make a read-only folder for root"
+    script = f'mount --bind -o ro "{folder}" "{folder}" && exec "$@"'
+    return folder, [unshare, "-m", "sh", "-c", script, "sh"]
+
+
+def _shm_free() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+START_FAILURES = [
+    "l1-beyond-shm",
+    "no-tokens-file",
+    "bad-tokens-file",
+    "uncreatable-folder",
+    "unwritable-folder",
+    "no-socket-folder",
+]
+
+
+@pytest.mark.parametrize("case", START_FAILURES)
+def test_a_start_up_failure_is_one_line_naming_the_option_and_exit_2(
+    case: str, tmp_path: Path
+) -> None:
+    prefix: list[str] = []
+    if case == "l1-beyond-shm":
+        args, option = ["--l1-size", f"{_shm_free() // 2**30 + 8}GiB", "--l2", "none"], "--l1-size"
+    elif case == "no-tokens-file":
+        missing = tmp_path / "no-such-tokens"
+        args, option = ["--auth-tokens-file", str(missing), "--l2", "none"], "--auth-tokens-file"
+    elif case == "bad-tokens-file":
+        bad = tmp_path / "tokens"
+        bad.write_text("short tenant\n")
+        args, option = ["--auth-tokens-file", str(bad), "--l2", "none"], "--auth-tokens-file"
+    elif case == "uncreatable-folder":
+        folder, prefix = _unwritable_folder(tmp_path)
+        args, option = ["--l2", f"disk://{folder}/l2"], "--l2"
+    elif case == "unwritable-folder":
+        folder, prefix = _unwritable_folder(tmp_path)
+        args, option = ["--l2", f"disk://{folder}"], "--l2"
+    else:
+        args, option = ["--l2", "none"], "--address"
+    argv = _serve_argv(*args)
+    if case == "no-socket-folder":
+        argv[argv.index("--address") + 1] = f"ipc://{tmp_path}/missing/kvtier.sock"
+    out = subprocess.run(
+        [*prefix, *argv], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    # A warning logged on the way (a dead server's segment removed) is not the failure's line.
+    logged = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) ")
+    lines = [ln for ln in (out.stdout + out.stderr).strip().splitlines() if not logged.match(ln)]
+    assert out.returncode == 2, (out.returncode, lines)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"kvtier serve: {option}"), lines
+    assert "Traceback" not in lines[0] and "Errno" not in lines[0], lines
+    if case.endswith("folder") and case != "no-socket-folder":
+        assert str(tmp_path / "read-only") in lines[0]
+
+
+def _own_segments() -> set[str]:
+    prefix = f"kvtier-{os.getuid()}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+def test_sigterm_while_the_arena_is_being_sized_leaves_nothing_in_dev_shm() -> None:
+    """The signal lands while the segment is still `<name>.<pid>.<hex>.tmp` (polled for)."""
+    size_gib = 2 if _shm_free() > 6 * 2**30 else 1
+    argv = _serve_argv("--l1-size", f"{size_gib}GiB", "--l2", "none")
+    from kvtier.storage.arena import default_arena_name
+
+    name = default_arena_name(argv[argv.index("--address") + 1])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = False
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(n.startswith(name) and n.endswith(".tmp") for n in os.listdir("/dev/shm")):
+            proc.send_signal(signal.SIGTERM)
+            seen = True
+            break
+        time.sleep(0.002)
+    out, _ = proc.communicate(timeout=60)
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(name)]
+    for n in left:
+        os.unlink(f"/dev/shm/{n}")
+    assert seen, f"the temporary segment never appeared: {out}"
+    assert left == [], out
+    assert proc.returncode == 0, out
+    assert "stopped by SIGTERM during start-up" in out
+
+
+def test_a_start_removes_what_dead_servers_left_but_never_a_live_servers_segment(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    live = server_factory("--l1-size", "8MiB", "--chunk-size", str(CS))
+    live_segment = next(n for n in _own_segments() if n.endswith(live_name(live)))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    prefix = f"/dev/shm/kvtier-{os.getuid()}-"
+    stale = [f"{prefix}00deadbeef00", f"{prefix}00deadbeef01.{dead.pid}.0badc0de.tmp"]
+    for path in stale:
+        with open(path, "wb") as f:
+            f.truncate(1 << 20)
+    try:
+        server_factory("--l1-size", "8MiB")
+        assert [p for p in stale if os.path.exists(p)] == []
+        assert live_segment in _own_segments()
+        with Client(live.address) as c:  # the live server still serves from its arena
+            c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+            tokens = list(range(CS * 2))
+            c.store("r", tokens, kv_for(1, 2), model="m")
+            out = np.zeros_like(kv_for(1, 2))
+            assert c.retrieve("r2", tokens, out, model="m") == 2 * CS
+            assert np.array_equal(out, kv_for(1, 2))
+    finally:
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def live_name(server: ServerProcess) -> str:
+    line = next(ln for ln in server.log if ln.startswith("kvtier: L1 "))
+    return line.split("/dev/shm/")[1].split(";")[0]

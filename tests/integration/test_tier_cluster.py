@@ -118,7 +118,15 @@ def _migrate_slot(
 ) -> None:
     """Move `slot` from master `src` to master `dst` the way `redis-cli --cluster reshard`
     does (SETSLOT IMPORTING/MIGRATING, MIGRATE key by key, SETSLOT NODE), calling `step()`
-    halfway, with the slot half migrated."""
+    halfway, with the slot half migrated.
+
+    SETSLOT NODE goes to the destination first, then the source, then the other masters, as
+    Redis documents. The other order opens a window in which the source answers `MOVED dst`
+    while the destination, still importing, answers `MOVED src`: a reader bounced between them
+    runs out of redirects and counts a miss. Sending in port order did that whenever the source
+    had the lower port, which made `test_a_slot_moved_while_serving` fail now and then. The
+    pause after each node widens that window, so a wrong order fails every run.
+    """
     s, d = cluster.client(src), cluster.client(dst)
     src_id, dst_id = cluster.node_id(src), cluster.node_id(dst)
     d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
@@ -130,8 +138,10 @@ def _migrate_slot(
             s.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *batch)
         if batch is names[:half] or not half:
             step()
-    for port in cluster.masters():
+    others = [p for p in cluster.masters() if p not in (src, dst)]
+    for port in (dst, src, *others):
         cluster.client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        time.sleep(0.02)
 
 
 def test_a_slot_moved_while_serving(tier: RedisClusterTier, redis_cluster: RedisCluster) -> None:
@@ -148,11 +158,22 @@ def test_a_slot_moved_while_serving(tier: RedisClusterTier, redis_cluster: Redis
     missed: list[int] = []
     stop = threading.Event()
 
+    crashed: list[BaseException] = []
+
     def reader() -> None:  # a client reading all the time, every byte checked
-        bufs = {i: memoryview(bytearray(SIZE)) for i in everyone}
+        try:
+            read_until_stopped()
+        except BaseException as exc:  # a reader that died would read nothing more: fail
+            crashed.append(exc)
+
+    def read_until_stopped() -> None:
+        bufs: dict[int, memoryview] = {}
         while not stop.is_set():
-            got = tier.get_many_into([(key(i), bufs[i], LAYOUT) for i in everyone])
-            for i, hit in zip(everyone, got, strict=True):
+            now = list(everyone)  # `halfway` appends to it from the main thread
+            for i in now:
+                bufs.setdefault(i, memoryview(bytearray(SIZE)))
+            got = tier.get_many_into([(key(i), bufs[i], LAYOUT) for i in now])
+            for i, hit in zip(now, got, strict=True):
                 if not hit:
                     missed.append(i)
                 elif bufs[i].tobytes() != payload(i):
@@ -179,7 +200,7 @@ def test_a_slot_moved_while_serving(tier: RedisClusterTier, redis_cluster: Redis
     finally:
         stop.set()
         thread.join(30)
-    assert not wrong and not missed
+    assert not crashed and not wrong and not missed
     bufs = [memoryview(bytearray(SIZE)) for _ in everyone]
     assert tier.get_many_into(
         [(key(i), b, LAYOUT) for i, b in zip(everyone, bufs, strict=True)]

@@ -10,6 +10,7 @@ anywhere asks whether there is one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
-from kvtier.config import ServerConfig, admin_token_file, format_size
+from kvtier.config import ConfigError, ServerConfig, admin_token_file, format_size
 from kvtier.hashing import TokenHasher
 from kvtier.metrics import Metrics
 from kvtier.periodic import (
@@ -30,6 +31,7 @@ from kvtier.periodic import (
     ThreadLevel,
     create_periodic_thread,
 )
+from kvtier.redaction import redact
 from kvtier.server.admin import AdminServer, start_admin_server
 from kvtier.server.auth import Authenticator, is_local_address
 from kvtier.server.engine import Engine, EngineParts
@@ -38,13 +40,13 @@ from kvtier.server.transport import Transport
 from kvtier.server.views import AdminViews
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
-from kvtier.storage.arena import Arena, default_arena_name
+from kvtier.storage.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher
-from kvtier.storage.tiers.base import RegistersMemory, open_tier
+from kvtier.storage.tiers.base import L2Tier, RegistersMemory, open_tier
 
-__all__ = ["KVTierServer", "build_engine", "build_tiers"]
+__all__ = ["KVTierServer", "StartInterrupted", "build_engine", "build_tiers", "interrupt_start"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +56,81 @@ _SWITCH_INTERVAL_S = 0.001
 TIER_WATCH_INTERVAL_S = 2.0
 
 
+class StartInterrupted(BaseException):
+    """SIGINT or SIGTERM arrived while the server was starting: unwind, removing what it made.
+
+    A BaseException, as KeyboardInterrupt is, so that no `except Exception` swallows it and
+    every `finally` and `except BaseException` on the way out runs (the arena's temporary
+    segment, a half-started tier).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_start_interrupted(signum: int, frame: FrameType | None) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the unwinding short
+        signal.signal(s, signal.SIG_IGN)
+    raise StartInterrupted(signum)
+
+
+def interrupt_start() -> None:
+    """Make SIGINT and SIGTERM raise StartInterrupted until `KVTierServer.run` takes them over.
+
+    Without it the default SIGTERM action ends the process at once, in the middle of sizing a
+    multi-GiB segment, and leaves it in /dev/shm. Main thread only (as `signal.signal`).
+    """
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _raise_start_interrupted)
+
+
+def _open_tier(url: str) -> L2Tier:
+    try:
+        return open_tier(url)
+    except OSError as exc:  # a folder that cannot be made or written, a file that cannot be read
+        where = f" {exc.filename!r}" if exc.filename else ""
+        raise ConfigError(
+            f"--l2: {redact(url)}:{where} {exc.strerror or exc}: give a folder this user can "
+            "create and write (e.g. --l2 'disk:///var/lib/kvtier?size=50GiB'), or --l2 none"
+        ) from None
+
+
+def _check_shm_room(size: int) -> None:
+    """Refuse an L1 that /dev/shm cannot hold before allocating any of it."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise ConfigError(f"--l1-size: {SHM_DIR} is not usable: {exc.strerror or exc}") from None
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ConfigError(
+            f"--l1-size: {format_size(size)} does not fit in {SHM_DIR}, which has "
+            f"{format_size(free)} free: give a smaller --l1-size or a larger {SHM_DIR} "
+            "(docker: --shm-size)"
+        )
+
+
+def _arena_error(exc: OSError, size: int) -> ConfigError:
+    if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+        return ConfigError(
+            f"--l1-size: {format_size(size)} could not be allocated in {SHM_DIR} "
+            f"({exc.strerror}): give a smaller --l1-size or a larger {SHM_DIR} (docker: --shm-size)"
+        )
+    where = exc.filename or SHM_DIR
+    return ConfigError(
+        f"--l1-size: cannot create the shared-memory segment in {where!r}: {exc.strerror or exc}"
+        f" ({SHM_DIR} must be writable by this user)"
+    )
+
+
 def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
-    """The L2 tiers of the config behind one TierManager (empty with no L2), not started."""
-    tiers = [open_tier(url) for url in config.l2_urls(arena_name)]
+    """The L2 tiers of the config behind one TierManager (empty with no L2), not started.
+
+    A tier that cannot be opened (a folder it cannot create or write) is a ConfigError naming
+    --l2 and the folder.
+    """
+    tiers = [_open_tier(url) for url in config.l2_urls(arena_name)]
     for i, tier in enumerate(tiers):  # two tiers of one kind: disk, disk-2, ...
         if any(t.name == tier.name for t in tiers[:i]):
             tier.name = f"{tier.name}-{i + 1}"
@@ -151,6 +225,18 @@ def build_engine(
     return engine
 
 
+def _read_auth(path: str | None) -> Authenticator:
+    try:
+        return Authenticator.from_file(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"--auth-tokens-file: cannot read {path!r}: {exc.strerror or exc} (give a file of "
+            "'TOKEN TENANT' lines, e.g. --auth-tokens-file /etc/kvtier/tokens)"
+        ) from None
+    except ValueError as exc:
+        raise ConfigError(f"--auth-tokens-file: {exc}") from None
+
+
 class KVTierServer:
     """The assembled server; `run()` serves in the foreground until SIGINT or SIGTERM."""
 
@@ -163,7 +249,7 @@ class KVTierServer:
         self.admin: AdminServer | None = None
         self.transport: Transport | None = None
         self.admin_error = ""
-        auth = Authenticator.from_file(config.auth_tokens_file)
+        auth = _read_auth(config.auth_tokens_file)
         exposed = [a for a in config.address if not is_local_address(a)]
         if exposed and not auth.required:
             raise ValueError(
@@ -172,10 +258,14 @@ class KVTierServer:
             )
         self.token_file: Path | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
+        _check_shm_room(config.l1_size)
         self.tiers = build_tiers(config, config.arena_name)
-        self.tiers.start()
         try:
+            self.tiers.start()
             self.engine = build_engine(config, tiers=self.tiers, auth=auth)
+        except OSError as exc:
+            self.tiers.close()
+            raise _arena_error(exc, config.l1_size) from None
         except BaseException:
             self.tiers.close()
             raise
@@ -194,9 +284,15 @@ class KVTierServer:
         try:
             if config.admin_port >= 0:
                 self.admin = self._start_admin()
-            self.transport = Transport(
-                self.engine, config.address, max_frame_bytes=config.max_frame_bytes
-            )
+            try:
+                self.transport = Transport(
+                    self.engine, config.address, max_frame_bytes=config.max_frame_bytes
+                )
+            except OSError as exc:
+                raise ConfigError(
+                    f"--address: {exc}: give an address this user can listen on (the folder of "
+                    "an ipc:// socket must exist; a tcp:// port must be free)"
+                ) from None
         except BaseException:
             self.close()
             raise

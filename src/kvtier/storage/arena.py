@@ -29,6 +29,7 @@ __all__ = [
     "Arena",
     "ArenaInUseError",
     "default_arena_name",
+    "remove_dead_segments",
 ]
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Arena:
             raise ValueError(f"arena size must be positive, got {size} (see --l1-size)")
         size = _round_up(size, PAGE_SIZE)
         _remove_if_stale(path)  # fail fast on a live owner, before paying for the pages
+        remove_dead_segments()  # what crashed or killed servers of this user left behind
         tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         mm: mmap.mmap | None = None
@@ -234,6 +236,62 @@ def _same_file(fd: int, path: str) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_dead_segments(shm_dir: str | None = None) -> list[str]:
+    """Unlink this user's kvtier segments whose server is dead; the paths removed.
+
+    A segment is `kvtier-<uid>-...` (published) or `kvtier-<uid>-....<pid>.<hex>.tmp` (being
+    sized). Its creator holds an exclusive flock on it from before it is sized until after it
+    is unlinked, so a segment whose lock can be taken has no live creator. A temporary one is
+    also left alone while the pid in its name runs: its creator may not have locked it yet.
+    Nothing else in the folder (another user's, another program's) is ever touched.
+    """
+    folder = shm_dir or SHM_DIR
+    prefix = f"kvtier-{os.getuid()}-"
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(prefix):
+            continue
+        if name.endswith(".tmp"):
+            parts = name.rsplit(".", 3)
+            if len(parts) != 4 or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+                continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live server's
+            if _same_file(fd, entry.path):
+                os.unlink(entry.path)
+                removed.append(entry.path)
+                log.warning("removed shared-memory segment %s left by a dead server", entry.path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _remove_if_stale(path: str) -> None:

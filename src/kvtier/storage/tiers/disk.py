@@ -85,6 +85,19 @@ class _Truncated(Exception):
     """A file ended before its size said it would."""
 
 
+def _check_writable(folder: Path) -> None:
+    """Create and remove one temp file in `folder`: a folder this process cannot write fails
+    here, at start, as an OSError naming it, instead of on every later write."""
+    probe = folder / files.temp_name()
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        reason = f"disk tier folder is not writable: {exc.strerror}"
+        raise OSError(exc.errno, reason, str(folder)) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 class DiskTier:
     """An L2 tier of files under `path`, at most `capacity_bytes` in all (0 = unbounded)."""
 
@@ -104,6 +117,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_writable(self.root)
         self._lock = threading.Lock()
         self._index: OrderedDict[ObjectKey, int] = OrderedDict()
         self._used = 0
