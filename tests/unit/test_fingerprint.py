@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import random
 import struct
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from kvtier.integrations.fingerprint import (
     adapter_identity,
@@ -19,10 +19,32 @@ from kvtier.integrations.fingerprint import (
 )
 
 
+def save_file(tensors: dict[str, tuple[list[int], bytes]], path: str) -> None:
+    """A safetensors file as the format defines it: a length, a JSON header, the F32 data."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for name, (shape, data) in tensors.items():
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + len(data)]}
+        at += len(data)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(d for _, d in tensors.values()))
+
+
+def _values(
+    shape: list[int], seed: int | None = None, fill: float = 0.0
+) -> tuple[list[int], bytes]:
+    n = 1
+    for d in shape:
+        n *= d
+    rng = random.Random(seed)
+    values = [rng.gauss(0, 1) if seed is not None else fill for _ in range(n)]
+    return shape, struct.pack(f"<{n}f", *values)
+
+
 def _checkpoint(folder: Path, seed: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    save_file({"w": torch.randn(4, 4, generator=gen)}, str(folder / "model.safetensors"))
+    save_file({"w": _values([4, 4], seed)}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text('{"hidden_size": 4}')
     return folder
 
@@ -56,9 +78,9 @@ def test_any_change_of_the_files_changes_the_fingerprint(tmp_path: Path, change:
     before = checkpoint_fingerprint(folder)
     times = (weights.stat().st_atime_ns, weights.stat().st_mtime_ns)
     if change == "header":
-        save_file({"v": torch.zeros(4, 4)}, str(weights))  # same size, another tensor name
+        save_file({"v": _values([4, 4])}, str(weights))  # same size, another tensor name
     elif change == "size":
-        save_file({"w": torch.zeros(4, 5)}, str(weights))
+        save_file({"w": _values([4, 5])}, str(weights))
     elif change == "name":
         weights.rename(folder / "model-00001.safetensors")
         weights = folder / "model-00001.safetensors"
@@ -70,7 +92,7 @@ def test_any_change_of_the_files_changes_the_fingerprint(tmp_path: Path, change:
 
 def test_the_header_is_read_never_the_tensors(tmp_path: Path) -> None:
     path = tmp_path / "x.safetensors"
-    save_file({"w": torch.ones(1000)}, str(path))
+    save_file({"w": _values([1000], fill=1.0)}, str(path))
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     assert safetensors_header(path) == raw[: 8 + n]
