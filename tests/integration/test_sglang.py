@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -315,3 +316,78 @@ def test_layouts_kvtier_cannot_store_are_refused_at_start() -> None:
     )
     with pytest.raises(ValueError, match="split-head"):
         KVTierHiCacheStorage(config, {})
+
+
+# -- configuration, credentials, the weights in the name -----------------------------------------
+
+
+def test_unknown_config_keys_are_refused_with_the_valid_ones(server: ServerProcess) -> None:
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['adress'\].*address.*token_file"):
+        make_backend(server.address, HostPoolStandIn(), adress="ipc:///tmp/elsewhere.sock")
+    with pytest.raises(ValueError, match="not both"):
+        make_backend(server.address, HostPoolStandIn(), token="x", token_file="/etc/hostname")
+
+
+TOKEN = "sglang-credential-0123456789"
+
+
+def test_token_and_token_file_reach_a_server_with_an_auth_tokens_file(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN} sglang-tenant\n")
+    port = free_port()
+    server_factory(
+        "--chunk-size", str(PAGE), "--l1-size", "64MiB", "--auth-tokens-file", str(tokens),
+        address=f"tcp://0.0.0.0:{port}",
+    )  # fmt: skip
+    address = f"tcp://127.0.0.1:{port}"
+    credential = tmp_path / "credential"
+    credential.write_text(TOKEN + "\n")
+    src, dst = HostPoolStandIn(), HostPoolStandIn()
+    src.fill_random(50)
+    writer = make_backend(address, src, token=TOKEN)
+    reader = make_backend(address, dst, token_file=str(credential))
+    stranger = make_backend(address, HostPoolStandIn())
+    try:
+        keys = keys_for("auth-", 3)
+        assert writer.batch_set_v1(keys, src.indices([0, 1, 2])) == [True] * 3
+        assert reader.batch_exists(keys) == 3
+        assert reader.batch_get_v1(keys, dst.indices([5, 6, 7])) == [True] * 3
+        for s, d in zip([0, 1, 2], [5, 6, 7], strict=True):
+            assert dst.page_bytes(d * PAGE) == src.page_bytes(s * PAGE)
+        assert stranger.batch_exists(keys) == 0  # no credential: misses, never an exception
+        assert "credential" in str(stranger.last_error)
+    finally:
+        for backend in (writer, reader, stranger):
+            backend.close()
+
+
+def test_new_weights_at_the_model_path_never_read_the_old_pages(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    from .vllm_harness import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "model", layers=1, hidden=64, weights=True, seed=0)
+    pool = HostPoolStandIn()
+    pool.fill_random(60)
+    keys = keys_for("weights-", 3)
+    old = make_backend(server.address, pool, model_name=str(model))
+    same = make_backend(server.address, HostPoolStandIn(), model_name=str(model))
+    try:
+        assert old.batch_set_v1(keys, pool.indices([0, 1, 2])) == [True] * 3
+        assert same.batch_exists(keys) == 3  # the same weights share their pages
+    finally:
+        old.close()
+        same.close()
+    # other values, same architecture; SGLang's page keys hash tokens only, so they repeat
+    write_tiny_llama(model, layers=1, hidden=64, weights=True, seed=1)
+    new = make_backend(server.address, HostPoolStandIn(), model_name=str(model))
+    explicit = make_backend(server.address, HostPoolStandIn(), model_name=str(model), model="m")
+    try:
+        assert new.batch_exists(keys) == 0
+        assert new.geometry.model != old.geometry.model
+        assert "m [sglang " in explicit.geometry.model  # a named model: the operator's promise
+    finally:
+        new.close()
+        explicit.close()

@@ -309,8 +309,15 @@ class Harness:
         )
 
     def add(
-        self, request_id: str, prompt: list[int], *, max_tokens: int = 2, salt: str = ""
+        self,
+        request_id: str,
+        prompt: list[int],
+        *,
+        max_tokens: int = 2,
+        salt: str = "",
+        **request_kw: Any,
     ) -> Any:
+        """Add a request; `request_kw` go to vLLM's Request (lora_request, mm_features...)."""
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -325,6 +332,7 @@ class Harness:
             pooling_params=None,
             cache_salt=salt or None,
             block_hasher=get_request_block_hasher(self.block_size, sha256),
+            **request_kw,
         )
         self.scheduler.add_request(request)
         return request

@@ -12,8 +12,10 @@ copies straight between those host pages and kvtier's shared-memory arena; the p
 - Tensor parallelism: rank r stores shard r of world size tp_size, and a page counts as present
   only when every rank's shard is, so every rank sees the same `batch_exists`. MLA models keep
   one copy of the KV for all ranks: world size 1, written by SGLang's storage writer rank.
-- The kvtier model name carries the host layout, the KV dtype and the path (v1 or flat) besides
-  SGLang's model name, so pages of different byte orders never alias.
+- The kvtier model name carries a fingerprint of the weights (`fingerprint.py`), the host
+  layout, the KV dtype and the path (v1 or flat) besides SGLang's model name, so pages of other
+  weights or other byte orders never alias. SGLang's page keys already carry each request's
+  extra key (its LoRA adapter's id) and cache salt, so nothing is added per request.
 - A kvtier failure (server down, no space) is a miss or a failed write, logged, never an
   exception into SGLang; the client re-joins a restarted server by itself.
 

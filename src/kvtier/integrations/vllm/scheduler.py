@@ -92,6 +92,7 @@ class SchedulerSide:
                 model=self.config.model,
                 world_size=self.config.world_size,
                 cache_salt=request.cache_salt or "",
+                extra_key=state.extra_key or b"",
                 wait=False,
             )
             if not isinstance(handle, LookupHandle):
@@ -193,12 +194,9 @@ class SchedulerSide:
 
     @staticmethod
     def _cacheable(state: _Request) -> bool:
-        """Only requests whose every KV-changing input is named are looked up and saved.
-
-        Until the client carries the extra key, that is plain token prompts only: a request
-        with an adapter, images or embeddings is computed by vLLM alone.
-        """
-        return state.extra_key == b""
+        """Only requests whose every KV-changing input is named are looked up and saved; the
+        others vLLM computes alone, never reading KV computed for other inputs."""
+        return state.extra_key is not None
 
     def _block_ids(self, req_id: str) -> list[int]:
         assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"

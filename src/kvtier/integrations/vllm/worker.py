@@ -123,6 +123,7 @@ class WorkerSide:
                 chunk_shape=layout.chunk_shape,
                 dtype=layout.dtype_name,
                 cache_salt=load.cache_salt,
+                extra_key=load.extra_key,
                 world_size=self.config.world_size,
             ) as got:
                 wanted = (load.chunk_end - load.chunk_start) // c
@@ -213,6 +214,7 @@ class WorkerSide:
                 chunk_shape=layout.chunk_shape,
                 dtype=layout.dtype_name,
                 cache_salt=save.cache_salt,
+                extra_key=save.extra_key,
                 world_size=self.config.world_size,
             ) as slots:
                 for i, view in slots.targets():
