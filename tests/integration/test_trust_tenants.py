@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -126,6 +127,9 @@ def test_a_tenants_quarantine_is_bounded_and_never_blocks_another_tenant(
     assert got[:2] == ("refused", "NoSpaceError")
     assert "--tenant-quarantine-share" in got[2] and "32768 bytes quarantined" in got[2]
     assert _usage(server, "liar")["fenced_bytes"] == 2 * SLOT
+    assert server.admin_url is not None
+    metrics = httpx.get(server.admin_url + "/metrics", timeout=5).text
+    assert 'kvtier_tenant_l1_bytes{kind="quarantined",tenant="liar"} 32768.0' in metrics
     os.kill(first.pid, signal.SIGKILL)  # the pidfd ends the quarantine
     assert wait_for(lambda: _usage(server, "liar")["fenced_bytes"] == 0, timeout=10)
 
