@@ -396,6 +396,17 @@ def _state_families(status: ServerStatus | None) -> Iterator[Metric]:
         "L1 chunk groups pinned by lookups.",
         None if s is None else s.l1.pinned_groups,
     )
+    held = GaugeMetricFamily(
+        "kvtier_tenant_l1_bytes",
+        "L1 bytes a tenant holds that eviction cannot take back, by kind (staging, quarantined, "
+        "pinned): what its --tenant-*-share options bound.",
+        labels=["tenant", "kind"],
+    )
+    for usage in [] if s is None else s.l1.tenants:
+        held.add_metric([usage.tenant, "staging"], float(usage.staging_bytes))
+        held.add_metric([usage.tenant, "quarantined"], float(usage.fenced_bytes))
+        held.add_metric([usage.tenant, "pinned"], float(usage.pinned_bytes))
+    yield held
 
     evictions = CounterMetricFamily(
         "kvtier_evictions", "Objects evicted to make room, by tier (l1 counts chunk groups).",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -22,7 +23,17 @@ from kvtier.client import Client
 from kvtier.errors import InvalidArgumentError, KVTierError
 
 from ..conftest import ServerProcess
-from ._trust import CS, SPAWN, kv_for, prompt, register, reserve, status, wait_for
+from ._trust import (
+    CS,
+    SPAWN,
+    kv_for,
+    prompt,
+    register,
+    reserve,
+    retrieve_lease,
+    status,
+    wait_for,
+)
 
 HONEST = "honest-tenant-token-0123456789"
 LIAR = "lying-tenant-token-0123456789"
@@ -116,6 +127,9 @@ def test_a_tenants_quarantine_is_bounded_and_never_blocks_another_tenant(
     assert got[:2] == ("refused", "NoSpaceError")
     assert "--tenant-quarantine-share" in got[2] and "32768 bytes quarantined" in got[2]
     assert _usage(server, "liar")["fenced_bytes"] == 2 * SLOT
+    assert server.admin_url is not None
+    metrics = httpx.get(server.admin_url + "/metrics", timeout=5).text
+    assert 'kvtier_tenant_l1_bytes{kind="quarantined",tenant="liar"} 32768.0' in metrics
     os.kill(first.pid, signal.SIGKILL)  # the pidfd ends the quarantine
     assert wait_for(lambda: _usage(server, "liar")["fenced_bytes"] == 0, timeout=10)
 
@@ -137,6 +151,43 @@ def test_a_tenants_staging_is_bounded_by_its_share(
         assert _store_and_check(honest, 5, 2)
     assert second[:2] == ("refused", "NoSpaceError") and "--tenant-staging-share" in second[2]
     assert _usage(server, "liar")["staging_bytes"] == 2 * SLOT
+
+
+def _reader(address: str, token: str, n: int, queue: Any) -> None:
+    """The liar: store a two-chunk prompt, take a retrieve lease on it and never say done."""
+    try:
+        with Client(address, token=token, timeout=10) as c:
+            register(c)
+            c.store(f"s{n}", prompt(n, 2), kv_for(n, 2), model="m")
+            queue.put(retrieve_lease(c, f"r{n}", prompt(n, 2)).num_chunks)
+            time.sleep(600)
+    except Exception as exc:
+        queue.put(("error", repr(exc)))
+
+
+def test_a_tenants_retrieve_leases_hold_at_most_its_quarantine_share(
+    server_factory: Callable[..., ServerProcess], tokens: str, processes: list[Any]
+) -> None:
+    """A reader stopped mid-copy keeps its chunks held (never evicted) while its process lives.
+    The liar's readers hold at most the quarantine share: a second one is handed no slots, and
+    the honest tenant's stores evict the liar's other chunks."""
+    server = server_factory(
+        *SMALL, "--staging-lease", "2", "--client-timeout", "2", "--auth-tokens-file", tokens
+    )
+    readers = []
+    for n in (1, 2):
+        queue = SPAWN.Queue()
+        reader = SPAWN.Process(target=_reader, args=(server.address, LIAR, n, queue))
+        reader.start()
+        processes.append(reader)
+        readers.append(queue.get(timeout=60))
+        if readers[-1]:
+            os.kill(reader.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            assert wait_for(lambda n=n: status(server)["fencing"]["lapsed"] == n, timeout=20)
+    with Client(server.address, token=HONEST) as honest:
+        register(honest)
+        assert _store_and_check(honest, 5, 2)
+    assert readers == [2, 0]
 
 
 def _pinner(address: str, token: str, queue: Any) -> None:

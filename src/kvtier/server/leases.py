@@ -75,6 +75,11 @@ class RetrieveLease:
     deadline: float
     watch: Watch | None = None
     lapsed: bool = False
+    tenant: str = ""  # whose held bytes its chunks count in (see `LeaseBook.held_bytes`)
+
+    @property
+    def held_bytes(self) -> int:
+        return len(self.keys) * self.nbytes
 
 
 @dataclass(slots=True)
@@ -109,6 +114,8 @@ class LeaseBook:
         self._reservations: dict[int, Reservation] = {}
         self._leases: dict[int, RetrieveLease] = {}
         self._lapsed: dict[int, Reservation | RetrieveLease] = {}  # quarantined, by id
+        # bytes of the shards each tenant's retrieve leases hold, lapsed ones included
+        self._held: dict[str, int] = {}
         # ids a sweep ended outright (the owner's process is gone), so a late Commit or
         # RetrieveDone still hears "lease expired" rather than "unknown"
         self._expired_ids: set[int] = set()
@@ -247,7 +254,19 @@ class LeaseBook:
     def add_lease(self, lease: RetrieveLease) -> int:
         lease_id = self._new_id()
         self._leases[lease_id] = lease
+        self._held[lease.tenant] = self._held.get(lease.tenant, 0) + lease.held_bytes
         return lease_id
+
+    def held_bytes(self, tenant: str) -> int:
+        """Bytes the tenant's retrieve leases hold (never evicted), lapsed ones included: a
+        reader that went silent keeps its chunks held while its process lives."""
+        return self._held.get(tenant, 0)
+
+    def _lease_ended(self, lease: RetrieveLease) -> RetrieveLease:
+        left = self._held.pop(lease.tenant, 0) - lease.held_bytes
+        if left:
+            self._held[lease.tenant] = left
+        return lease
 
     def take_lease(self, client_id: str, lease_id: int) -> RetrieveLease:
         """Remove and return a client's retrieve lease (for RetrieveDone); `lapsed` is set on
@@ -255,11 +274,11 @@ class LeaseBook:
         lease = self._leases.get(lease_id)
         if lease is not None and lease.owner == client_id:
             del self._leases[lease_id]
-            return lease
+            return self._lease_ended(lease)
         lapsed = self._lapsed.get(lease_id)
         if isinstance(lapsed, RetrieveLease) and lapsed.owner == client_id:
             del self._lapsed[lease_id]
-            return lapsed
+            return self._lease_ended(lapsed)
         ended = self._ended("retrieve lease", lease_id, "--staging-lease, --client-timeout")
         if ended is not None:
             raise ended
@@ -290,13 +309,13 @@ class LeaseBook:
         for rid in [r for r, res in self._reservations.items() if res.owner == client_id]:
             out.reservations.append(self._reservations.pop(rid))
         for lid in [i for i, lease in self._leases.items() if lease.owner == client_id]:
-            out.leases.append(self._leases.pop(lid))
+            out.leases.append(self._lease_ended(self._leases.pop(lid)))
         for xid in [i for i, x in self._lapsed.items() if x.owner == client_id]:
             item = self._lapsed.pop(xid)
             if isinstance(item, Reservation):
                 out.reservations.append(item)
             else:
-                out.leases.append(item)
+                out.leases.append(self._lease_ended(item))
         return out
 
     # -- expiry -----------------------------------------------------------------------------------
@@ -334,7 +353,7 @@ class LeaseBook:
                 self._lapsed[lid] = lease
                 out.held.append(lease)
             else:
-                out.leases.append(lease)
+                out.leases.append(self._lease_ended(lease))
                 self._remember_expired([lid])
         fresh = {id(x) for x in (*out.fenced, *out.held)}
         for xid in [i for i, x in self._lapsed.items() if id(x) not in fresh and not _may_touch(x)]:
@@ -342,6 +361,6 @@ class LeaseBook:
             if isinstance(item, Reservation):
                 out.reservations.append(item)
             else:
-                out.leases.append(item)
+                out.leases.append(self._lease_ended(item))
             self._remember_expired([xid])
         return out

@@ -21,6 +21,7 @@ from kvtier.metrics import Metrics
 from kvtier.server.fencing import CopyGuard, Watch
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, RetrieveLease
+from kvtier.server.limits import tenant_bounds
 from kvtier.server.locking import TimedLock
 from kvtier.server.sessions import SessionBook
 from kvtier.storage.arena import Arena
@@ -54,6 +55,9 @@ class RetrieveBook:
         self._metrics = metrics
         self._lock = lock
         self._clock = clock
+        # a tenant's retrieve leases hold at most this (lapsed ones stay held while the reader
+        # lives): a retrieve past it hands out only the leading chunks that fit
+        self._max_held = tenant_bounds(config, l1.capacity_bytes).quarantine_bytes
 
     def retrieve(
         self, client_id: str, req: p.Retrieve | p.RetrieveKeys, watch: Watch | None
@@ -70,7 +74,12 @@ class RetrieveBook:
         # Named chunks have no session: their retrieve neither renews nor releases any pin.
         session_id = req.request_id if isinstance(req, p.Retrieve) else None
         with self._lock.hold("Retrieve"):
-            for key in keys:
+            peer = self._leases.peers.get(client_id)
+            tenant = "" if peer is None else peer.tenant
+            room = len(keys)
+            if self._max_held is not None:
+                room = (self._max_held - self._leases.held_bytes(tenant)) // layout.nbytes
+            for key in keys[: max(0, room)]:
                 shard = self._l1.get_shard(key, req.worker_id)
                 if shard is None or not self._l1.is_complete(key):
                     break
@@ -91,6 +100,7 @@ class RetrieveBook:
                         layout.nbytes,
                         self._clock() + self._config.staging_lease,
                         watch=guard if guard is not None else watch and watch.retain(),
+                        tenant=tenant,
                     )
                 )
         if not req.inline:

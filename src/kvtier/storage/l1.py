@@ -19,34 +19,14 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.snapshots import L1Stats, TenantUsage
 from kvtier.storage.arena import Allocator
+from kvtier.storage.shares import UNBOUNDED, TenantBounds, Usage, check_staging
 
 __all__ = ["UNBOUNDED", "L1Store", "ShardState", "TenantBounds"]
-
-
-@dataclass(frozen=True, slots=True)
-class TenantBounds:
-    """What one tenant may hold that eviction cannot take back, in bytes (None: no bound).
-
-    `staging_bytes` bounds its staging slots; `quarantine_bytes` its staging plus quarantined
-    slots together, since every staging slot becomes quarantined when its writer goes silent:
-    so its quarantine never exceeds it. `pinned_bytes` bounds what its pins hold.
-    """
-
-    staging_bytes: int | None = None
-    quarantine_bytes: int | None = None
-    pinned_bytes: int | None = None
-    staging_knob: str = "--tenant-staging-share"
-    quarantine_knob: str = "--tenant-quarantine-share"
-
-
-#: no bound on any tenant (a server whose clients are all one tenant)
-UNBOUNDED = TenantBounds()
 
 
 class ShardState(enum.Enum):
@@ -77,17 +57,6 @@ class _Shard:
         self.deadline = deadline
         self.tenant = tenant  # whose staging bytes it counts in while STAGING
         self.state = ShardState.STAGING
-
-
-class _Usage:
-    """One tenant's bytes that eviction cannot take back."""
-
-    __slots__ = ("fenced", "pinned", "staging")
-
-    def __init__(self) -> None:
-        self.staging = 0
-        self.fenced = 0
-        self.pinned = 0
 
 
 class _Group:
@@ -160,7 +129,7 @@ class L1Store:
         self._staging_bytes = 0
         # The same shards by owner, so a client's end costs its own shards, not everyone's.
         self._by_owner: dict[str, dict[tuple[ChunkKey, int], _Shard]] = {}
-        self._usage: dict[str, _Usage] = {}  # by tenant ("" anonymous)
+        self._usage: dict[str, Usage] = {}  # by tenant ("" anonymous)
         self._pins: dict[str, _Pin] = {}
         # (deadline, seq, holder, pin), earliest first: what reclaim_pins looks at. A renewed
         # pin keeps its entry, which is put back with the new deadline when it comes up.
@@ -214,10 +183,10 @@ class L1Store:
     def tenant_usage(self, tenant: str) -> TenantUsage:
         """The tenant's staging, quarantined and pinned bytes now."""
         usage = self._usage.get(tenant)
-        return self._tenant_usage(tenant, usage or _Usage())
+        return self._tenant_usage(tenant, usage or Usage())
 
     @staticmethod
-    def _tenant_usage(tenant: str, usage: _Usage) -> TenantUsage:
+    def _tenant_usage(tenant: str, usage: Usage) -> TenantUsage:
         return TenantUsage(
             tenant=tenant,
             staging_bytes=usage.staging,
@@ -229,10 +198,10 @@ class L1Store:
         """The bytes a `size`-byte shard takes (whole pages): what a reserve charges."""
         return self._alloc.rounded(size)
 
-    def _usage_of(self, tenant: str) -> _Usage:
+    def _usage_of(self, tenant: str) -> Usage:
         usage = self._usage.get(tenant)
         if usage is None:
-            usage = self._usage[tenant] = _Usage()
+            usage = self._usage[tenant] = Usage()
         return usage
 
     # ---------------------------------------------------------------- write path
@@ -267,7 +236,7 @@ class L1Store:
             return None
         nbytes = self._alloc.rounded(size)
         if bounds is not UNBOUNDED:
-            self._check_bounds(tenant, size, nbytes, bounds)
+            check_staging(self._usage.get(tenant) or Usage(), tenant, size, nbytes, bounds)
         offset = self._alloc.alloc(nbytes)
         if offset is None:
             # The group we add to must not be evicted to make room for its own shard.
@@ -292,26 +261,6 @@ class L1Store:
         self._by_owner.setdefault(owner, {})[key, worker_id] = shard
         self._usage_of(tenant).staging += nbytes
         return offset
-
-    def _check_bounds(self, tenant: str, size: int, nbytes: int, bounds: TenantBounds) -> None:
-        usage = self._usage.get(tenant) or _Usage()
-        who = f"tenant {tenant[:64]!r}" if tenant else "the anonymous tenant"
-        limit = bounds.staging_bytes
-        if limit is not None and usage.staging + nbytes > limit:
-            raise NoSpaceError(
-                f"{who} holds {usage.staging} bytes in staging slots; a {size}-byte shard"
-                f" ({nbytes} in pages) would pass its {limit} bytes ({bounds.staging_knob}):"
-                " commit or abort first, or store fewer chunks at once"
-            )
-        limit = bounds.quarantine_bytes
-        if limit is not None and usage.staging + usage.fenced + nbytes > limit:
-            raise NoSpaceError(
-                f"{who} holds {usage.fenced} bytes quarantined (slots of its clients that went"
-                f" silent while they may still write) and {usage.staging} staging; a"
-                f" {size}-byte shard ({nbytes} in pages) would pass its {limit} bytes"
-                f" ({bounds.quarantine_knob}): its stores fail until its clients commit, abort"
-                " or exit"
-            )
 
     def _unstage(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
         """Take a shard out of the staging index and its tenant's staging bytes."""

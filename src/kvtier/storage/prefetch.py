@@ -109,7 +109,6 @@ class Prefetcher:
         self._tenant_jobs: dict[str, int] = {}  # jobs in flight per tenant
         self.started = 0
         self.refused = 0  # jobs not started because max_jobs (or the tenant's share) ran
-        self.refused_tenant = 0  # of which because the tenant's share was in flight
         self.loaded_groups = 0
 
     def submit(
@@ -133,8 +132,6 @@ class Prefetcher:
             mine = self._tenant_jobs.get(tenant, 0)
             if self.in_flight >= self.max_jobs or (tenant_jobs is not None and mine >= tenant_jobs):
                 self.refused += 1
-                if self.in_flight < self.max_jobs:
-                    self.refused_tenant += 1
                 return False
             self.in_flight += 1
             self._tenant_jobs[tenant] = mine + 1
