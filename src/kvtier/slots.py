@@ -132,7 +132,8 @@ class StoreSlots:
             reply, _ = client._call(self._store_inline(**self._fields), self._inline)
         else:
             reply, _ = client._call(p.Commit(self._reservation_id))
-        stored = reply_as(reply, p.StoreReply, "Commit" if self._inline is None else "a store")
+        request = "Commit" if self._inline is None else self._store_inline.__name__
+        stored = reply_as(reply, p.StoreReply, request)
         self.stored_chunks = stored.stored_chunks
         self._stored_tokens = stored.stored_chunks * client.chunk_size
         return self._stored_tokens

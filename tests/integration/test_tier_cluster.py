@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -302,3 +304,68 @@ def test_unreachable_cluster_is_misses_without_errors_to_callers_or_stalls() -> 
         assert "topology" in s.last_error
     finally:
         t.close()
+
+
+def _connections(cluster: RedisCluster) -> int:
+    """Client connections the cluster's nodes hold now, besides this count's own ones."""
+    total = 0
+    for port in cluster.procs:
+        probe = redis.Redis(port=port, socket_connect_timeout=2)
+        try:
+            total += int(probe.info("clients")["connected_clients"]) - 1
+        finally:
+            probe.close()
+    return total
+
+
+def test_admin_clients_are_made_once_and_closed_with_the_tier(
+    redis_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[str] = []
+
+    class Counted(redis.Redis):  # the real client, counted as it is made
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(f"{kwargs.get('host')}:{kwargs.get('port')}")
+            super().__init__(*args, **kwargs)
+
+    before = _connections(redis_cluster)
+    per_tier: list[list[str]] = []
+    late_masters: list[int] = []
+    for _ in range(3):  # three fresh tiers: a race that one run misses shows in another
+        prefix = f"kvtier-cluster-close-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        t = open_tier(f"{redis_cluster.url}?prefix={prefix}")
+        assert isinstance(t, RedisClusterTier)
+        made.clear()
+        start = threading.Barrier(8)
+        masters: list[int] = []
+
+        def first_stats(
+            tier: RedisClusterTier = t, go: threading.Barrier = start, seen: list[int] = masters
+        ) -> None:  # eight threads ask for the first stats at once
+            go.wait(10)
+            seen.append(tier.stats().extra["masters"])
+
+        switch = sys.getswitchinterval()
+        monkeypatch.setattr(redis, "Redis", Counted)
+        sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show
+        try:
+            threads = [threading.Thread(target=first_stats) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+        finally:
+            sys.setswitchinterval(switch)
+            monkeypatch.undo()
+        assert masters == [3] * 8
+        per_tier.append(sorted(made))
+        t.close()
+        # a late caller (a /metrics scrape as the server stops) must not reconnect it
+        late_masters.append(t.stats().extra["masters"])
+        assert t.clear() == 0
+        t.close()  # idempotent
+    assert all(len(m) == 3 and len(set(m)) == 3 for m in per_tier), f"admin clients: {per_tier}"
+    assert late_masters == [0, 0, 0]  # a closed tier answers from its counters alone
+    assert wait_for(lambda: _connections(redis_cluster) <= before, timeout=5), (
+        f"{_connections(redis_cluster) - before} connections left open after close()"
+    )

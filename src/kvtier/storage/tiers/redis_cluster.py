@@ -121,9 +121,11 @@ class RedisClusterTier(RespTier):
         }
         self._max_connections = max_connections
         self._tls = tls
-        self._rc: RedisCluster | None = None
+        self._rc: RedisCluster | None = None  # made once, by the first refresh that reaches it
         self._nodes: dict[str, Node] = {}
         self._admin: dict[str, redis.Redis] = {}  # SCAN, UNLINK, INFO per master
+        self._admin_lock = threading.Lock()  # one admin client per master, made once
+        self._closed = False  # close() ran: nothing opens a connection any more
         self._slots: list[Node | None] = [None] * SLOTS
         self._topology_lock = threading.Lock()  # one refresh at a time; never held across I/O
         self._refreshing = threading.Lock()
@@ -213,6 +215,8 @@ class RedisClusterTier(RespTier):
         if not self._refreshing.acquire(blocking=False):
             return False
         try:
+            if self._closed:
+                return False
             self._refresh_after = time.monotonic() + self.refresh_interval
             self._counters.add("refreshes")
             try:
@@ -254,17 +258,21 @@ class RedisClusterTier(RespTier):
     def _clients(self) -> list[tuple[Node, redis.Redis]]:
         """A redis-py client per master (kept between calls: /metrics asks for stats often)."""
         out = []
-        for node in self.masters():
-            client = self._admin.get(node.address)
-            if client is None:
-                kw = node.pool.connection_kwargs
-                kwargs = dict(self._conn_kwargs)
-                if self._tls:
-                    kwargs["ssl"] = True
-                client = self._admin[node.address] = redis.Redis(
-                    host=kw["host"], port=kw["port"], **kwargs
-                )
-            out.append((node, client))
+        masters = self.masters()
+        with self._admin_lock:  # no I/O here: a client connects on its first command
+            if self._closed:
+                return []  # a closed tier answers from its counters alone
+            for node in masters:
+                client = self._admin.get(node.address)
+                if client is None:
+                    kw = node.pool.connection_kwargs
+                    kwargs = dict(self._conn_kwargs)
+                    if self._tls:
+                        kwargs["ssl"] = True
+                    client = self._admin[node.address] = redis.Redis(
+                        host=kw["host"], port=kw["port"], **kwargs
+                    )
+                out.append((node, client))
         return out
 
     # -- admin verbs ---------------------------------------------------------------------------
@@ -318,11 +326,19 @@ class RedisClusterTier(RespTier):
         )
 
     def close(self) -> None:
-        """Close every connection and the fan-out threads."""
+        """Close every connection and the fan-out threads; idempotent. A refresh in flight
+        ends first, and none starts after: no client is made or left open once closed."""
+        with self._admin_lock:
+            if self._closed:
+                return
+            self._closed = True
+            admin, self._admin = list(self._admin.values()), {}
         self._shutdown()
+        with self._refreshing:
+            rc, self._rc = self._rc, None
         for node in list(self._nodes.values()):
             node.close()
-        for client in list(self._admin.values()):
+        for client in admin:
             client.close()
-        if self._rc is not None:
-            self._rc.close()
+        if rc is not None:
+            rc.close()
