@@ -590,8 +590,8 @@ class Client:
         returns at once a `LookupHandle` to poll while they do (a scheduler step is not held up).
         """
         msg = p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt, wait, extra_key)
-        reply, _ = self._call(msg)
-        assert isinstance(reply, p.LookupReply)
+        raw, _ = self._call(msg)
+        reply = reply_as(raw, p.LookupReply, "Lookup")
         if wait:
             return reply.hit_tokens
         hit = None if reply.pending else reply.hit_tokens
@@ -768,9 +768,8 @@ class Client:
     ) -> int:
         """How many leading named chunks every rank has stored (L2 hits are loaded into L1)."""
         names = check_names(names)
-        reply, _ = self._call(p.ExistsKeys(names, model, world_size, cache_salt, extra_key))
-        assert isinstance(reply, p.ExistsReply)
-        return reply.num_chunks
+        raw, _ = self._call(p.ExistsKeys(names, model, world_size, cache_salt, extra_key))
+        return reply_as(raw, p.ExistsReply, "ExistsKeys").num_chunks
 
     def store_key_slots(
         self,
@@ -835,9 +834,8 @@ class Client:
             fields = self._key_fields(
                 names, model, worker_id, shape, dtype, cache_salt, extra_key, world_size
             )
-            reply, _ = self._call(p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))])
-            assert isinstance(reply, p.StoreReply)
-            return reply.stored_chunks
+            raw, _ = self._call(p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))])
+            return reply_as(raw, p.StoreReply, "StoreKeysInline").stored_chunks
         slots = self.store_key_slots(
             names,
             model=model,
