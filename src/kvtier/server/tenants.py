@@ -2,11 +2,11 @@
 
 With `--auth-tokens-file`, a credential names a tenant; without one a client is the anonymous
 tenant "". Every name a request carries is composed with its tenant (`keys.compose`, which is
-injective): a model becomes (tenant, model), a cache salt (tenant, salt), a session id
-(tenant, the salt for the anonymous tenant, request id). So no tenant can see, end or evict
-another's state by choosing its names, whatever strings it sends. A credential must allow the
-salt it uses. (A request's extra key goes into its chunk hashes instead:
-`keys.with_extra_key`.) Pure functions of the client and the request: no state, no lock.
+injective): a model becomes (tenant, model), a cache salt (tenant, salt), a session id (tenant,
+the salt for the anonymous tenant, request id). So no tenant can see, end or evict another's
+state by choosing its names, whatever strings it sends. A credential must allow the salt it
+uses. (A request's extra key goes into its chunk hashes instead: `keys.with_extra_key`.) Pure
+functions of the client and the request: no state, no lock.
 """
 
 from __future__ import annotations
