@@ -70,10 +70,11 @@ def chunk_keys(
 
     Kept per session and extended as it grows: a repeated lookup of a long prompt builds no
     new keys. Each cache entry holds the hashes its keys were built from, and is used only as
-    far as those equal `hashes` item for item (the same bytes objects while the session's
-    hashes stand, so the comparison is mostly pointer checks); otherwise the keys are rebuilt.
-    Entries are replaced, never changed in place, so two threads naming one session at once
-    (even with two prompts) each get the names of their own hashes.
+    far as they agree with `hashes`, the caller's own: hashes are chained (each covers every
+    token before it), so where the two agree at the last position they share, they agree at
+    every earlier one (the guarantee chunk names rest on anyway), and otherwise the keys are
+    rebuilt. Entries are replaced, never changed in place, so two threads naming one session
+    at once, even with two prompts, each get the names of their own hashes.
     """
     cache: dict[tuple[str, str, int, bytes], tuple[list[bytes], list[ChunkKey]]] = (
         session.extras.setdefault(_CACHE, {})
@@ -81,14 +82,12 @@ def chunk_keys(
     slot = (model, salt, world_size, extra_key)
     n = len(hashes)
     built, keys = cache.get(slot, ([], []))
-    m = len(built)
-    if m >= n:
-        if built[:n] == hashes if m > n else built == hashes:
-            return keys[:n] if m > n else keys  # a shorter range of a prompt already named
-        m = 0
-    elif m and built != hashes[:m]:
-        m = 0
-    keys = (keys[:m] if m else []) + [
+    m = min(len(built), n)
+    if m and built[m - 1] != hashes[m - 1]:
+        m = 0  # another prompt's names: rebuild
+    elif len(built) >= n:
+        return keys if len(keys) == n else keys[:n]  # a shorter range of a prompt named
+    keys = (keys if m == len(keys) else keys[:m]) + [
         ChunkKey(model, salt, world_size, with_extra_key(h, extra_key)) for h in hashes[m:]
     ]
     cache[slot] = (hashes, keys)
