@@ -22,7 +22,13 @@ import numpy as np
 import pytest
 
 from kvtier.client import Client
-from kvtier.errors import KVTierError, NoSpaceError, UnknownSessionError
+from kvtier.errors import (
+    BadArrayError,
+    KVTierError,
+    NoSpaceError,
+    NotRegisteredError,
+    UnknownSessionError,
+)
 
 from ..conftest import ServerProcess
 from ._trust import CS, SHAPE, SPAWN, kv_for, prompt, status, wait_for
@@ -319,3 +325,19 @@ def test_a_refused_layout_is_never_recorded(
             c.register(model="m", chunk_shape=(1024, CS, 64), dtype="float32")  # 4 MiB
         c.register(model="m", chunk_shape=SHAPE, dtype="float16")
         assert c.store("w", prompt(1), kv_for(1), model="m") == CS
+
+
+def test_a_refused_store_leaves_no_session_behind(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """A store of an array the model's layout refuses made the request's session and counted
+    its tokens before refusing it; the layout is now checked first."""
+    server = server_factory("--l1-size", "1MiB", "--chunk-size", str(CS))
+    with Client(server.address) as c:
+        with pytest.raises(NotRegisteredError):
+            c.store("w", prompt(1, 2), kv_for(1, 2), model="never-registered")
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        with pytest.raises(BadArrayError):
+            c.store("w2", prompt(1), kv_for(1, 1, TINY), model="m")
+    counts = status(server)["sessions"]
+    assert (counts["active"], counts["tokens"]) == (0, 0), counts

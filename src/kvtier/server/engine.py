@@ -266,6 +266,10 @@ class Engine:
             case p.Reserve():
                 tenants.require_watch(client, "Reserve")
                 req = tenants.scope(client, req)
+                # refuse a bad array before its session is made and its tokens counted
+                self.layouts.check(
+                    req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+                )
                 keys = self.session_book.range_keys(req)
                 reply = self.stores.reserve(client_id, req, keys, client.watch)
             case p.Commit():
