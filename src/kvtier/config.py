@@ -177,6 +177,14 @@ class ServerConfig:
         example="--session-cleanup-interval 10",
         metavar="SECONDS",
     )
+    tenant_session_share: float = _opt(
+        0.5,
+        "With --auth-tokens-file: the fraction of --max-sessions and of --max-session-tokens "
+        "that one tenant's sessions may hold; a tenant over its share ends its own longest-idle "
+        "sessions, never another tenant's",
+        example="--tenant-session-share 0.5",
+        metavar="FRACTION",
+    )
     pin_lease: float = _opt(
         60.0,
         "Seconds a lookup's pins survive without the request using them again",
@@ -277,14 +285,6 @@ class ServerConfig:
         "Tokens held by all sessions together; beyond it the longest-idle sessions are ended",
         example="--max-session-tokens 67108864",
     )
-    tenant_session_share: float = _opt(
-        0.5,
-        "Fraction of --max-sessions and of --max-session-tokens that one tenant's sessions may "
-        "hold (all anonymous clients are one tenant; 1.0 suits a server with a single tenant): "
-        "a tenant over its share ends its own longest-idle sessions, never another tenant's",
-        example="--tenant-session-share 0.5",
-        metavar="FRACTION",
-    )
     auth_tokens_file: str | None = _opt(
         None,
         "File of client credentials, one 'TOKEN TENANT [SALT ...]' per line: a client must "
@@ -345,6 +345,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise self.error(name, f"must be a positive number of seconds, got {value}")
+        if not 0 < self.tenant_session_share <= 1:
+            raise self.error(
+                "tenant_session_share", f"must be in (0, 1], got {self.tenant_session_share}"
+            )
         raw_frame = self.max_frame_bytes
         try:
             self.max_frame_bytes = parse_size(raw_frame)
@@ -354,10 +358,6 @@ class ServerConfig:
                      "max_session_tokens"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise self.error(name, f"must be positive, got {getattr(self, name)}")
-        if not 0 < self.tenant_session_share <= 1:
-            raise self.error(
-                "tenant_session_share", f"must be in (0, 1], got {self.tenant_session_share}"
-            )
         if not -1 <= self.admin_port <= 65535:
             raise self.error("admin_port", f"must be in [-1, 65535], got {self.admin_port}")
         if self.admin_token is not None and not self.admin_token:

@@ -8,6 +8,7 @@ from kvtier.errors import (
     BadArrayError,
     InvalidArgumentError,
     LayoutMismatchError,
+    NoSpaceError,
     NotRegisteredError,
 )
 from kvtier.server.layouts import Layout, LayoutRegistry
@@ -58,5 +59,7 @@ def test_a_refused_registration_records_nothing() -> None:
         reg.register("m", 2, 2, [4, 8], "float16")
     with pytest.raises(BadArrayError):
         reg.register("m", 2, 0, [4, 0], "float16")
+    with pytest.raises(NoSpaceError, match=r"needs 256 bytes .* L1 of 255 bytes"):
+        reg.register("m", 2, 0, [4, 8], "float32", max_group_bytes=255)
     assert reg.get("m", 2) is None
     assert reg.register("m", 2, 0, [4, 8], "float32") == Layout.of([4, 8], "float32")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from kvtier import protocol as p
 from kvtier._version import __version__
-from kvtier.errors import HashContractError, NoSpaceError, ProtocolVersionError
+from kvtier.errors import HashContractError, ProtocolVersionError
 from kvtier.hashing import TokenHasher
 from kvtier.server import tenants
 from kvtier.server.auth import Authenticator
 from kvtier.server.fencing import watch_process
-from kvtier.server.layouts import Layout, LayoutRegistry
+from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Peer
 from kvtier.snapshots import Registration
 from kvtier.storage.arena import Arena
@@ -88,18 +88,8 @@ class Handshake:
         )
 
     def register(self, client: Peer, req: p.Register) -> p.Ok:
-        """Record a worker's KV layout for a model (refused when one chunk cannot fit L1).
-
-        Every check comes before the record: a refused layout is never kept, so it cannot
-        make a later, correct registration of the same model a LAYOUT_MISMATCH.
-        """
-        layout = Layout.of(req.chunk_shape, req.dtype)
-        if layout.nbytes * req.world_size > self.arena.size:
-            raise NoSpaceError(
-                f"one chunk of {req.model!r} needs {layout.nbytes * req.world_size} bytes "
-                f"({req.world_size} ranks of {layout.nbytes}), more than the whole L1 of "
-                f"{self.arena.size} bytes: restart the server with a larger --l1-size"
-            )
+        """Record a worker's KV layout for a model (refused, and not recorded, when one chunk
+        cannot fit L1: see `LayoutRegistry.register`)."""
         # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
         # the same model name first cannot lock this tenant's workers out.
         layout = self.layouts.register(
@@ -108,6 +98,7 @@ class Handshake:
             req.worker_id,
             req.chunk_shape,
             req.dtype,
+            max_group_bytes=self.arena.size,
         )
         registration = Registration(
             model=req.model,

@@ -13,7 +13,8 @@ the sessions hold once they end; a session that ended (or was replaced under its
 counted again.
 
 The bounds: server-wide, --max-sessions and --max-session-tokens; per tenant (the first part of
-a session's composed id, `tenants.session_id`), --tenant-session-share of each. A tenant over
+a session's composed id, `tenants.session_id`), --tenant-session-share of each with a tokens
+file (without one, every client is the anonymous tenant, which has the whole). A tenant over
 its share, or one whose request takes the server over its bound, ends its own longest-idle
 sessions, never another tenant's; when it has none left to end and the server is still over
 its bound, the request is refused (NoSpaceError) and its session ended. Each tenant keeps its
@@ -84,7 +85,8 @@ class SessionBook:
         self._tokens = 0  # tokens counted for all sessions together
         self._shed = 0  # ended early to keep within the bounds
         self._tenants: dict[str, _TenantSessions] = {}
-        share = config.tenant_session_share
+        # Without a tokens file every client is the anonymous tenant: it has the whole bounds.
+        share = config.tenant_session_share if config.auth_tokens_file else 1.0
         self._tenant_max_sessions = max(1, int(config.max_sessions * share))
         self._tenant_max_tokens = max(1, int(config.max_session_tokens * share))
 
