@@ -193,6 +193,14 @@ class ServerConfig:
         example="--session-cleanup-interval 10",
         metavar="SECONDS",
     )
+    tenant_session_share: float = _opt(
+        0.5,
+        "With --auth-tokens-file: the fraction of --max-sessions and of --max-session-tokens "
+        "that one tenant's sessions may hold; a tenant over its share ends its own longest-idle "
+        "sessions, never another tenant's",
+        example="--tenant-session-share 0.5",
+        metavar="FRACTION",
+    )
     pin_lease: float = _opt(
         60.0,
         "Seconds a lookup's pins survive without the request using them again",
@@ -424,6 +432,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise self.error(name, f"must be a positive number of seconds, got {value}")
+        if not 0 < self.tenant_session_share <= 1:
+            raise self.error(
+                "tenant_session_share", f"must be in (0, 1], got {self.tenant_session_share}"
+            )
         raw_frame = self.max_frame_bytes
         try:
             self.max_frame_bytes = parse_size(raw_frame)

@@ -43,8 +43,14 @@ def decompose(text: str) -> list[str]:
 
 
 def shown(text: str) -> str:
-    """A tenant's composed name as people read it in metrics and logs: the name for the
-    anonymous tenant, `tenant/name` for another; text `compose` did not build is kept."""
+    """A tenant's composed model as people read it in metrics and logs, one label per name.
+
+    The anonymous tenant's name is shown as it is (`llama`); another tenant's as
+    `@tenant/name`, its tenant with `%`, `/` and `@` percent-escaped. An anonymous name that
+    starts with `@` gets one more in front (`@@...`), so no anonymous name can pass for a
+    tenant's label (`B/llama`, `@B/llama`) and no two (tenant, name) pairs share one. Text
+    `compose` did not build is kept.
+    """
     try:
         parts = decompose(text)
     except ValueError:
@@ -52,7 +58,10 @@ def shown(text: str) -> str:
     if len(parts) != 2:
         return text
     tenant, name = parts
-    return f"{tenant}/{name}" if tenant else name
+    if not tenant:
+        return "@" + name if name.startswith("@") else name
+    escaped = tenant.replace("%", "%25").replace("/", "%2F").replace("@", "%40")
+    return f"@{escaped}/{name}"
 
 
 def with_extra_key(chunk_hash: bytes, extra_key: bytes) -> bytes:

@@ -66,6 +66,13 @@ def _pack_list(tokens: list[int]) -> array.array[int] | bytes | memoryview:
 _NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == _TOKEN_BYTES
 
 
+def _packed(token_ids: TokenIds) -> bytes:
+    """The tokens packed as immutable bytes (a copy of a mutable buffer: the caller may reuse
+    it); raises kvtier's error naming a bad value."""
+    new = token_bytes(token_ids)
+    return new if isinstance(new, bytes) else bytes(new)
+
+
 def _common_prefix_tokens(a: bytes | bytearray, b: bytes, limit: int) -> int:
     """Length, in tokens, of the common prefix of two packed token buffers within `limit` bytes."""
     count = min(limit, len(a), len(b)) // _TOKEN_BYTES
@@ -199,23 +206,45 @@ class Session:
         """
         if type(full_token_ids) is list and self._extend_from_list(full_token_ids):
             return
-        new = token_bytes(full_token_ids)
-        if not isinstance(new, bytes):
-            new = bytes(new)  # immutable copy: the caller may reuse its buffer
+        new = _packed(full_token_ids)
         with self._lock:
-            self.last_access = self.clock()
-            self._list = list(full_token_ids) if type(full_token_ids) is list else None
-            old = self._tokens
-            if new is old:
-                return
-            # Only the hashed prefix matters, and decode growth leaves it unchanged: one memcmp
-            # (no copy) settles that; the token-by-token search runs only on a real divergence.
-            hashes = self._hashes
-            hashed = len(hashes) * self.hasher.chunk_size * _TOKEN_BYTES if hashes else 0
-            if hashes and not new.startswith(memoryview(old)[:hashed]):
-                valid_chunks = _common_prefix_tokens(old, new, hashed) // self.hasher.chunk_size
-                del hashes[valid_chunks:]
-            self._tokens = new
+            self._replace_locked(new, full_token_ids)
+
+    def hashes_for(self, full_token_ids: TokenIds, end: int | None = None) -> list[bytes]:
+        """Set the tokens and return the hashes of their chunks [0, end), in one hold of the
+        session's lock: the hashes of exactly these tokens, whatever another thread sets
+        between two calls (`set_tokens` then `get_hashes` are two holds, and a concurrent
+        request of the same id with another prompt could replace the tokens between them).
+
+        `end=None` means the last full-chunk boundary of these tokens. Same costs as
+        `set_tokens` and `get_hashes` together: only chunks not yet hashed are hashed.
+        """
+        if end is not None:
+            end = operator.index(end)
+        if type(full_token_ids) is list:
+            with self._lock:
+                if self._extend_locked(full_token_ids):
+                    return self._hashes_locked(0, end)
+        new = _packed(full_token_ids)  # outside the lock: converting a list is O(n)
+        with self._lock:
+            self._replace_locked(new, full_token_ids)
+            return self._hashes_locked(0, end)
+
+    def _replace_locked(self, new: bytes, full_token_ids: TokenIds) -> None:
+        """set_tokens' general path, given the packed tokens. Caller holds `_lock`."""
+        self.last_access = self.clock()
+        self._list = list(full_token_ids) if type(full_token_ids) is list else None
+        old = self._tokens
+        if new is old:
+            return
+        # Only the hashed prefix matters, and decode growth leaves it unchanged: one memcmp
+        # (no copy) settles that; the token-by-token search runs only on a real divergence.
+        hashes = self._hashes
+        hashed = len(hashes) * self.hasher.chunk_size * _TOKEN_BYTES if hashes else 0
+        if hashes and not new.startswith(memoryview(old)[:hashed]):
+            valid_chunks = _common_prefix_tokens(old, new, hashed) // self.hasher.chunk_size
+            del hashes[valid_chunks:]
+        self._tokens = new
 
     def _extend_from_list(self, tokens: list[int]) -> bool:
         """set_tokens for a list that starts with the previous list: convert just the tail.
@@ -228,29 +257,33 @@ class Session:
         server receives) always take the general path.
         """
         with self._lock:
-            old = self._list
-            if old is None:
-                return False
-            n = len(old)
-            if len(tokens) < n:
-                return False
-            tail = tokens[n:]
-            old += tail
-            try:
-                same = same_items(tokens, old)
-                packed = _pack_list(tail) if same and tail else b""  # validates the tail only
-            except BaseException:
-                del old[n:]
-                raise
-            if not same:
-                del old[n:]
-                return False
-            if tail:
-                if isinstance(self._tokens, bytes):
-                    self._tokens = bytearray(self._tokens)  # one copy, then growth is in place
-                self._tokens += packed
-            self.last_access = self.clock()
-            return True
+            return self._extend_locked(tokens)
+
+    def _extend_locked(self, tokens: list[int]) -> bool:
+        """`_extend_from_list`'s body. Caller holds `_lock`."""
+        old = self._list
+        if old is None:
+            return False
+        n = len(old)
+        if len(tokens) < n:
+            return False
+        tail = tokens[n:]
+        old += tail
+        try:
+            same = same_items(tokens, old)
+            packed = _pack_list(tail) if same and tail else b""  # validates the tail only
+        except BaseException:
+            del old[n:]
+            raise
+        if not same:
+            del old[n:]
+            return False
+        if tail:
+            if isinstance(self._tokens, bytes):
+                self._tokens = bytearray(self._tokens)  # one copy, then growth is in place
+            self._tokens += packed
+        self.last_access = self.clock()
+        return True
 
     def append_tokens(self, token_ids: TokenIds) -> None:
         """Extend the tokens (decode growth) in amortized time proportional to the new ones."""
@@ -268,43 +301,46 @@ class Session:
         `end=None` means the last full-chunk boundary of the current tokens. Both ends must be
         multiples of the chunk size, `start <= end`, and `end` within the tokens.
         """
-        cs = self.hasher.chunk_size
         start = operator.index(start)
         if end is not None:
             end = operator.index(end)
         with self._lock:
-            self.last_access = self.clock()
-            num_tokens = len(self._tokens) // _TOKEN_BYTES
-            if end is None:
-                end = num_tokens - num_tokens % cs
-            if start < 0 or start > end:
-                raise MisalignedRangeError(
-                    f"get_hashes: start={start} must satisfy 0 <= start <= end={end}"
-                )
-            if start % cs or end % cs:
-                raise MisalignedRangeError(
-                    f"get_hashes: start={start} and end={end} must be multiples of the chunk size"
-                    f" {cs}"
-                )
-            if end > num_tokens:
-                raise MisalignedRangeError(
-                    f"get_hashes: end={end} is past the session's {num_tokens} tokens"
-                )
-            hashes = self._hashes
-            if hashes is None:
-                if not end:
-                    return []
-                self._hashes = hashes = []
-            done = len(hashes)
-            first, last = start // cs, end // cs
-            if last > done:
-                # Both views are released before the lock goes: an append may resize the buffer.
-                with (
-                    memoryview(self._tokens) as view,
-                    view[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES] as window,
-                ):
-                    self.hasher.extend_chain(hashes, window)
-            return hashes[first:last]
+            return self._hashes_locked(start, end)
+
+    def _hashes_locked(self, start: int, end: int | None) -> list[bytes]:
+        """`get_hashes`' body. Caller holds `_lock`."""
+        cs = self.hasher.chunk_size
+        self.last_access = self.clock()
+        num_tokens = len(self._tokens) // _TOKEN_BYTES
+        if end is None:
+            end = num_tokens - num_tokens % cs
+        if start < 0 or start > end:
+            raise MisalignedRangeError(
+                f"get_hashes: start={start} must satisfy 0 <= start <= end={end}"
+            )
+        if start % cs or end % cs:
+            raise MisalignedRangeError(
+                f"get_hashes: start={start} and end={end} must be multiples of the chunk size {cs}"
+            )
+        if end > num_tokens:
+            raise MisalignedRangeError(
+                f"get_hashes: end={end} is past the session's {num_tokens} tokens"
+            )
+        hashes = self._hashes
+        if hashes is None:
+            if not end:
+                return []
+            self._hashes = hashes = []
+        done = len(hashes)
+        first, last = start // cs, end // cs
+        if last > done:
+            # Both views are released before the lock goes: an append may resize the buffer.
+            with (
+                memoryview(self._tokens) as view,
+                view[done * cs * _TOKEN_BYTES : end * _TOKEN_BYTES] as window,
+            ):
+                self.hasher.extend_chain(hashes, window)
+        return hashes[first:last]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe summary (for the admin API)."""

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.keys import compose, decompose
+from kvtier.keys import compose, decompose, shown
 
 parts = st.lists(st.text(max_size=12), max_size=5)
 
@@ -33,3 +33,29 @@ def test_a_separator_in_a_part_cannot_reach_another_tuple() -> None:
 def test_decompose_refuses_text_compose_did_not_build(text: str) -> None:
     with pytest.raises(ValueError, match="not a composed name"):
         decompose(text)
+
+
+@given(st.text(max_size=8), st.text(max_size=12), st.text(max_size=8), st.text(max_size=12))
+def test_two_tenants_models_share_a_metric_label_only_when_equal(
+    tenant: str, model: str, other_tenant: str, other_model: str
+) -> None:
+    same = shown(compose(tenant, model)) == shown(compose(other_tenant, other_model))
+    assert same == ((tenant, model) == (other_tenant, other_model))
+
+
+@pytest.mark.parametrize(
+    ("tenant", "model", "label"),
+    [
+        ("", "meta-llama/Llama-3-8B", "meta-llama/Llama-3-8B"),
+        ("B", "llama", "@B/llama"),
+        ("", "B/llama", "B/llama"),
+        ("", "@B/llama", "@@B/llama"),
+        ("B/x", "llama", "@B%2Fx/llama"),
+        ("B", "x/llama", "@B/x/llama"),
+        ("a@b%", "m", "@a%40b%25/m"),
+    ],
+)
+def test_metric_labels_read_as_the_name_or_at_tenant_slash_name(
+    tenant: str, model: str, label: str
+) -> None:
+    assert shown(compose(tenant, model)) == label

@@ -8,6 +8,7 @@ from kvtier.errors import (
     BadArrayError,
     InvalidArgumentError,
     LayoutMismatchError,
+    NoSpaceError,
     NotRegisteredError,
 )
 from kvtier.server.layouts import Layout, LayoutRegistry
@@ -48,3 +49,17 @@ def test_check_names_what_is_wrong() -> None:
         reg.check("m", 1, 0, [4, 9], "float16")
     with pytest.raises(InvalidArgumentError):
         reg.check("m", 1, 3, [4, 8], "float16")
+
+
+def test_a_refused_registration_records_nothing() -> None:
+    """Every check comes before the record: after a refusal, the first valid registration of
+    the name sets its layout."""
+    reg = LayoutRegistry()
+    with pytest.raises(InvalidArgumentError):
+        reg.register("m", 2, 2, [4, 8], "float16")
+    with pytest.raises(BadArrayError):
+        reg.register("m", 2, 0, [4, 0], "float16")
+    with pytest.raises(NoSpaceError, match=r"needs 256 bytes .* L1 of 255 bytes"):
+        reg.register("m", 2, 0, [4, 8], "float32", max_group_bytes=255)
+    assert reg.get("m", 2) is None
+    assert reg.register("m", 2, 0, [4, 8], "float32") == Layout.of([4, 8], "float32")

@@ -477,6 +477,61 @@ def test_eight_threads_share_a_session_without_rehashing_or_torn_lists() -> None
     assert s.chunk_hashes == expected
 
 
+@settings(max_examples=60, deadline=None)
+@given(sequences=st.lists(token_lists, min_size=1, max_size=6), data=st.data())
+def test_hashes_for_equals_hashing_its_own_tokens_from_scratch(
+    sequences: list[list[int]], data: st.DataObject
+) -> None:
+    """`hashes_for` after any earlier tokens (packed or a list, grown or diverging) gives the
+    hashes of exactly the tokens it was given, to `end`."""
+    s = Session("r", CountingHasher())
+    base = sequences[0]
+    for seq in sequences:
+        keep = data.draw(st.integers(0, len(base)))
+        tokens = base[:keep] + seq
+        end = data.draw(st.integers(0, len(tokens) // CS)) * CS
+        given_as = data.draw(st.sampled_from(["list", "bytes"]))
+        arg: TokenIds = tokens if given_as == "list" else np.asarray(tokens, "<u4").tobytes()
+        assert s.hashes_for(arg, end) == reference(tokens)[: end // CS]
+        assert s.token_ids == tokens
+        base = tokens
+    assert s.hashes_for(base) == reference(base)
+
+
+def test_hashes_for_past_its_own_tokens_is_refused(hasher: CountingHasher) -> None:
+    s = Session("r", hasher)
+    with pytest.raises(MisalignedRangeError, match="end=8 is past the session's 6 tokens"):
+        s.hashes_for(list(range(6)), 8)
+
+
+def test_threads_with_different_prompts_on_one_session_each_get_their_own_hashes() -> None:
+    """Requests of one id with different prompts at the same time: `set_tokens` then
+    `get_hashes` may return another thread's hashes; `hashes_for` never does."""
+    s = Session("r", TokenHasher(CS))
+    prompts = [list(range(r * 10_000, r * 10_000 + 4 * 300 + r)) for r in range(6)]
+    expected = [reference(tokens) for tokens in prompts]
+    barrier = threading.Barrier(len(prompts))
+    failures: list[str] = []
+
+    def worker(rank: int) -> None:
+        try:
+            barrier.wait(WAIT)
+            for step in range(200):
+                packed = np.asarray(prompts[rank], "<u4").tobytes()
+                if s.hashes_for(packed if step % 2 else prompts[rank]) != expected[rank]:
+                    failures.append(f"rank {rank} step {step}: another prompt's hashes")
+        except Exception as exc:
+            failures.append(f"rank {rank}: {exc!r}")
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+
+
 # -- SessionManager ----------------------------------------------------------------------------
 
 

@@ -270,6 +270,10 @@ class Engine:
             case p.Reserve():
                 tenants.require_watch(client, "Reserve")
                 req = tenants.scope(client, req)
+                # refuse a bad array before its session is made and its tokens counted
+                self.layouts.check(
+                    req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
+                )
                 keys = self.session_book.range_keys(req)
                 reply = self.stores.reserve(client_id, req, keys, client.watch)
             case p.Commit():
@@ -337,11 +341,12 @@ class Engine:
         """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
-        session = self.session_book.session(req.request_id, req.tokens)
-        num_tokens = session.num_tokens
-        end = num_tokens - num_tokens % self.chunk_size
+        # The prompt's own tokens and hashes: another request of this id may be setting its
+        # session's tokens to another prompt right now (see `naming.py`).
+        session, hashes = self.session_book.session(req.request_id, req.tokens)
+        num_tokens = len(req.tokens) // 4
         keys = naming.chunk_keys(
-            session, req.model, req.cache_salt, req.world_size, end, extra_key=req.extra_key
+            session, hashes, req.model, req.cache_salt, req.world_size, extra_key=req.extra_key
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):

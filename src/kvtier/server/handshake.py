@@ -176,7 +176,8 @@ class Handshake:
             )
 
     def register(self, client: Peer, req: p.Register) -> p.Ok:
-        """Record a worker's KV layout for a model (refused when one chunk cannot fit L1)."""
+        """Record a worker's KV layout for a model (refused, and not recorded, when one chunk
+        cannot fit L1: see `LayoutRegistry.register`)."""
         # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
         # the same model name first cannot lock this tenant's workers out.
         layout = self.layouts.register(
@@ -185,13 +186,8 @@ class Handshake:
             req.worker_id,
             req.chunk_shape,
             req.dtype,
+            max_group_bytes=self.arena.size,
         )
-        if layout.nbytes * req.world_size > self.arena.size:
-            raise NoSpaceError(
-                f"one chunk of {req.model!r} needs {layout.nbytes * req.world_size} bytes "
-                f"({req.world_size} ranks of {layout.nbytes}), more than the whole L1 of "
-                f"{self.arena.size} bytes: restart the server with a larger --l1-size"
-            )
         registration = Registration(
             model=req.model,
             world_size=req.world_size,

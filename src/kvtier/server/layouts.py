@@ -14,8 +14,10 @@ from kvtier.errors import (
     BadArrayError,
     InvalidArgumentError,
     LayoutMismatchError,
+    NoSpaceError,
     NotRegisteredError,
 )
+from kvtier.keys import shown
 
 __all__ = ["DTYPE_SIZES", "Layout", "LayoutRegistry"]
 
@@ -74,16 +76,34 @@ class LayoutRegistry:
         self._layouts: dict[tuple[str, int], Layout] = {}
 
     def register(
-        self, model: str, world_size: int, worker_id: int, chunk_shape: Sequence[int], dtype: str
+        self,
+        model: str,
+        world_size: int,
+        worker_id: int,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        *,
+        max_group_bytes: int | None = None,
     ) -> Layout:
-        """Record a rank's layout; every rank of (model, world_size) must register the same."""
+        """Record a rank's layout; every rank of (model, world_size) must register the same,
+        and one chunk of all ranks must fit `max_group_bytes` (the L1) when given.
+
+        Every check comes before the record: a refused layout is never kept, so it cannot make
+        a later, correct registration of the same model a LAYOUT_MISMATCH.
+        """
         _check_rank(worker_id, world_size)
         layout = Layout.of(chunk_shape, dtype)
+        if max_group_bytes is not None and layout.nbytes * world_size > max_group_bytes:
+            raise NoSpaceError(
+                f"one chunk of {shown(model)!r} needs {layout.nbytes * world_size} bytes "
+                f"({world_size} ranks of {layout.nbytes}), more than the whole L1 of "
+                f"{max_group_bytes} bytes: restart the server with a larger --l1-size"
+            )
         known = self._layouts.setdefault((model, world_size), layout)
         if known != layout:
             raise LayoutMismatchError(
-                f"model {model!r} with world_size {world_size} is registered with chunk layout "
-                f"{known.text}; rank {worker_id} sent {layout.text}"
+                f"model {shown(model)!r} with world_size {world_size} is registered with chunk "
+                f"layout {known.text}; rank {worker_id} sent {layout.text}"
             )
         return layout
 

@@ -1,7 +1,10 @@
-"""Naming a request's chunks: its session's hashes, as ChunkKeys, checked against the range.
+"""Naming a request's chunks: the hashes of its own tokens, as ChunkKeys, checked against the range.
 
-Runs without the engine lock: a `Session` guards itself, and the chunk-key cache it keeps is
-replaced, never changed in place.
+Runs without the engine lock. A chunk's name comes from the exact tokens of the request that
+names it: `Session.hashes_for` sets the tokens and hashes them in one hold of the session's
+lock, so another request of the same id with another prompt, at the same moment, cannot swap
+its tokens in between. The chunk-key cache a session keeps is checked against those hashes
+(and replaced, never changed in place), so it never hands out another prompt's names.
 """
 
 from __future__ import annotations
@@ -11,22 +14,29 @@ from kvtier.errors import BadArrayError, InvalidArgumentError, MisalignedRangeEr
 from kvtier.keys import ChunkKey, with_extra_key
 from kvtier.session import Session, SessionManager
 
-__all__ = ["chunk_keys", "range_keys", "session_for"]
+__all__ = ["chunk_keys", "range_keys", "session_hashes"]
+
+_CACHE = "chunk_keys"  # the session extra that holds its chunk-key cache
 
 
-def session_for(sessions: SessionManager, request_id: str, tokens: bytes) -> Session:
-    """The request's session, holding `tokens` (packed uint32) now."""
+def session_hashes(
+    sessions: SessionManager, request_id: str, tokens: bytes, end: int | None = None
+) -> tuple[Session, list[bytes]]:
+    """The request's session, holding `tokens` (packed uint32) now, and the hashes of chunks
+    [0, end) of exactly these tokens (`end=None`: every full chunk)."""
     if len(tokens) % 4:
         raise InvalidArgumentError(
             f"tokens must be packed uint32: {len(tokens)} bytes is not a multiple of 4"
         )
     session = sessions.get_or_create(request_id)
-    session.set_tokens(tokens)
-    return session
+    return session, session.hashes_for(tokens, end)
 
 
-def range_keys(sessions: SessionManager, chunk_size: int, req: p.RangeRequest) -> list[ChunkKey]:
-    """The names of chunks [start, end) of a store or retrieve, after checking the range."""
+def range_keys(
+    sessions: SessionManager, chunk_size: int, req: p.RangeRequest
+) -> tuple[Session, list[ChunkKey]]:
+    """The session and the names of chunks [start, end) of a store or retrieve, after checking
+    the range."""
     cs = chunk_size
     if req.start % cs or req.end % cs or req.start < 0 or req.start > req.end:
         raise MisalignedRangeError(
@@ -38,39 +48,47 @@ def range_keys(sessions: SessionManager, chunk_size: int, req: p.RangeRequest) -
             f"the array holds {req.num_chunks} chunks but the range [{req.start}, "
             f"{req.end}) covers {(req.end - req.start) // cs} chunks of {cs} tokens"
         )
-    session = session_for(sessions, req.request_id, req.tokens)
+    session, hashes = session_hashes(sessions, req.request_id, req.tokens, req.end)
     keys = chunk_keys(
-        session, req.model, req.cache_salt, req.world_size, req.end, extra_key=req.extra_key
+        session, hashes, req.model, req.cache_salt, req.world_size, extra_key=req.extra_key
     )
-    return keys[req.start // cs :]
+    return session, keys[req.start // cs :]
 
 
 def chunk_keys(
-    session: Session, model: str, salt: str, world_size: int, end: int, *, extra_key: bytes = b""
+    session: Session,
+    hashes: list[bytes],
+    model: str,
+    salt: str,
+    world_size: int,
+    *,
+    extra_key: bytes = b"",
 ) -> list[ChunkKey]:
-    """Names of the session's chunks [0, end) under (model, salt, world_size), each hash
-    under the request's extra key (`keys.with_extra_key`).
+    """Names of the chunks whose hashes are `hashes` (a request's own, from `session_hashes`)
+    under (model, salt, world_size), each hash under the request's extra key
+    (`keys.with_extra_key`).
 
     Kept per session and extended as it grows: a repeated lookup of a long prompt builds no
-    new keys. Hashes are chained, so when the last cached key still carries the hash at its
-    position, every earlier one does too; otherwise the cache is rebuilt. The cached list is
-    replaced, never changed in place, so two threads naming one session at once at worst
-    both build the same keys.
+    new keys. Each cache entry holds the hashes its keys were built from, and is used only as
+    far as they agree with `hashes`, the caller's own: hashes are chained (each covers every
+    token before it), so where the two agree at the last position they share, they agree at
+    every earlier one (the guarantee chunk names rest on anyway), and otherwise the keys are
+    rebuilt. Entries are replaced, never changed in place, so two threads naming one session
+    at once, even with two prompts, each get the names of their own hashes.
     """
-    hashes = session.get_hashes(0, end)
-    cache: dict[tuple[str, str, int, bytes], list[ChunkKey]] = session.extras.setdefault(
-        "chunk_keys", {}
+    cache: dict[tuple[str, str, int, bytes], tuple[list[bytes], list[ChunkKey]]] = (
+        session.extras.setdefault(_CACHE, {})
     )
     slot = (model, salt, world_size, extra_key)
-    keys = cache.get(slot, [])
     n = len(hashes)
-    valid = min(len(keys), n)  # the cached keys agree with these hashes up to here
-    if valid and keys[valid - 1].chunk_hash != with_extra_key(hashes[valid - 1], extra_key):
-        keys = []
-    elif len(keys) >= n:
-        return keys[:n]  # a shorter range of a prompt already named: keep the rest cached
-    keys = keys + [
-        ChunkKey(model, salt, world_size, with_extra_key(h, extra_key)) for h in hashes[len(keys) :]
+    built, keys = cache.get(slot, ([], []))
+    m = min(len(built), n)
+    if m and built[m - 1] != hashes[m - 1]:
+        m = 0  # another prompt's names: rebuild
+    elif len(built) >= n:
+        return keys if len(keys) == n else keys[:n]  # a shorter range of a prompt named
+    keys = (keys if m == len(keys) else keys[:m]) + [
+        ChunkKey(model, salt, world_size, with_extra_key(h, extra_key)) for h in hashes[m:]
     ]
-    cache[slot] = keys
+    cache[slot] = (hashes, keys)
     return keys
