@@ -477,18 +477,22 @@ def test_admin_bodies_are_bounded_and_deep_json_is_a_bad_request(server: ServerP
 def test_a_password_with_an_at_sign_is_redacted_in_status_and_log(
     server_factory: Callable[..., ServerProcess],
 ) -> None:
-    url = REDIS_URL.replace("redis://", "redis://:zq:Xq7v@9Zkw#Jw@")  # ":" "@" "#" inside
+    """A Redis password holding "@" (and here "/", which urllib itself does not take as part of
+    the password) showed partly in /status and the log: redaction hid only up to its first
+    "@"."""
+    url = REDIS_URL.replace("redis://", "redis://:zq:Xq7v@9Zkw/Ab3@")
     server = server_factory("--l1-size", "1MiB", "--chunk-size", str(CS), "--l2", url)
     with Client(server.address) as c:  # traffic, so the tier's errors surface
         register(c)
-        c.store("r", prompt(1), kv_for(1), model="m")
+        with contextlib.suppress(Exception):
+            c.store("r", prompt(1), kv_for(1), model="m")
         c.lookup("r2", prompt(2), model="m")
     text = httpx.get(server.admin_url + "/status", timeout=5).text  # type: ignore[operator]
     server.stop()
-    for secret in ("Xq7v", "9Zkw", "Jw@"):
+    assert ":***@" in text
+    for secret in ("Xq7v", "9Zkw/", "/Ab3", "Ab3@"):
         assert secret not in text, secret
         assert secret not in server.output, secret
-    assert ":***@" in text
 
 
 # -- 9. DNS rebinding ---------------------------------------------------------------------------
