@@ -67,10 +67,11 @@ bench: install-test
 demo: $(TEST_STAMP)
 	$(BIN)/kvtier demo
 
-# A bounded chaos run (issue 10): verified load while clients, the server, Redis and the disk
-# misbehave. Minutes long and mounts a tmpfs (needs root), so not part of `make test`.
+# A bounded chaos run: verified load while clients, the server, Redis and the disk misbehave,
+# once without and once with another tenant attacking (honest p99s compared). Minutes long and
+# mounts a tmpfs (needs root), so not part of `make test`.
 soak: $(TEST_STAMP)
-	$(BIN)/python -m benchmarks.soak --duration 120 --json soak.json
+	$(BIN)/python -m benchmarks.soak --duration 120 --compare --json soak.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -11,12 +11,18 @@ what it must be. Meanwhile a chaos loop, one action every couple of seconds:
 - stops its private Redis (SIGKILL) and starts it again a few seconds later,
 - fills the disk tier's filesystem (a small tmpfs) with a filler file, and frees it later.
 
+With `--attackers`, another tenant attacks all the while (`soak_attacks.py`: a flooding tenant
+and one that lies about its pid), and two honest clients share a small pool of request ids, so
+one id is used at once for two prompts. `--compare` runs the same seed without and then with
+the attackers and compares the honest clients' latency: each honest client's p99 must stay
+within 2x of its p99 in the run without them.
+
 Server kills stop at 60% of the run, so the last server lives long enough to measure drift.
 It prints operations, bytes verified, wrong bytes, acknowledged chunks lost (a store said
 "stored" but a lookup right after it, on the same server, missed them), L2 drops, and the RSS
 and fd drift of the last server and of the clients that lived through the run.
 
-    python -m benchmarks.soak --duration 120
+    python -m benchmarks.soak --duration 120 --compare
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.soak_attacks import HONEST_TOKEN, KINDS, TOKENS_FILE, attacker
+
 CS = 16
 SHAPE = (8, 2, CS, 4, 8)  # 16 KiB per chunk in float16
 CHUNK_BYTES = 2 * int(np.prod(SHAPE))
@@ -64,8 +72,10 @@ def tokens_of(n: int) -> list[int]:
 # -- client processes -----------------------------------------------------------------------------
 
 
-def worker(address: str, wid: int, seed: int, out: Any, stop: Any) -> None:
-    """One client process: verified lookups, retrieves and stores until `stop` is set."""
+def worker(address: str, wid: int, seed: int, out: Any, stop: Any, shared_rids: bool) -> None:
+    """One honest client process: verified lookups, retrieves and stores until `stop` is set,
+    reporting its counters and each operation's latency. With `shared_rids` its request ids
+    come from a small pool that another such client draws from too."""
     from kvtier.client import Client
     from kvtier.errors import KVTierError
 
@@ -73,28 +83,38 @@ def worker(address: str, wid: int, seed: int, out: Any, stop: Any) -> None:
     cache = {n: expected(n) for n in range(NUM_PROMPTS)}
     c: Any = None
     counts: Counter[str] = Counter()
+    latencies: list[float] = []
     last_report = 0.0
     while not stop.is_set():
         if time.monotonic() - last_report > 0.5:
-            out.put((wid, os.getpid(), dict(counts)))
+            out.put((wid, os.getpid(), dict(counts), latencies))
+            latencies = []
             last_report = time.monotonic()
+        t0 = time.perf_counter()
         try:
             if c is None:
-                c = Client(address, timeout=5, connect_timeout=2)
+                c = Client(address, timeout=5, connect_timeout=2, token=HONEST_TOKEN)
                 c.register(model="soak", chunk_shape=SHAPE, dtype="float16")
-            _one_op(c, rng, cache, counts)
+            _one_op(c, rng, cache, counts, shared_rids)
         except KVTierError as exc:
             counts[f"error:{type(exc).__name__}"] += 1
             time.sleep(0.05)
-    out.put((wid, os.getpid(), dict(counts)))
+        latencies.append(time.perf_counter() - t0)
+    out.put((wid, os.getpid(), dict(counts), latencies))
     if c is not None:
         c.close()
 
 
-def _one_op(c: Any, rng: random.Random, cache: dict[int, np.ndarray], counts: Counter[str]) -> None:
+def _one_op(
+    c: Any,
+    rng: random.Random,
+    cache: dict[int, np.ndarray],
+    counts: Counter[str],
+    shared_rids: bool = False,
+) -> None:
     n = rng.randrange(NUM_PROMPTS)
     kv, tokens = cache[n], tokens_of(n)
-    rid = uuid.uuid4().hex
+    rid = f"shared-{rng.randrange(4)}" if shared_rids else uuid.uuid4().hex
     counts["ops"] += 1
     # A third of the copies go through the slot API with a pause between being granted the
     # slots and touching them, so a SIGSTOP often lands while a client holds slots.
@@ -203,6 +223,14 @@ class Parts:
     def disk(self) -> Path:
         return self.root / "disk"
 
+    @property
+    def tokens_file(self) -> Path:
+        path = self.root / "tokens"
+        if not path.exists():
+            path.write_text(TOKENS_FILE)
+            path.chmod(0o600)
+        return path
+
     def start_redis(self) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -237,6 +265,7 @@ class Parts:
         argv = [
             sys.executable, "-m", "kvtier.cli", "serve", "--address", self.address,
             "--admin-port", "0", "--l1-size", "8MiB", "--chunk-size", str(CS),
+            "--auth-tokens-file", str(self.tokens_file),
             "--staging-lease", "2", "--client-timeout", "3", "--reap-interval", "0.5",
             "--l2", f"disk://{self.disk}?size=64MiB",
             "--l2", f"redis://127.0.0.1:{self.redis_port}/0?timeout=0.5&connect_timeout=0.5",
@@ -271,7 +300,10 @@ class Parts:
     def status(self) -> dict[str, Any]:
         import httpx
 
-        return httpx.get(self.admin + "/status", timeout=5).json()  # type: ignore[no-any-return]
+        reply = httpx.get(
+            self.admin + "/status", timeout=5, headers={"Authorization": f"Bearer {HONEST_TOKEN}"}
+        )
+        return reply.json()  # type: ignore[no-any-return]
 
     def close(self) -> None:
         if self.server is not None:
@@ -300,6 +332,7 @@ class Run:
     duration: float
     num_clients: int
     rng: random.Random
+    attackers: bool = False
     out: Any = field(default_factory=lambda: SPAWN.Queue())
     stop: Any = field(default_factory=lambda: SPAWN.Event())
     clients: dict[int, Any] = field(default_factory=dict)
@@ -311,24 +344,42 @@ class Run:
     statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
     last_status_at: float = 0.0
     client_samples: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    latencies: dict[int, list[float]] = field(default_factory=dict)
+    attacker_procs: list[Any] = field(default_factory=list)
+    attacker_totals: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
 
     def spawn_client(self) -> None:
         wid = self.next_wid
         self.next_wid += 1
+        seed = self.rng.randrange(2**32)
+        # with the attackers, clients 0 and 1 of every four share one pool of request ids
+        shared = self.attackers and wid % 4 < 2
         proc = SPAWN.Process(
-            target=worker,
-            args=(self.parts.address, wid, self.rng.randrange(2**32), self.out, self.stop),
+            target=worker, args=(self.parts.address, wid, seed, self.out, self.stop, shared)
         )
         proc.start()
         self.clients[wid] = proc
 
+    def spawn_attackers(self) -> None:
+        for i, kind in enumerate(KINDS):
+            proc = SPAWN.Process(
+                target=attacker,
+                args=(self.parts.address, kind, 1000 + i, self.out, self.stop, SHAPE),
+            )
+            proc.start()
+            self.attacker_procs.append(proc)
+
     def drain(self) -> None:
         while True:
             try:
-                wid, pid, counts = self.out.get_nowait()
+                who, pid, counts, *rest = self.out.get_nowait()
             except Exception:
                 return
-            self.totals[wid, pid] = counts
+            if isinstance(who, str):  # an attacker
+                self.attacker_totals[who, pid] = counts
+                continue
+            self.totals[who, pid] = counts
+            self.latencies.setdefault(who, []).extend(rest[0])
 
     def sample(self) -> None:
         if self.parts.server is not None and time.monotonic() - self.last_status_at > 2:
@@ -396,9 +447,11 @@ def _drift(samples: list[tuple[int, int]]) -> tuple[float, int]:
     return (last[0] - first[0]) / first[0], last[1] - first[1]
 
 
-def soak(duration: float, num_clients: int, seed: int, disk_size: str) -> dict[str, Any]:
+def soak(
+    duration: float, num_clients: int, seed: int, disk_size: str, attackers: bool = False
+) -> dict[str, Any]:
     parts = Parts(Path(tempfile.mkdtemp(prefix="kvtier-soak-")))
-    run = Run(parts, duration, num_clients, random.Random(seed))
+    run = Run(parts, duration, num_clients, random.Random(seed), attackers)
     try:
         parts.mount_disk(disk_size)
         parts.start_redis()
@@ -406,6 +459,8 @@ def soak(duration: float, num_clients: int, seed: int, disk_size: str) -> dict[s
         parts.start_server()
         for _ in range(num_clients):
             run.spawn_client()
+        if attackers:
+            run.spawn_attackers()
         t0 = time.monotonic()
         next_chaos = t0 + 3
         while (elapsed := time.monotonic() - t0) < duration:
@@ -424,14 +479,14 @@ def soak(duration: float, num_clients: int, seed: int, disk_size: str) -> dict[s
         assert parts.server is not None
         run.statuses[parts.server.pid] = final_status
         run.stop.set()
-        for proc in run.clients.values():
+        for proc in [*run.clients.values(), *run.attacker_procs]:
             proc.join(20)
             if proc.is_alive():
                 proc.kill()
         run.drain()
     finally:
         run.stop.set()
-        for proc in run.clients.values():
+        for proc in [*run.clients.values(), *run.attacker_procs]:
             if proc.is_alive():
                 _cont(proc.pid)
                 proc.kill()
@@ -447,9 +502,14 @@ def soak(duration: float, num_clients: int, seed: int, disk_size: str) -> dict[s
             for key, value in (st.get(section) or {}).items():
                 if isinstance(value, int) and key not in ("queue_capacity",):
                     summed[f"{section}.{key}"] += value
+    attacks: Counter[str] = Counter()
+    for counts in run.attacker_totals.values():
+        attacks.update(counts)
+    pooled = [x for lat in run.latencies.values() for x in lat]
     return {
         "duration_s": duration,
         "clients": num_clients,
+        "attackers": list(KINDS) if attackers else [],
         "operations": totals["ops"],
         "lookups": totals["lookups"],
         "retrieves": totals["retrieves"],
@@ -474,6 +534,40 @@ def soak(duration: float, num_clients: int, seed: int, disk_size: str) -> dict[s
         "client_rss_drift_max": round(max((d[0] for d in client_drifts), default=0.0), 4),
         "client_fd_drift_max": max((d[1] for d in client_drifts), default=0),
         "traceback_in_server_log": any("Traceback" in line for line in parts.log),
+        "honest_p50_ms": round(_quantile(pooled, 0.50) * 1e3, 3),
+        "honest_p99_ms": round(_quantile(pooled, 0.99) * 1e3, 3),
+        "honest_p99_ms_by_client": {
+            str(wid): round(_quantile(lat, 0.99) * 1e3, 3)
+            for wid, lat in sorted(run.latencies.items())
+            if len(lat) >= 100
+        },
+        "attacks": dict(sorted(attacks.items())),
+    }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return float(np.quantile(values, q)) if values else 0.0
+
+
+def _passed(result: dict[str, Any]) -> bool:
+    return bool(
+        result["wrong_bytes"] == 0
+        and result["discarded_wrong_bytes"] == 0
+        and result["acknowledged_chunks_lost"] == 0
+        and result["server_rss_drift"] <= 0.10
+        and result["attacks"].get("liar_granted_slots", 0) == 0
+    )
+
+
+def compare(quiet: dict[str, Any], attacked: dict[str, Any]) -> dict[str, Any]:
+    """Each honest client's p99 with the attackers over its p99 without them (same seed, so
+    the same clients meet the same chaos), and the pooled ratio."""
+    before, after = quiet["honest_p99_ms_by_client"], attacked["honest_p99_ms_by_client"]
+    ratios = {w: after[w] / before[w] for w in sorted(set(before) & set(after)) if before[w]}
+    return {
+        "p99_ratio_by_client": {w: round(r, 3) for w, r in ratios.items()},
+        "p99_ratio_max": round(max(ratios.values(), default=0.0), 3),
+        "p99_ratio_pooled": round(attacked["honest_p99_ms"] / max(quiet["honest_p99_ms"], 1e-9), 3),
     }
 
 
@@ -484,17 +578,29 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--disk-size", default="6m", help="size of the disk tier's tmpfs")
     parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
-    result = soak(args.duration, args.clients, args.seed, args.disk_size)
-    for key, value in result.items():
-        print(f"{key:28} {value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    ok = (
-        result["wrong_bytes"] == 0
-        and result["acknowledged_chunks_lost"] == 0
-        and result["server_rss_drift"] <= 0.10
+    parser.add_argument("--attackers", action="store_true", help="mix in the tenant attacks")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="run without, then with the attackers (same seed), and compare honest p99s",
     )
+    args = parser.parse_args()
+    runs = [False, True] if args.compare else [args.attackers]
+    results = {}
+    for attacked in runs:
+        name = "attacked" if attacked else "quiet"
+        print(f"soak: {name} run, {args.duration:g} s", flush=True)
+        results[name] = soak(args.duration, args.clients, args.seed, args.disk_size, attacked)
+        for key, value in results[name].items():
+            print(f"{key:28} {value}")
+    ok = all(_passed(r) for r in results.values())
+    if args.compare:
+        results["comparison"] = compare(results["quiet"], results["attacked"])
+        for key, value in results["comparison"].items():
+            print(f"{key:28} {value}")
+        ok = ok and results["comparison"]["p99_ratio_max"] <= 2.0
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print("soak:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 

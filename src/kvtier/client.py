@@ -442,6 +442,7 @@ class Client:
         model: str,
         world_size: int = 1,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         wait: Literal[True] = True,
     ) -> int: ...
 
@@ -454,6 +455,7 @@ class Client:
         model: str,
         world_size: int = 1,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         wait: Literal[False],
     ) -> LookupHandle: ...
 
@@ -465,6 +467,7 @@ class Client:
         model: str,
         world_size: int = 1,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         wait: bool = True,
     ) -> int | LookupHandle:
         """Leading tokens whose chunks every rank has cached (pinned until retrieved).
@@ -472,7 +475,7 @@ class Client:
         Chunks that must first load from an L2 tier load on the server; with `wait=False` this
         returns at once a `LookupHandle` to poll while they do (a scheduler step is not held up).
         """
-        msg = p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt, wait)
+        msg = p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt, wait, extra_key)
         reply, _ = self._call(msg)
         assert isinstance(reply, p.LookupReply)
         if wait:
@@ -492,13 +495,14 @@ class Client:
         chunk_shape: Sequence[int],
         dtype: str,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> StoreSlots:
         """Slots to write this rank's chunks [start, end) into; commits on leaving `with`."""
         num_chunks = max(0, (end - start) // self.chunk_size)
         fields = self._fields(
             request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
-            cache_salt, world_size,
+            cache_salt, extra_key, world_size,
         )  # fmt: skip
         return StoreSlots(self, fields)
 
@@ -514,13 +518,14 @@ class Client:
         chunk_shape: Sequence[int],
         dtype: str,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> RetrievedSlots:
         """Read-only views of this rank's leading cached chunks of [start, end)."""
         num_chunks = max(0, (end - start) // self.chunk_size)
         fields = self._fields(
             request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
-            cache_salt, world_size,
+            cache_salt, extra_key, world_size,
         )  # fmt: skip
         return RetrievedSlots(self, fields)
 
@@ -535,6 +540,7 @@ class Client:
         start: int = 0,
         end: int | None = None,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> int:
         """Store chunks [start, end) of this rank from `kv` (num_chunks, *chunk_shape).
@@ -542,8 +548,9 @@ class Client:
         `end` defaults to start + num_chunks * chunk_size. Returns the tokens now stored.
         """
         rows, fields = self._range(
-            request_id, tokens, kv, "kv", model, worker_id, start, end, cache_salt, world_size
-        )
+            request_id, tokens, kv, "kv", model, worker_id, start, end, cache_salt, extra_key,
+            world_size,
+        )  # fmt: skip
         with StoreSlots(self, fields) as slots:
             copy_pairs([(view, rows[i]) for i, view in slots.targets()])
             return slots.commit()
@@ -559,6 +566,7 @@ class Client:
         start: int = 0,
         end: int | None = None,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> int:
         """Copy this rank's shards of chunks [start, end) into `out` (num_chunks, *chunk_shape).
@@ -567,8 +575,9 @@ class Client:
         Raises LeaseExpiredError when the server's lease on the slots lapsed during the copy.
         """
         rows, fields = self._range(
-            request_id, tokens, out, "out", model, worker_id, start, end, cache_salt, world_size
-        )
+            request_id, tokens, out, "out", model, worker_id, start, end, cache_salt, extra_key,
+            world_size,
+        )  # fmt: skip
         with RetrievedSlots(self, fields) as got:
             copy_pairs([(rows[i], view) for i, view in enumerate(got.views)])
         return got.num_tokens
@@ -584,6 +593,7 @@ class Client:
         start: int,
         end: int | None,
         cache_salt: str,
+        extra_key: bytes,
         world_size: int | None,
     ) -> tuple[npt.NDArray[np.uint8], dict[str, Any]]:
         """The array's chunk rows and the fields of a RangeRequest for it."""
@@ -596,7 +606,7 @@ class Client:
         end = start + num_chunks * self.chunk_size if end is None else end
         fields = self._fields(
             request_id, tokens, model, worker_id, start, end, shape, dtype, num_chunks,
-            cache_salt, world_size,
+            cache_salt, extra_key, world_size,
         )  # fmt: skip
         return rows, fields
 
@@ -612,6 +622,7 @@ class Client:
         dtype: str,
         num_chunks: int,
         cache_salt: str,
+        extra_key: bytes,
         world_size: int | None,
     ) -> dict[str, Any]:
         """The fields of a RangeRequest (the server checks them against the layout)."""
@@ -627,15 +638,23 @@ class Client:
             "dtype": str(dtype).removeprefix("torch."),
             "num_chunks": num_chunks,
             "cache_salt": cache_salt,
+            "extra_key": extra_key,
         }
 
     # -- key-addressed chunks (named by the caller, e.g. SGLang's page hashes) ---------------------
 
     def exists_keys(
-        self, names: Sequence[ChunkName], *, model: str, world_size: int = 1, cache_salt: str = ""
+        self,
+        names: Sequence[ChunkName],
+        *,
+        model: str,
+        world_size: int = 1,
+        cache_salt: str = "",
+        extra_key: bytes = b"",
     ) -> int:
         """How many leading named chunks every rank has stored (L2 hits are loaded into L1)."""
-        reply, _ = self._call(p.ExistsKeys(check_names(names), model, world_size, cache_salt))
+        names = check_names(names)
+        reply, _ = self._call(p.ExistsKeys(names, model, world_size, cache_salt, extra_key))
         assert isinstance(reply, p.ExistsReply)
         return reply.num_chunks
 
@@ -648,6 +667,7 @@ class Client:
         chunk_shape: Sequence[int],
         dtype: str,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> StoreSlots:
         """Slots to write this rank's named chunks into; `with` commits them.
@@ -656,7 +676,7 @@ class Client:
         the named chunks stored after the commit.
         """
         fields = self._key_fields(
-            names, model, worker_id, chunk_shape, dtype, cache_salt, world_size
+            names, model, worker_id, chunk_shape, dtype, cache_salt, extra_key, world_size
         )
         return StoreSlots(self, fields, reserve=p.ReserveKeys, store_inline=p.StoreKeysInline)
 
@@ -669,11 +689,12 @@ class Client:
         chunk_shape: Sequence[int],
         dtype: str,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> RetrievedSlots:
         """Read-only views of this rank's leading stored named chunks (as `retrieve_slots`)."""
         fields = self._key_fields(
-            names, model, worker_id, chunk_shape, dtype, cache_salt, world_size
+            names, model, worker_id, chunk_shape, dtype, cache_salt, extra_key, world_size
         )
         return RetrievedSlots(self, fields, retrieve=p.RetrieveKeys)
 
@@ -685,6 +706,7 @@ class Client:
         model: str,
         worker_id: int = 0,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> int:
         """Store this rank's named chunks from `chunks` (len(names), *chunk_shape).
@@ -696,7 +718,9 @@ class Client:
         if rows.shape[0] != len(names):
             raise BadArrayError(f"{len(names)} names but {rows.shape[0]} chunks in the array")
         if self._arena_bytes is None:  # inline: send the rows themselves, no staging copy
-            fields = self._key_fields(names, model, worker_id, shape, dtype, cache_salt, world_size)
+            fields = self._key_fields(
+                names, model, worker_id, shape, dtype, cache_salt, extra_key, world_size
+            )
             reply, _ = self._call(p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))])
             assert isinstance(reply, p.StoreReply)
             return reply.stored_chunks
@@ -707,6 +731,7 @@ class Client:
             chunk_shape=shape,
             dtype=dtype,
             cache_salt=cache_salt,
+            extra_key=extra_key,
             world_size=world_size,
         )
         with slots:
@@ -721,6 +746,7 @@ class Client:
         model: str,
         worker_id: int = 0,
         cache_salt: str = "",
+        extra_key: bytes = b"",
         world_size: int | None = None,
     ) -> int:
         """Copy this rank's leading stored named chunks into `out` (>= len(names), *chunk_shape).
@@ -738,6 +764,7 @@ class Client:
             chunk_shape=shape,
             dtype=dtype,
             cache_salt=cache_salt,
+            extra_key=extra_key,
             world_size=world_size,
         ) as got:
             copy_pairs([(rows[i], view) for i, view in enumerate(got.views)])
@@ -751,6 +778,7 @@ class Client:
         chunk_shape: Sequence[int],
         dtype: str,
         cache_salt: str,
+        extra_key: bytes,
         world_size: int | None,
     ) -> dict[str, Any]:
         """The fields of a KeyRequest, names validated here before anything is sent."""
@@ -764,6 +792,7 @@ class Client:
             "dtype": str(dtype).removeprefix("torch."),
             "num_chunks": len(checked),
             "cache_salt": cache_salt,
+            "extra_key": extra_key,
         }
 
     def release(self, request_id: str, *, cache_salt: str = "") -> None:

@@ -33,6 +33,7 @@ from prometheus_client.core import (
 )
 
 from kvtier._version import __version__
+from kvtier.keys import shown
 from kvtier.snapshots import HitRatePoint, LatencySummary, ModelLookup, ServerStatus, Traffic
 from kvtier.storage.tiers.base import LATENCY_BOUNDS_S
 
@@ -225,7 +226,7 @@ class Metrics:
                 f"lookup counts must satisfy 0 <= hit_tokens <= requested_tokens, got "
                 f"requested_tokens={requested_tokens}, hit_tokens={hit_tokens}"
             )
-        label = self.model_label(model)
+        label = self.model_label(shown(model))
         children = self._per_model.get(label)
         if children is None:
             with self._models_lock:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from blake3 import blake3
 
 from kvtier.errors import InvalidArgumentError
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, with_extra_key
 
 __all__ = [
     "MAX_NAMES",
@@ -79,9 +79,18 @@ def name_hash(name: bytes) -> bytes:
 
 
 def named_chunk_keys(
-    names: Sequence[object], *, model: str, cache_salt: str, world_size: int
+    names: Sequence[object],
+    *,
+    model: str,
+    cache_salt: str,
+    world_size: int,
+    extra_key: bytes = b"",
 ) -> list[ChunkKey]:
-    """The `ChunkKey`s of named chunks under (model, salt, world_size), names validated."""
+    """The `ChunkKey`s of named chunks under (model, salt, world_size) and the request's extra
+    key (`keys.with_extra_key`), names validated."""
     if world_size < 1:
         raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
-    return [ChunkKey(model, cache_salt, world_size, name_hash(n)) for n in check_names(names)]
+    return [
+        ChunkKey(model, cache_salt, world_size, with_extra_key(name_hash(n), extra_key))
+        for n in check_names(names)
+    ]

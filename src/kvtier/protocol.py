@@ -19,7 +19,7 @@ import msgspec
 
 from kvtier.errors import KVTierError, MalformedFrameError, UnknownRequestError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: extra keys; composed (tenant, name) keys
 
 
 def local_host_id() -> str:
@@ -79,6 +79,7 @@ class Lookup(_Msg):
     world_size: int = 1
     cache_salt: str = ""
     wait: bool = True
+    extra_key: bytes = b""  # what else changes the KV of these tokens (see RangeRequest)
 
 
 class LookupPoll(_Msg):
@@ -107,6 +108,10 @@ class RangeRequest(_Msg):
     dtype: str
     num_chunks: int
     cache_salt: str = ""
+    # Everything besides the tokens that changes their KV (a LoRA adapter, multimodal inputs),
+    # as the engine adapter names it: chunks stored under one extra key are never found under
+    # another. Engines without such inputs send b"".
+    extra_key: bytes = b""
 
 
 class Reserve(RangeRequest):
@@ -176,6 +181,7 @@ class KeyRequest(_Msg):
     num_chunks: int
     cache_salt: str = ""
     request_id: str = ""
+    extra_key: bytes = b""  # as in RangeRequest
 
 
 class ExistsKeys(_Msg):
@@ -185,6 +191,7 @@ class ExistsKeys(_Msg):
     model: str
     world_size: int = 1
     cache_salt: str = ""
+    extra_key: bytes = b""  # as in RangeRequest
 
 
 class ReserveKeys(KeyRequest):

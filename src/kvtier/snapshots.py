@@ -99,8 +99,15 @@ class SessionCounts(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """One session, as `GET /sessions` lists it."""
+    """One session, as `GET /sessions` lists it.
 
+    `session_id` names it in `/sessions/{session_id}`: the tenant, cache salt and request id,
+    composed (`keys.compose`); the three are also shown apart.
+    """
+
+    session_id: str
+    tenant: str
+    cache_salt: str
     request_id: str
     num_tokens: int
     num_chunks_hashed: int

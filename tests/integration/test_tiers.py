@@ -17,7 +17,7 @@ import redis
 
 from kvtier.client import Client
 from kvtier.hashing import TokenHasher
-from kvtier.keys import ObjectKey
+from kvtier.keys import ObjectKey, compose
 
 from ..conftest import ServerProcess, free_port, start_redis
 from .test_serve import CS, SHAPE, kv_for, status, wait_for
@@ -83,7 +83,7 @@ def test_a_corrupted_disk_chunk_is_a_miss_deleted_and_counted(
     first.stop()
     # flip one payload byte of chunk 3's file
     h3 = TokenHasher(CS).compute_chunk_hashes(tokens)[3]
-    name = ObjectKey("m", "", 1, 0, h3).to_str()
+    name = ObjectKey(compose("", "m"), compose("", ""), 1, 0, h3).to_str()
     path = next(p for p in (tmp_path / "l2").rglob("*") if p.name == name)
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF

@@ -94,7 +94,7 @@ def test_lookup_after_a_diverging_prompt_uses_fresh_names(engine: Engine) -> Non
     # a shorter range of the first prompt, then the full lookup again, in one session
     assert call(engine, p.Lookup("r2", a, "m")).hit_tokens == 4 * CS
     reply, frames = call(
-        engine, p.Retrieve("r2", a, "m", 1, 0, 0, CS, SHAPE, "float32", 1, "", True)
+        engine, p.Retrieve("r2", a, "m", 1, 0, 0, CS, SHAPE, "float32", 1, inline=True)
     )
     assert reply.num_chunks == 1 and frames[0] == b"\x01" * 64
     assert call(engine, p.Lookup("r2", a, "m")).hit_tokens == 4 * CS

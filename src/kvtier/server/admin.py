@@ -92,7 +92,9 @@ class AdminBackend(Protocol):
         """End the session named `request_id`; False if there was none."""
         ...
 
-    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
+    def clear(
+        self, *, model: str | None = None, cache_salt: str | None = None, tenant: str = ""
+    ) -> int:
         """Drop cached chunks matching the filters (None = any) from L1 and L2; how many."""
         ...
 
@@ -226,17 +228,22 @@ class _Handlers:
             body = {}
         if not isinstance(body, dict):
             raise BadRequestError(f"request body must be a JSON object, got {type(body).__name__}")
-        unknown = sorted(set(body) - {"model", "cache_salt"})
+        unknown = sorted(set(body) - {"model", "cache_salt", "tenant"})
         if unknown:
-            raise BadRequestError(f"unknown fields {unknown}; expected 'model' and 'cache_salt'")
+            raise BadRequestError(
+                f"unknown fields {unknown}; expected 'model', 'cache_salt' and 'tenant'"
+            )
         filters: dict[str, str | None] = {}
-        for name in ("model", "cache_salt"):
+        for name in ("model", "cache_salt", "tenant"):
             value = body.get(name)
             if value is not None and not isinstance(value, str):
                 raise BadRequestError(f"field {name!r} must be a string or null, got {value!r}")
             filters[name] = value
         cleared = await self._call(
-            self.backend.clear, model=filters["model"], cache_salt=filters["cache_salt"]
+            self.backend.clear,
+            model=filters["model"],
+            cache_salt=filters["cache_salt"],
+            tenant=filters["tenant"] or "",
         )
         return JSONResponse({"cleared": cleared})
 

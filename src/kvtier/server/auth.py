@@ -24,7 +24,6 @@ __all__ = [
     "Authenticator",
     "Credential",
     "is_local_address",
-    "scoped",
 ]
 
 
@@ -44,11 +43,6 @@ class Credential:
 
 
 ANONYMOUS = Credential("")
-
-
-def scoped(tenant: str, name: str) -> str:
-    """`name` inside `tenant`'s namespace; the anonymous tenant keeps names as they are."""
-    return f"{tenant}\x00{name}" if tenant else name
 
 
 #: the longest token a tokens file may hold (a Hello's token is bounded alike, in limits.py)

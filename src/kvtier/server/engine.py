@@ -339,7 +339,9 @@ class Engine:
         session = self.session_book.session(req.request_id, req.tokens)
         num_tokens = session.num_tokens
         end = num_tokens - num_tokens % self.chunk_size
-        keys = naming.chunk_keys(session, req.model, req.cache_salt, req.world_size, end)
+        keys = naming.chunk_keys(
+            session, req.model, req.cache_salt, req.world_size, end, extra_key=req.extra_key
+        )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
             return self.lookups.lookup(req, keys, num_tokens, layout, answer)
@@ -347,7 +349,11 @@ class Engine:
     def _exists_keys(self, req: p.ExistsKeys, answer: Answer) -> p.ExistsReply | None:
         """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
         keys = named_chunk_keys(
-            req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
+            req.names,
+            model=req.model,
+            cache_salt=req.cache_salt,
+            world_size=req.world_size,
+            extra_key=req.extra_key,
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):

@@ -33,7 +33,8 @@ from kvtier.errors import (
     UnauthorizedError,
 )
 from kvtier.hashing import TokenHasher
-from kvtier.server.auth import Authenticator, Credential, scoped
+from kvtier.server import tenants
+from kvtier.server.auth import Authenticator, Credential
 from kvtier.server.fencing import ProcessWatch, ProcessWatches, Watch
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Peer
@@ -179,7 +180,7 @@ class Handshake:
         # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
         # the same model name first cannot lock this tenant's workers out.
         layout = self.layouts.register(
-            scoped(client.tenant, req.model),
+            tenants.scoped_model(client, req.model),
             req.world_size,
             req.worker_id,
             req.chunk_shape,

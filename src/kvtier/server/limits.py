@@ -30,6 +30,8 @@ class SessionBounds(msgspec.Struct, frozen=True, kw_only=True):
 
 #: longest accepted request id, model name, cache salt, client id or token (UTF-8 bytes)
 MAX_NAME_BYTES = 1024
+#: longest accepted extra key (an engine adapter sends a digest: 32 bytes)
+MAX_EXTRA_KEY_BYTES = 256
 #: most dimensions a chunk shape may have, and most entries in a Hello's contract_info
 MAX_DIMS = 16
 MAX_CONTRACT_FIELDS = 32
@@ -79,6 +81,14 @@ def _hello(req: p.Hello) -> None:
         raise InvalidArgumentError(f"pid {req.pid} is not a process id")
 
 
+def _extra_key(value: bytes) -> None:
+    if len(value) > MAX_EXTRA_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"extra_key is {len(value)} bytes; at most {MAX_EXTRA_KEY_BYTES} (send a digest of "
+            "the inputs it stands for)"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """The bounds one server enforces; built from its ServerConfig."""
@@ -103,20 +113,24 @@ class Limits:
                 self._shape(req.chunk_shape, req.dtype)
             case p.Lookup():
                 self._strings(req.request_id, req.model, req.cache_salt)
+                _extra_key(req.extra_key)
                 self._world(req.world_size, 0)
                 self._tokens(req.tokens)
             case p.RangeRequest():
                 self._strings(req.request_id, req.model, req.cache_salt)
+                _extra_key(req.extra_key)
                 self._world(req.world_size, req.worker_id)
                 self._shape(req.chunk_shape, req.dtype)
                 self._tokens(req.tokens)
                 self._range(req.start, req.end, req.num_chunks)
             case p.KeyRequest():
                 self._strings(req.request_id, req.model, req.cache_salt)
+                _extra_key(req.extra_key)
                 self._world(req.world_size, req.worker_id)
                 self._shape(req.chunk_shape, req.dtype)
             case p.ExistsKeys():
                 self._strings("", req.model, req.cache_salt)
+                _extra_key(req.extra_key)
                 self._world(req.world_size, 0)
             case p.Release() | p.EndSession():
                 _name("request_id", req.request_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvtier import protocol as p
 from kvtier.errors import BadArrayError, InvalidArgumentError, MisalignedRangeError
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, with_extra_key
 from kvtier.session import Session, SessionManager
 
 __all__ = ["chunk_keys", "range_keys", "session_for"]
@@ -39,14 +39,17 @@ def range_keys(sessions: SessionManager, chunk_size: int, req: p.RangeRequest) -
             f"{req.end}) covers {(req.end - req.start) // cs} chunks of {cs} tokens"
         )
     session = session_for(sessions, req.request_id, req.tokens)
-    keys = chunk_keys(session, req.model, req.cache_salt, req.world_size, req.end)
+    keys = chunk_keys(
+        session, req.model, req.cache_salt, req.world_size, req.end, extra_key=req.extra_key
+    )
     return keys[req.start // cs :]
 
 
 def chunk_keys(
-    session: Session, model: str, salt: str, world_size: int, end: int
+    session: Session, model: str, salt: str, world_size: int, end: int, *, extra_key: bytes = b""
 ) -> list[ChunkKey]:
-    """Names of the session's chunks [0, end) under (model, salt, world_size).
+    """Names of the session's chunks [0, end) under (model, salt, world_size), each hash
+    under the request's extra key (`keys.with_extra_key`).
 
     Kept per session and extended as it grows: a repeated lookup of a long prompt builds no
     new keys. Hashes are chained, so when the last cached key still carries the hash at its
@@ -55,15 +58,19 @@ def chunk_keys(
     both build the same keys.
     """
     hashes = session.get_hashes(0, end)
-    cache: dict[tuple[str, str, int], list[ChunkKey]] = session.extras.setdefault("chunk_keys", {})
-    slot = (model, salt, world_size)
+    cache: dict[tuple[str, str, int, bytes], list[ChunkKey]] = session.extras.setdefault(
+        "chunk_keys", {}
+    )
+    slot = (model, salt, world_size, extra_key)
     keys = cache.get(slot, [])
     n = len(hashes)
     valid = min(len(keys), n)  # the cached keys agree with these hashes up to here
-    if valid and keys[valid - 1].chunk_hash != hashes[valid - 1]:
+    if valid and keys[valid - 1].chunk_hash != with_extra_key(hashes[valid - 1], extra_key):
         keys = []
     elif len(keys) >= n:
         return keys[:n]  # a shorter range of a prompt already named: keep the rest cached
-    keys = keys + [ChunkKey(model, salt, world_size, h) for h in hashes[len(keys) :]]
+    keys = keys + [
+        ChunkKey(model, salt, world_size, with_extra_key(h, extra_key)) for h in hashes[len(keys) :]
+    ]
     cache[slot] = keys
     return keys

@@ -61,7 +61,11 @@ class SessionBook:
                     f"the array holds {req.num_chunks} chunks but {len(req.names)} names came"
                 )
             return named_chunk_keys(
-                req.names, model=req.model, cache_salt=req.cache_salt, world_size=req.world_size
+                req.names,
+                model=req.model,
+                cache_salt=req.cache_salt,
+                world_size=req.world_size,
+                extra_key=req.extra_key,
             )
         before = self._held_tokens(req.request_id)
         keys = naming.range_keys(self._sessions, self._chunk_size, req)

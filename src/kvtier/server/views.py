@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier._version import __version__
+from kvtier.keys import compose, decompose
 from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.server.engine import Engine
 from kvtier.session import Session
@@ -241,8 +242,12 @@ class AdminViews:
     # -- sessions --------------------------------------------------------------------------
 
     def _session_info(self, session: Session) -> SessionInfo:
+        tenant, salt, request_id = session_parts(session.request_id)
         return SessionInfo(
-            request_id=session.request_id,
+            session_id=session.request_id,
+            tenant=tenant,
+            cache_salt=salt,
+            request_id=request_id,
             num_tokens=session.num_tokens,
             num_chunks_hashed=session.num_chunks_processed,
             created_at=session.created_at,
@@ -259,23 +264,49 @@ class AdminViews:
             page = [self._session_info(s) for s in sessions[offset : offset + limit]]
         return len(sessions), page
 
-    def get_session(self, request_id: str) -> SessionInfo | None:
-        """The session named `request_id`, or None."""
-        session = self.engine.sessions.peek(request_id)
+    def get_session(self, session_id: str) -> SessionInfo | None:
+        """The session named `session_id` (see `session_key`), or None."""
+        session = self.engine.sessions.peek(session_key(session_id))
         if session is None:
             return None
         with self.engine.lock.hold("sessions"):
             return self._session_info(session)
 
-    def end_session(self, request_id: str) -> bool:
-        """End the session named `request_id` and drop its pins; False if there was none."""
-        return self.engine.end_session(request_id)
+    def end_session(self, session_id: str) -> bool:
+        """End the session named `session_id` (see `session_key`) and drop its pins; False if
+        there was none."""
+        return self.engine.end_session(session_key(session_id))
 
     # -- clear -----------------------------------------------------------------------------
 
-    def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        """Drop cached chunks matching the filters (None = any) from L1 and L2; how many."""
+    def clear(
+        self, *, model: str | None = None, cache_salt: str | None = None, tenant: str = ""
+    ) -> int:
+        """Drop cached chunks matching the filters (None = any) from L1 and L2; how many.
+        `model` and `cache_salt` name the tenant's (the anonymous tenant's by default)."""
         e = self.engine
+        if model is not None:
+            model = compose(tenant, model)
+        if cache_salt is not None:
+            cache_salt = compose(tenant, cache_salt)
         with e.lock.hold("clear"):
             cleared = e.l1.clear(model=model, cache_salt=cache_salt)
         return cleared + e.tiers.clear(model=model, cache_salt=cache_salt)
+
+
+def session_parts(session_id: str) -> tuple[str, str, str]:
+    """(tenant, cache salt, request id) of a session id the engine built."""
+    parts = decompose(session_id)
+    if len(parts) != 3:
+        raise ValueError(f"not a session id: {session_id[:64]!r}")
+    return parts[0], parts[1], parts[2]
+
+
+def session_key(session_id: str) -> str:
+    """An admin's name for a session: the `session_id` that `/sessions` lists, or a bare
+    request id, which names the anonymous tenant's session of that id without a salt."""
+    try:
+        session_parts(session_id)
+    except ValueError:
+        return compose("", "", session_id)
+    return session_id
