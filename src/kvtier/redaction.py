@@ -35,10 +35,11 @@ def _word_end(text: str, start: int) -> int:
 
 def _redact_url_passwords(text: str) -> str:
     """`scheme://user:PASSWORD@host` -> `scheme://user:***@host`, where PASSWORD may hold any
-    character but whitespace, `@` included: the userinfo ends at the last `@` before the path
-    (as urllib, and so redis-py, read it), or at the last `@` of the word. Several URLs in one
-    word lose everything between the first `user:` and the last `@`: too much hidden, never too
-    little. One pass: every character is
+    character but whitespace, `@` included (as urllib, and so redis-py, read it) and even `/`
+    (which urllib would not): the userinfo ends at the last `@` of the word. So a `:` before an
+    `@` in a path or query hides what lies between (`redis://h:6379/0?x=a@b` shows as
+    `redis://h:***@b`), and several URLs in one word lose everything between the first `user:`
+    and the last `@`: too much hidden, never too little. One pass: every character is
     looked at a bounded number of times."""
     out: list[str] = []
     pos = 0
@@ -48,10 +49,7 @@ def _redact_url_passwords(text: str) -> str:
             break
         start = sep + 3
         end = _word_end(text, start)
-        slash = text.find("/", start, end)
-        at = text.rfind("@", start, slash) if slash >= 0 else -1
-        if at < 0:  # a raw "/" in the password: the last "@" of the word ends it
-            at = text.rfind("@", start, end)
+        at = text.rfind("@", start, end)
         colon = text.find(":", start, at) if at >= 0 else -1
         if colon >= 0:
             out.append(text[pos : colon + 1])

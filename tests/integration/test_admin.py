@@ -27,7 +27,7 @@ from tests.conftest import ServerProcess, free_port, start_server
 from ..conftest import FakeClock
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "test-token-Zx9"
+TOKEN = "test-token-Zx9-0123"  # >= 16 characters: it also guards a 0.0.0.0 admin address
 SERVER_ARGS = ("--l1-size", "64MiB")
 
 

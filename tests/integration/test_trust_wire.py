@@ -185,8 +185,8 @@ def test_a_flood_of_hellos_holds_bounded_descriptors_and_never_ends_the_server(
     path, tokens = _tokens_file(tmp_path, 2)
     port = free_port()
     server = server_factory(
-        "--l1-size", "1MiB", "--chunk-size", str(CS), "--max-clients-per-tenant", "300",
-        "--auth-tokens-file", path, "--address", f"tcp://127.0.0.1:{port}",
+        "--l1-size", "1MiB", "--chunk-size", str(CS), "--auth-tokens-file", path,
+        "--address", f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
     pid = server.proc.pid
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (256, 256))
@@ -201,7 +201,8 @@ def test_a_flood_of_hellos_holds_bounded_descriptors_and_never_ends_the_server(
                 evil.send(hello(f"tcp-{i}", host_id=host_id, pid=os.getpid(), token=tokens[0]))
             replies += [evil.recv(30) for _ in range(50)]
     assert all(r is not None for r in replies)
-    assert sum(isinstance(r, p.HelloReply) for r in replies) == 299  # 300 with the probe's
+    # --max-clients-per-tenant (1024): 1023, and the probe's
+    assert sum(isinstance(r, p.HelloReply) for r in replies) == 1023
     assert {code(r) for r in replies if not isinstance(r, p.HelloReply)} == {ErrorCode.NO_SPACE}
     # the probe's (ipc: proven) is the only one; no tcp pid is trusted
     assert sum("pidfd" in f for f in _open_fds(pid)) == 1
@@ -219,7 +220,7 @@ def test_a_flood_of_hellos_holds_bounded_descriptors_and_never_ends_the_server(
 def test_clients_of_one_process_share_one_pidfd(
     server_factory: Callable[..., ServerProcess],
 ) -> None:
-    server = server_factory("--l1-size", "1MiB", "--max-clients-per-tenant", "5000")
+    server = server_factory("--l1-size", "1MiB")
     pid = server.proc.pid
     before = sum("pidfd" in f for f in _open_fds(pid))
     replies = []
@@ -289,7 +290,9 @@ def test_a_huge_token_costs_nothing_however_many_credentials(
     with Watchdog(server, token=tokens[5]) as dog, raw(server.address) as evil:
         big = p.encode(hello(token="x" * (200 << 20)))
         t0 = time.monotonic()
-        assert code(evil.call(big, timeout=60)) == ErrorCode.NOT_CONNECTED  # never read
+        reply = evil.call(big, timeout=120)
+        assert time.monotonic() - t0 < 10  # 200 MB over loopback, and nothing else
+        assert code(reply) == ErrorCode.NOT_CONNECTED  # never read
         assert code(evil.call(hello(token="x" * 60_000))) == ErrorCode.INVALID_ARGUMENT
         assert code(evil.call(hello(token=tokens[7] + "x"))) == ErrorCode.UNAUTHORIZED
         assert isinstance(evil.call(hello(token=tokens[63])), p.HelloReply)
@@ -417,9 +420,9 @@ def test_big_frames_before_a_hello_are_dropped_unread(
         for _ in range(12):
             evil.send(big)
         replies = [evil.recv(120) for _ in range(12)]
-    assert [code(r) for r in replies] == [ErrorCode.NOT_CONNECTED] * 12
     grown = _peak_rss(server.proc.pid) - before
     assert grown < 5 * (200 << 20), f"peak RSS grew {grown >> 20} MiB"
+    assert [code(r) for r in replies] == [ErrorCode.NOT_CONNECTED] * 12
     with Client(server.address, token=tokens[0]) as honest:
         honest._call(p.Heartbeat())
 
@@ -477,18 +480,22 @@ def test_admin_bodies_are_bounded_and_deep_json_is_a_bad_request(server: ServerP
 def test_a_password_with_an_at_sign_is_redacted_in_status_and_log(
     server_factory: Callable[..., ServerProcess],
 ) -> None:
-    url = REDIS_URL.replace("redis://", "redis://:zq:Xq7v@9Zkw#Jw@")  # ":" "@" "#" inside
+    """A Redis password holding "@" (and here "/", which urllib itself does not take as part of
+    the password) showed partly in /status and the log: redaction hid only up to its first
+    "@"."""
+    url = REDIS_URL.replace("redis://", "redis://:zq:Xq7v@9Zkw/Ab3@")
     server = server_factory("--l1-size", "1MiB", "--chunk-size", str(CS), "--l2", url)
     with Client(server.address) as c:  # traffic, so the tier's errors surface
         register(c)
-        c.store("r", prompt(1), kv_for(1), model="m")
+        with contextlib.suppress(Exception):
+            c.store("r", prompt(1), kv_for(1), model="m")
         c.lookup("r2", prompt(2), model="m")
     text = httpx.get(server.admin_url + "/status", timeout=5).text  # type: ignore[operator]
     server.stop()
-    for secret in ("Xq7v", "9Zkw", "Jw@"):
+    assert ":***@" in text
+    for secret in ("Xq7v", "9Zkw/", "/Ab3", "Ab3@"):
         assert secret not in text, secret
         assert secret not in server.output, secret
-    assert ":***@" in text
 
 
 # -- 9. DNS rebinding ---------------------------------------------------------------------------

@@ -56,8 +56,9 @@ _POLL_MS = 100  # how often the loop checks its stop event while idle
 #: the most a connection may send in one request before its Hello (a Hello is a few hundred
 #: bytes; its fields are bounded to well under this by limits.py)
 MAX_UNKNOWN_BYTES = 64 << 10
-#: requests up to this size never count against --max-inflight-bytes (heartbeats, lookups...)
-_SMALL_BYTES = 64 << 10
+#: requests up to this size never count against --max-inflight-bytes (heartbeats, commits,
+#: short lookups); every bigger one does, whether a handler thread or this one takes it
+_SMALL_BYTES = 4096
 #: replies queued for one peer that does not read them, per request it may queue unread: a
 #: client that pipelines requests reads its replies later, one that never reads loses them
 _SNDHWM_FACTOR = 16
