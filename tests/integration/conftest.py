@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from .mooncake_pool import mooncake_master, private_mooncake  # noqa: F401 (fixtures)
 from .redis_cluster import RedisCluster, start_cluster
 
 

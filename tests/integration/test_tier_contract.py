@@ -21,7 +21,7 @@ from kvtier.storage.tiers import L2Tier, TierStats, open_tier
 from kvtier.storage.tiers.redis import RespTier
 
 from ..conftest import REDIS_HINT
-from .mooncake_pool import MooncakeMaster, mooncake_master  # noqa: F401 (a fixture)
+from .mooncake_pool import MooncakeMaster
 from .redis_cluster import RedisCluster
 
 LAYOUT = "float16[4,2,16]"

@@ -64,10 +64,15 @@ OPTIONS = {
     "metrics": PARSERS["str"],
 }
 PROTOCOLS = ("tcp", "rdma")
-_EXTRA = ("skipped", "late", "staging_full")
+MIN_SEGMENT = 16 << 20  # a smaller segment fails Mooncake's setup
+#: skipped: calls not made in a cool-down; late: calls past the deadline; staging_full: objects
+#: left out for want of staging room; staged: payloads copied through staging (not in the arena);
+#: pool_full: puts the pool refused for want of room (it evicts; not an error)
+_EXTRA = ("skipped", "late", "staging_full", "staged", "pool_full")
 #: Mooncake's own local buffer: only whole-object reads of objects that do not match a read
 _CLIENT_BUFFER = 16 << 20
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND
+_NO_ROOM = -200  # NO_AVAILABLE_HANDLE: the pool is full until its eviction makes room
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_-]+")
 _STATS_EVERY_S = 2.0
 _R = TypeVar("_R")
@@ -134,10 +139,10 @@ class MooncakeTier:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r} in {where}")
         if protocol == "rdma" and not devices:
             logger.info("mooncake tier: no devices= given, the transfer engine picks the NICs")
-        if segment < 0 or buffer < 1 << 20:
+        if not (segment == 0 or segment >= MIN_SEGMENT) or buffer < 1 << 20:
             raise ValueError(
-                f"segment must be >= 0 and buffer >= 1MiB, got segment={segment} "
-                f"buffer={buffer} in {where}"
+                f"segment must be 0 or at least 16MiB (Mooncake's smallest) and buffer at "
+                f"least 1MiB, got segment={segment} buffer={buffer} in {where}"
             )
         if not _PREFIX_RE.fullmatch(prefix):
             raise ValueError(f"prefix must be letters, digits, '_' or '-', got {prefix!r}")
@@ -228,6 +233,7 @@ class MooncakeTier:
         offset = self._take(len(view), held)
         if offset is None:
             return None
+        self._counters.add("staged")
         if copy_in:
             self._staging.view(offset, len(view))[:] = view
         return self._staging.address + offset
@@ -298,7 +304,8 @@ class MooncakeTier:
         except CallTimeout:
             return 0
         written = [i for i, rc in enumerate(codes) if rc == 0]
-        failed = [rc for rc in codes if rc != 0]
+        self._counters.add("pool_full", sum(1 for rc in codes if rc == _NO_ROOM))
+        failed = [rc for rc in codes if rc not in (0, _NO_ROOM)]
         if failed:
             self._counters.failed("put", f"mooncake put of {len(failed)} objects: {failed[0]}")
         self._counters.wrote(len(written), sum(sum(sizes[i]) for i in written))
