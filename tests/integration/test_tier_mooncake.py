@@ -17,7 +17,7 @@ import pytest
 from kvtier.client import Client
 from kvtier.storage.tiers import open_tier
 
-from ..conftest import ServerProcess
+from ..conftest import ServerProcess, free_port
 from .mooncake_pool import MooncakeMaster
 from .test_serve import CS, kv_for, status, wait_for
 
@@ -185,3 +185,11 @@ def test_bad_options_are_one_line_errors_naming_the_option(
         with pytest.raises(ValueError, match=word) as info:
             open_tier(url)
         assert "\n" not in str(info.value)
+
+
+def test_no_master_at_start_is_a_one_line_error_within_seconds() -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"cannot join the Mooncake pool.*:{port}") as info:
+        open_tier(f"mooncake://127.0.0.1:{port}/?host=127.0.0.1&segment=0")
+    assert "\n" not in str(info.value) and time.monotonic() - t0 < 15
