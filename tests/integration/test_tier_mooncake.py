@@ -172,17 +172,17 @@ def test_a_full_pool_keeps_storing_and_evicted_chunks_are_misses(
 def test_bad_options_are_one_line_errors_naming_the_option(
     mooncake_master: MooncakeMaster,
 ) -> None:
-    for url, word in [
-        (mooncake_master.url(protocol="udp"), "protocol"),
-        (mooncake_master.url(segment="lots"), "segment"),
-        (mooncake_master.url(segment="1MiB"), "segment"),
-        (mooncake_master.url(buffer="1KiB"), "buffer"),
-        (mooncake_master.url(timeout="0"), "timeout"),
-        (mooncake_master.url(prefix="a/b"), "prefix"),
-        (mooncake_master.url(colour="red"), "colour"),
-        ("mooncake://127.0.0.1:notaport/", "port"),
+    for url, message in [
+        (mooncake_master.url(protocol="udp"), "protocol must be one of"),
+        (mooncake_master.url(segment="lots"), "bad Mooncake tier URL option segment='lots'"),
+        (mooncake_master.url(segment="1MiB"), "segment must be 0 or at least 16MiB"),
+        (mooncake_master.url(buffer="1KiB"), "buffer at least 1MiB, got .*buffer=1024"),
+        (mooncake_master.url(timeout="0"), "timeout must be > 0"),
+        (mooncake_master.url(prefix="a/b"), "prefix must be letters"),
+        (mooncake_master.url(colour="red"), r"unknown Mooncake tier URL options \['colour'\]"),
+        ("mooncake://127.0.0.1:notaport/", "bad master port"),
     ]:
-        with pytest.raises(ValueError, match=word) as info:
+        with pytest.raises(ValueError, match=message) as info:
             open_tier(url)
         assert "\n" not in str(info.value)
 
