@@ -111,6 +111,15 @@ class MooncakeMaster:
             self.proc.wait(10)
         self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP the master: a master that takes calls and never answers them."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def figures(self) -> dict[str, float]:
         """The master's Prometheus gauges and counters (no labels), by name."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"

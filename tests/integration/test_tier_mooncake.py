@@ -140,6 +140,31 @@ def test_master_killed_and_restarted_misses_then_hits_without_a_stall(
     assert _tier(reader)["corrupt"] == 0
 
 
+def test_a_stalled_master_costs_the_timeout_not_mooncakes_30_s(
+    server_factory: Callable[..., ServerProcess], private_mooncake: MooncakeMaster
+) -> None:
+    opts = {"timeout": "0.5", "cooldown": "0.5"}
+    writer = _serve(server_factory, private_mooncake.url(segment="64MiB", **opts))
+    reader = _serve(server_factory, private_mooncake.url(segment="0", **opts))
+    stored, kv0 = _prompt(4), kv_for(60, 4, BIG)
+    _store(writer, "w0", stored, kv0)
+    assert wait_for(lambda: _written(writer, 4))
+    private_mooncake.pause()  # takes connections, answers nothing (a call would wait 30 s)
+    try:
+        t0 = time.monotonic()
+        assert _fetch(reader, "r0", stored, kv0) == 0  # the pool does not answer: a miss
+        fresh, kv1 = _prompt(4), kv_for(61, 4, BIG)
+        _store(writer, "w1", fresh, kv1)  # L1 takes it at once
+        assert _fetch(writer, "r1", fresh, kv1) == 4 * CS  # served from the writer's L1
+        assert time.monotonic() - t0 < 5, "a stalled master stalled the clients"
+        assert wait_for(lambda: _tier(reader)["extra"]["late"] > 0)
+    finally:
+        private_mooncake.resume()
+    # answered again: the cool-down ends and the pool serves what it holds
+    assert wait_for(lambda: _fetch(reader, f"r2-{time.monotonic()}", stored, kv0) == 4 * CS, 40)
+    assert _tier(reader)["corrupt"] == 0
+
+
 def test_a_full_pool_keeps_storing_and_evicted_chunks_are_misses(
     server_factory: Callable[..., ServerProcess], private_mooncake: MooncakeMaster
 ) -> None:
