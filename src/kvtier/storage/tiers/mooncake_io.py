@@ -102,20 +102,27 @@ class Deadlines:
         with self._lock:
             return self._late
 
-    def run(self, fn: Callable[[], _T], after: Callable[[], None] | None = None) -> _T:
-        """`fn()`'s result within the deadline, else CallTimeout. `after()` runs once the call
-        has really ended, on time or late (it gives back the staging the call writes into)."""
+    def run(
+        self,
+        fn: Callable[[], _T],
+        after: Callable[[], None] | None = None,
+        *,
+        extra_s: float = 0.0,
+    ) -> _T:
+        """`fn()`'s result within the deadline (`timeout` + `extra_s`), else CallTimeout.
+        `after()` runs once the call has really ended, on time or late (it gives back the
+        staging the call writes into)."""
         with self._lock:
             if self._late >= self._workers:
                 raise CallTimeout(f"{self._late} earlier calls are still unanswered")
         future: Future[_T] = self._pool.submit(fn)
         try:
-            result = future.result(self.timeout)
+            result = future.result(self.timeout + extra_s)
         except FutureTimeout:
             with self._lock:
                 self._late += 1
             future.add_done_callback(lambda _: self._landed(after))
-            raise CallTimeout(f"no answer within {self.timeout:g} s") from None
+            raise CallTimeout(f"no answer within {self.timeout + extra_s:g} s") from None
         except BaseException:
             if after is not None:
                 after()
