@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pwd
 import random
 import re
 import shutil
@@ -726,3 +727,20 @@ def test_a_start_removes_what_dead_servers_left_but_never_a_live_servers_segment
 def live_name(server: ServerProcess) -> str:
     line = next(ln for ln in server.log if ln.startswith("kvtier: L1 "))
     return line.split("/dev/shm/")[1].split(";")[0]
+
+
+def test_a_server_on_the_default_l2_writes_under_the_test_home_not_the_users() -> None:
+    real_home = pwd.getpwuid(os.getuid()).pw_dir
+
+    argv = _serve_argv("--l1-size", "8MiB")  # no --l2: the embedded default under ~
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = next(ln for ln in proc.stdout if ln.startswith("kvtier: L1 ") or "Error" in ln)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert "L2: disk://~/.cache/kvtier/" in line, line
+    arena = line.split("/dev/shm/")[1].split(";")[0]
+    assert os.path.isdir(os.path.join(os.environ["HOME"], ".cache", "kvtier", arena)), line
+    assert not os.path.exists(os.path.join(real_home, ".cache", "kvtier", arena)), line
