@@ -51,6 +51,27 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
     return blocks
 
 
+def shell_blocks(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of every ```bash block."""
+    out = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        if m.group(1) == "bash":
+            out.append((start + 1, "\n".join(body) + "\n"))
+    return out
+
+
 BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
 
 
