@@ -621,6 +621,7 @@ START_FAILURES = [
     "uncreatable-folder",
     "unwritable-folder",
     "no-socket-folder",
+    "no-handler-threads",
 ]
 
 
@@ -644,6 +645,8 @@ def test_a_start_up_failure_is_one_line_naming_the_option_and_exit_2(
     elif case == "unwritable-folder":
         folder, prefix = _unwritable_folder(tmp_path)
         args, option = ["--l2", f"disk://{folder}"], "--l2"
+    elif case == "no-handler-threads":  # 0 would start a server that never answers a request
+        args, option = ["--handler-threads", "0", "--l2", "none"], "--handler-threads"
     else:
         args, option = ["--l2", "none"], "--address"
     argv = _serve_argv(*args)
