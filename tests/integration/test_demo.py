@@ -22,7 +22,7 @@ def test_kvtier_demo_quick_prints_medians_and_writes_a_plot(tmp_path: Path) -> N
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "TTFT" in out and "median (min-max) of 3 runs" in out
-    rows = [line for line in out.splitlines() if re.search(r"(turn \d|Q\d)", line)]
+    rows = [ln for ln in out.splitlines() if "│" in ln and re.search(r"(turn \d|Q\d)", ln)]
     assert len(rows) == 3 + 2, out  # QUICK: 3 chat turns, 2 questions
     for line in rows:
         hit = int(line.split("│")[4].strip())
@@ -49,3 +49,45 @@ def test_summary_takes_medians_and_hides_speedup_of_misses() -> None:
     assert rows[1].kvtier == (0.011, 0.010, 0.012)
     assert rows[1].speedup == 0.022 / 0.011
     assert isinstance(rows[1], StepSummary)
+
+
+def test_kvtier_demo_reports_progress_and_fits_80_columns(tmp_path: Path) -> None:
+    """Piped (no terminal, so no live bar), the demo prints a line per prompt as it goes, and
+    its table fits an 80-column terminal without cutting a cell."""
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "demo", "--quick", "--repeats", "2",
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    text = [ln for ln in lines if str(tmp_path) not in ln]  # a long path cannot wrap
+    assert max(len(line) for line in text) <= 80, [ln for ln in text if len(ln) > 80]
+    assert "…" not in result.stdout
+    progress = [ln for ln in lines if re.match(r"\[\d+/10\] run [12]/2 ", ln)]
+    assert [ln.split("/")[0] for ln in progress] == [f"[{i}" for i in range(1, 11)], progress
+    table = lines.index(next(ln for ln in lines if "scenario" in ln and "speedup" in ln))
+    assert table > lines.index(progress[-1])  # progress first, then the table
+    for name in ("step", "prompt", "hit %", "full", "kvtier"):
+        assert name in lines[table]
+
+
+def test_without_torch_the_demo_says_which_extra_to_install() -> None:
+    hide = "import sys; sys.modules['torch'] = None; "
+    imported = subprocess.run(
+        [sys.executable, "-c", hide + "import kvtier.integrations.demo"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    last = imported.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: kvtier's demo and transformers integration"), last
+    assert "pip install '.[transformers]'" in last and "(torch is missing)" in last
+    cli = subprocess.run(
+        [sys.executable, "-c", hide + "from kvtier.cli import main; main(['demo', '--quick'])"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 1
+    lines = cli.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtier demo: "), lines
+    assert "pip install '.[transformers]'" in lines[0] and "kvtier[" not in lines[0]

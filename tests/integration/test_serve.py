@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pwd
 import random
 import re
 import shutil
@@ -620,6 +621,7 @@ START_FAILURES = [
     "uncreatable-folder",
     "unwritable-folder",
     "no-socket-folder",
+    "no-handler-threads",
 ]
 
 
@@ -643,6 +645,8 @@ def test_a_start_up_failure_is_one_line_naming_the_option_and_exit_2(
     elif case == "unwritable-folder":
         folder, prefix = _unwritable_folder(tmp_path)
         args, option = ["--l2", f"disk://{folder}"], "--l2"
+    elif case == "no-handler-threads":  # 0 would start a server that never answers a request
+        args, option = ["--handler-threads", "0", "--l2", "none"], "--handler-threads"
     else:
         args, option = ["--l2", "none"], "--address"
     argv = _serve_argv(*args)
@@ -726,3 +730,20 @@ def test_a_start_removes_what_dead_servers_left_but_never_a_live_servers_segment
 def live_name(server: ServerProcess) -> str:
     line = next(ln for ln in server.log if ln.startswith("kvtier: L1 "))
     return line.split("/dev/shm/")[1].split(";")[0]
+
+
+def test_a_server_on_the_default_l2_writes_under_the_test_home_not_the_users() -> None:
+    real_home = pwd.getpwuid(os.getuid()).pw_dir
+
+    argv = _serve_argv("--l1-size", "8MiB")  # no --l2: the embedded default under ~
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = next(ln for ln in proc.stdout if ln.startswith("kvtier: L1 ") or "Error" in ln)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert "L2: disk://~/.cache/kvtier/" in line, line
+    arena = line.split("/dev/shm/")[1].split(";")[0]
+    assert os.path.isdir(os.path.join(os.environ["HOME"], ".cache", "kvtier", arena)), line
+    assert not os.path.exists(os.path.join(real_home, ".cache", "kvtier", arena)), line

@@ -1,5 +1,5 @@
 """Adapters that plug kvtier into inference engines; each needs its optional extra installed.
 
-`kvtier.integrations.transformers` (extra `kvtier[transformers]`) reuses cached KV in a Hugging
+`kvtier.integrations.transformers` (the `transformers` extra) reuses cached KV in a Hugging
 Face transformers causal LM. Nothing here is imported by the core package.
 """

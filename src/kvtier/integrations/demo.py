@@ -22,20 +22,42 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
+
+#: how to get what this module needs beyond kvtier's core
+EXTRA_HINT = (
+    "install the transformers extra: pip install '.[transformers]' in the kvtier clone "
+    "(or `make demo`, which does)"
 )
 
-from kvtier.client import Client
-from kvtier.integrations.transformers import KVTierCache, full_prefill
+try:
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedModel,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+except ModuleNotFoundError as exc:  # the core package never installs torch or transformers
+    raise ModuleNotFoundError(
+        f"kvtier's demo and transformers integration need torch and transformers "
+        f"({exc.name} is missing): {EXTRA_HINT}",
+        name=exc.name,
+    ) from None
+
+# After the check above, so that a missing torch is reported there, with the extra to install.
+from kvtier.client import Client  # noqa: E402
+from kvtier.integrations.transformers import KVTierCache, full_prefill  # noqa: E402
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -293,17 +315,26 @@ def summarize(runs: Sequence[Sequence[DemoStep]]) -> list[StepSummary]:
 
 def _ms(spread: tuple[float, float, float]) -> str:
     median, lo, hi = (v * 1e3 for v in spread)
-    return f"{median:.1f} ms ({lo:.1f}-{hi:.1f})"
+    digits = 1 if hi < 100 else 0  # short enough to fit 80 columns, precise where it is small
+    return f"{median:.1f} ms ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+#: columns that never wrap (short values); the two TTFT columns wrap their (min-max) part onto
+#: a second line when the terminal is narrow, so the table fits any width from 80 columns on.
+_SHORT_COLUMNS = ("scenario", "step", "prompt", "hit", "hit %", "speedup")
 
 
 def _table(rows: Sequence[StepSummary], repeats: int) -> Table:
     table = Table(
         title=f"Time to first token (TTFT): full recompute against kvtier, median (min-max) of "
-        f"{repeats} run{'s' if repeats > 1 else ''}"
+        f"{repeats} run{'s' if repeats > 1 else ''}",
     )
     for name in ("scenario", "step", "prompt", "hit", "hit %", "full", "kvtier", "speedup"):
         table.add_column(
-            name, justify="left" if name in ("scenario", "step") else "right", no_wrap=True
+            name,
+            justify="left" if name in ("scenario", "step") else "right",
+            no_wrap=name in _SHORT_COLUMNS,
+            overflow="fold",
         )
     for r in rows:
         speedup = r.speedup
@@ -357,6 +388,22 @@ def plot_scenarios(rows: Sequence[StepSummary], path: Path, *, title: str) -> Pa
     return path
 
 
+def _progress(console: Console) -> Progress:
+    """The bar people expect from a long run: done/total, elapsed and time left."""
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("prompts"),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+
+
 def run_demo(
     address: str | None,
     output_dir: Path,
@@ -378,6 +425,10 @@ def run_demo(
             address = stack.enter_context(serve(size.chunk_size))
             console.print(f"started a kvtier server at {address}")
         client: Client = connect(address)
+        console.print(
+            f"building a random-weight Llama ({size.num_layers} layers, hidden "
+            f"{size.hidden_size}) and warming it up"
+        )
         stack.callback(client.close)
         model = random_model(
             "llama",
@@ -393,9 +444,13 @@ def run_demo(
         full_prefill(model, np.arange(64))  # warm-up: first calls pay one-time setup
         total = (size.turns + size.questions) * repeats
         chunk_size = client.chunk_size
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("prefill with and without kvtier", total=total)
-            for _ in range(repeats):
+        console.print(
+            f"timing {total} prompts ({size.turns} chat turns and {size.questions} questions, "
+            f"{repeats} run{'s' if repeats > 1 else ''}), each with and without kvtier"
+        )
+        with _progress(console) as progress:
+            task = progress.add_task("run 1", total=total)
+            for run in range(repeats):
                 # A fresh name per run: every run starts cold, even against a long-lived server.
                 name = f"kvtier-demo-{uuid.uuid4().hex[:8]}"
                 kv = KVTierCache(model, client, name, store_generated=True)
@@ -404,7 +459,14 @@ def run_demo(
                 for scenario in (_chat(model, kv, size, rng), _document(model, kv, size, rng)):
                     for step in scenario:
                         steps.append(step)
-                        progress.advance(task)
+                        progress.update(task, advance=1, description=f"run {run + 1}/{repeats}")
+                        if not console.is_terminal:  # no live bar: one line per prompt
+                            done = len(steps) + run * (size.turns + size.questions)
+                            console.print(
+                                f"[{done}/{total}] run {run + 1}/{repeats} {step.scenario} "
+                                f"{step.step}: {step.prompt_tokens} tokens, "
+                                f"{step.hit_tokens} from kvtier"
+                            )
                 runs.append(steps)
     rows = summarize(runs)
     console.print(_table(rows, repeats))

@@ -1,5 +1,6 @@
 """kvtier for vLLM: `KVTierConnector`, loaded by vLLM from
-`"kv_connector_module_path": "kvtier.integrations.vllm"` (needs `pip install 'kvtier[vllm]'`)."""
+`"kv_connector_module_path": "kvtier.integrations.vllm"` (in the kvtier clone:
+`pip install '.[vllm]'`)."""
 
 from kvtier.integrations.vllm.connector import KVTierConnector
 

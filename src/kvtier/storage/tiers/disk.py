@@ -64,6 +64,7 @@ OPTIONS = {"size": PARSERS["size"], "fsync": PARSERS["bool"]}
 _EXTRA = ("evictions", "stale_temps_removed", "unchanged", "disk_full")
 _FREE_CHECK_S = 1.0  # statvfs at most this often
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_REBUILD_REPORT_S = 5.0  # a start that indexes a big folder says how far it got this often
 _TOUCH_NS = 1_000_000_000  # a read refreshes an mtime older than this (one metadata write less)
 
 
@@ -166,7 +167,14 @@ class DiskTier:
     def _rebuild(self) -> None:
         """Index every object file under the root (LRU by mtime); remove stale temp files."""
         found: list[tuple[int, ObjectKey, int]] = []
+        started = next_report = time.monotonic()
         for shard in os.scandir(self.root):
+            if time.monotonic() >= next_report + _REBUILD_REPORT_S:  # a big tier takes minutes
+                next_report = time.monotonic()
+                logger.info(
+                    "disk tier: indexing %s: %d objects so far (%.0f s)",
+                    self.root, len(found), next_report - started,
+                )  # fmt: skip
             if files.own_stale_temp(shard.name):
                 self._remove_temp(shard.path)
             if not shard.is_dir(follow_symlinks=False) or len(shard.name) != 2:
@@ -185,6 +193,8 @@ class DiskTier:
                     continue
                 st = entry.stat(follow_symlinks=False)
                 found.append((st.st_mtime_ns, key, st.st_size))
+        if time.monotonic() - started >= _REBUILD_REPORT_S:
+            logger.info("disk tier: indexed %d objects in %s", len(found), self.root)
         found.sort(key=lambda t: t[0])
         for _, key, size in found:
             self._index[key] = size
