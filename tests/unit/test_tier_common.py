@@ -58,6 +58,14 @@ def test_parse_url_names_the_option_the_value_and_the_known_ones() -> None:
     assert as_bool("ON") and not as_bool("0")
 
 
+def test_a_raw_hash_sign_in_a_tier_url_is_refused_without_showing_the_password() -> None:
+    # unencoded, "#" would end the URL inside the password and make its rest the "host"
+    with pytest.raises(ValueError, match="%23") as info:
+        RedisTier.from_url("redis://:zq:Xq7v@9Zkw#Jw@127.0.0.1:6379/0")
+    assert "Xq7v" not in str(info.value) and "9Zkw" not in str(info.value)
+    assert "Jw" not in str(info.value)
+
+
 def test_counters_rate_limit_warnings_and_report_health(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -48,6 +48,13 @@ def parse_url(
     bad values raise ValueError naming them. Returns the split URL and the parsed options (only
     those present, last occurrence wins)."""
     parts = urlsplit(url)
+    if "#" in url:
+        # A raw '#' starts a fragment: in a password it would cut the URL there and make the
+        # rest of the password look like the host, which then shows in the tier's errors.
+        raise ValueError(
+            f"a {tier} tier URL cannot hold a raw '#' ({redact(url)!r}): no tier uses a "
+            "fragment; percent-encode a '#' in a password as %23"
+        )
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     unknown = sorted(set(query) - set(options))
     if unknown:
