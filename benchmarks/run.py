@@ -15,6 +15,8 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 MODULES = [
     "benchmarks.bench_hashing",
@@ -103,23 +105,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sections = [_header()]
     failed = 0
-    for name in MODULES:
-        if args.only and not any(name.endswith(s) for s in args.only):
-            continue
-        print(f"== {name}", flush=True)
-        ticks = _cpu_ticks()
-        try:
-            module = importlib.import_module(name)
-            section = module.run() + _steal_note(ticks, _cpu_ticks())
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue  # not written yet
-            raise
-        except Exception:  # one broken benchmark must not hide the others' results
-            failed += 1
-            section = f"## {name}\n\nFAILED:\n\n```\n{traceback.format_exc()}```\n"
-        print(section, flush=True)
-        sections.append(section)
+    chosen = [m for m in MODULES if not args.only or any(m.endswith(s) for s in args.only)]
+    console = Console(soft_wrap=True, highlight=False)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    # a bar on a terminal (a whole run takes tens of minutes); plain lines when piped
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("benchmarks", total=len(chosen))
+        for i, name in enumerate(chosen, 1):
+            progress.update(task, description=f"benchmarks: {name.removeprefix('benchmarks.')}")
+            console.print(f"== {name} ({i}/{len(chosen)})", markup=False)
+            ticks = _cpu_ticks()
+            try:
+                module = importlib.import_module(name)
+                section = module.run() + _steal_note(ticks, _cpu_ticks())
+            except ModuleNotFoundError as exc:
+                if exc.name == name:
+                    progress.advance(task)
+                    continue  # not written yet
+                raise
+            except Exception:  # one broken benchmark must not hide the others' results
+                failed += 1
+                section = f"## {name}\n\nFAILED:\n\n```\n{traceback.format_exc()}```\n"
+            console.print(section, markup=False)
+            sections.append(section)
+            progress.advance(task)
     if args.only and args.output.exists():
         sections = _merge(args.output.read_text(), sections)
     args.output.parent.mkdir(parents=True, exist_ok=True)
