@@ -11,6 +11,7 @@ another: real `kvtier serve` processes, real client processes, the real Redis.
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from kvtier.errors import (
     UnknownSessionError,
 )
 
-from ..conftest import ServerProcess
+from ..conftest import ServerProcess, free_port, start_redis
 from ._trust import CS, SHAPE, SPAWN, kv_for, prompt, status, wait_for
 
 TINY = (1, CS, 2)  # 64 bytes a chunk in float16: long prompts, little memory
@@ -341,3 +342,37 @@ def test_a_refused_store_leaves_no_session_behind(
             c.store("w2", prompt(1), kv_for(1, 1, TINY), model="m")
     counts = status(server)["sessions"]
     assert (counts["active"], counts["tokens"]) == (0, 0), counts
+
+
+def test_a_lookup_never_reports_another_prompts_load_under_its_request_id(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """One request id, two prompts: while the first prompt's chunks load from a stalled L2,
+    a lookup of the second prompt under the same id is answered about its own chunks at once,
+    never with the first prompt's hit when that load ends."""
+    port = free_port()
+    redis = start_redis(port)
+    try:
+        l2 = f"redis://127.0.0.1:{port}/0?prefix=kvtier-join-{uuid.uuid4().hex[:8]}&timeout=20"
+        first = server_factory("--chunk-size", str(CS), "--l2", l2)
+        long_prompt, short_prompt = prompt(71, 8), prompt(72, 2)
+        with Client(first.address) as c:
+            c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+            assert c.store("w", long_prompt, kv_for(71, 8), model="m") == 8 * CS
+            assert wait_for(lambda: status(first)["l2"]["written"] >= 8)
+        first.stop()
+        second = server_factory("--chunk-size", str(CS), "--l2", l2)  # an empty L1
+        with Client(second.address) as c:
+            c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+            redis.send_signal(signal.SIGSTOP)  # the long prompt's loads wait on Redis
+            handle = c.lookup("shared", long_prompt, model="m", wait=False)
+            assert handle.poll() is None
+            t0 = time.monotonic()
+            hit = c.lookup("shared", short_prompt, model="m")
+            assert hit == 0 and time.monotonic() - t0 < 5  # its own chunks: none stored
+            redis.send_signal(signal.SIGCONT)
+            assert handle.result(timeout=30) == 8 * CS
+    finally:
+        redis.send_signal(signal.SIGCONT)
+        redis.kill()
+        redis.wait()

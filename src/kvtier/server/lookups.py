@@ -51,6 +51,11 @@ class _LookupJob:
     waiters: list[Answer] = field(default_factory=list)
 
 
+def _same_chunks(a: list[ChunkKey], b: list[ChunkKey]) -> bool:
+    """Whether two lookups name the same chunks: names are chained, so the last one settles it."""
+    return len(a) == len(b) and (not a or a[-1] == b[-1])
+
+
 class LookupBook:
     """The lookups of the server: pins, pending prefetch jobs and their results."""
 
@@ -86,10 +91,13 @@ class LookupBook:
     ) -> p.LookupReply | None:
         """Under the engine lock: the reply, or None when `answer` waits for a prefetch job."""
         running = self._jobs.get(req.request_id)
-        if running is not None and not running.done:
+        busy = running is not None and not running.done
+        if busy and running is not None and _same_chunks(running.keys, keys):
             return self._wait_or_pending(running, req.wait, answer)
         hit = self._l1.count_prefix(keys)
-        if hit < len(keys) and layout is not None and self._tiers.tiers:
+        # A job of another prompt under this request id (one id used for two prompts at once)
+        # keeps its place: this lookup is answered from L1 alone, about its own chunks.
+        if not busy and hit < len(keys) and layout is not None and self._tiers.tiers:
             if hit:  # hold what is hit while the rest loads
                 self._pin(req.request_id, keys[:hit], req.world_size, tenant)
             job = _LookupJob(
@@ -99,7 +107,8 @@ class LookupBook:
             if started:
                 self._jobs[req.request_id] = job
                 return self._wait_or_pending(job, req.wait, answer)
-        self._jobs.pop(req.request_id, None)  # a done job nobody polled
+        if not busy:
+            self._jobs.pop(req.request_id, None)  # a done job nobody polled
         hit_tokens = self._finish(
             req.request_id, keys, hit, num_tokens, req.model, req.world_size, tenant
         )
