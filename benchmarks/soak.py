@@ -266,6 +266,9 @@ class Parts:
             sys.executable, "-m", "kvtier.cli", "serve", "--address", self.address,
             "--admin-port", "0", "--l1-size", "8MiB", "--chunk-size", str(CS),
             "--auth-tokens-file", str(self.tokens_file),
+            # sessions a flooding tenant never ends expire, so what it may hold reaches its
+            # steady state early and the RSS drift measures leaks, not that state filling up
+            "--session-ttl", "15",
             "--staging-lease", "2", "--client-timeout", "3", "--reap-interval", "0.5",
             "--l2", f"disk://{self.disk}?size=64MiB",
             "--l2", f"redis://127.0.0.1:{self.redis_port}/0?timeout=0.5&connect_timeout=0.5",

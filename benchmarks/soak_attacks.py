@@ -107,7 +107,7 @@ def _flood(
         if isinstance(reply, p.HelloReply):
             counts["hello_accepted"] += 1
         sockets.append(sock)
-        if len(sockets) > 2000:  # keep the attacker's own descriptors bounded
+        if len(sockets) > 500:  # keep the attacker's own descriptors bounded
             sockets.pop(0).close(linger=0)
         return
     client = state.get("client")

@@ -264,8 +264,9 @@ def test_the_clone_line_clones(tmp_path: Path) -> None:
 def test_make_run_installs_then_serves() -> None:
     """`make run` installs the package (and nothing of the test set) and then serves; run as
     `make -n` (it would serve until stopped), and `.venv/bin/kvtier --version` runs as written."""
-    out = subprocess.run(["make", "-n", "-B", "run"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    # --no-print-directory: under `make test` a child make would also print "Entering directory"
+    out = subprocess.run(["make", "--no-print-directory", "-n", "-B", "run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     steps = out.stdout.splitlines()
     assert any(s.endswith("pip install -q -e .") for s in steps), steps
