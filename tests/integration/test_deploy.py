@@ -230,7 +230,8 @@ def _install_layout(root: Path) -> None:
         (root / sub).mkdir(parents=True, exist_ok=True)
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     for name in ("passwd", "group", "shadow", "gshadow", "login.defs"):
-        if Path("/etc", name).exists():
+        # the shadow files are readable by root alone, and only useradd (root) needs them
+        if Path("/etc", name).exists() and os.access(Path("/etc", name), os.R_OK):
             shutil.copy(Path("/etc", name), root / "etc" / name)
     useradd = readme_command("sudo useradd ").removeprefix("sudo ")
     if os.geteuid() == 0 and shutil.which("useradd"):
