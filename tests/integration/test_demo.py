@@ -83,6 +83,13 @@ def test_without_torch_the_demo_says_which_extra_to_install() -> None:
     last = imported.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: kvtier's demo and transformers integration"), last
     assert "pip install '.[transformers]'" in last and "(torch is missing)" in last
+    adapter = subprocess.run(  # the README's transformers example imports this module
+        [sys.executable, "-c", hide + "from kvtier.integrations.transformers import KVTierCache"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    last = adapter.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: kvtier.integrations.transformers needs"), last
+    assert "pip install '.[transformers]'" in last and "(torch is missing)" in last
     cli = subprocess.run(
         [sys.executable, "-c", hide + "from kvtier.cli import main; main(['demo', '--quick'])"],
         capture_output=True, text=True, timeout=120,

@@ -19,8 +19,17 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
-from transformers import DynamicCache, PreTrainedModel
+
+try:
+    import torch
+    from transformers import DynamicCache, PreTrainedModel
+except ModuleNotFoundError as exc:  # the core package never installs torch or transformers
+    raise ModuleNotFoundError(
+        f"kvtier.integrations.transformers needs torch and transformers ({exc.name} is "
+        "missing): install the transformers extra, pip install '.[transformers]' in the kvtier "
+        "clone",
+        name=exc.name,
+    ) from None
 
 from kvtier import hashing
 from kvtier.client import Client
