@@ -548,7 +548,11 @@ def test_stopping_while_replies_are_in_flight_is_clean(
     stop = threading.Event()
 
     def hammer() -> None:
-        with contextlib.suppress(Exception), Client(server.address, transfer="inline") as c:
+        # a short timeout: once the server is gone, the call in flight ends in seconds
+        with (
+            contextlib.suppress(Exception),
+            Client(server.address, transfer="inline", timeout=2) as c,
+        ):
             register(c)
             out = np.zeros_like(kv_for(1, 8))
             while not stop.is_set():
