@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -66,25 +65,9 @@ def free_port() -> int:
 
 def start_redis(port: int) -> subprocess.Popen[bytes]:
     """A private redis-server on `port` (tests that stop and restart Redis use it)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(f"redis-server is not on PATH; {REDIS_HINT}", pytrace=False)
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
+    from .kv_servers import start_kv_server
 
-    probe = redis.Redis(port=port, socket_connect_timeout=0.2)
-    for _ in range(100):
-        try:
-            probe.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    pytest.fail(f"redis-server on port {port} did not start")
+    return start_kv_server("redis", port)
 
 
 @dataclass
