@@ -19,8 +19,8 @@ def compose(*parts: str) -> str:
     """One string for a tuple of strings, built so that no choice of parts names another tuple.
 
     Each part is length-prefixed (`compose("a:b", "c")` is `"3:a:b1:c"`, `compose("a", "b:c")`
-    is `"1:a3:b:c"`): a composite name (a tenant's model, a session's id, a salt with a
-    request's extra key) never collides with another, whatever strings a client sends. Joining
+    is `"1:a3:b:c"`): a composite name (a tenant's model or salt, a session's id) never
+    collides with another, whatever strings a client sends. Joining
     with a separator would let a client that puts the separator in a name reach another's key.
     """
     return "".join([f"{len(part)}:{part}" for part in parts])
