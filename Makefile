@@ -84,8 +84,14 @@ lint: $(TEST_STAMP)
 typecheck: $(TEST_STAMP)
 	$(BIN)/mypy
 
+# Two workers (PYTEST_WORKERS): most tests wait on the processes they start, so two share this
+# machine's cores well. Each file runs on one worker (its module fixtures, engines among them,
+# start once); tests/conftest.py groups the files that use the README's defaults and hands out
+# the slow files first. `PYTEST_WORKERS=0` runs everything in this process, in order.
+PYTEST_WORKERS ?= 2
 pytest: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) \
+	  --dist loadgroup --no-loadscope-reorder)
 
 test: lint typecheck pytest
 

@@ -26,6 +26,44 @@ REDIS_HINT = (
 )
 
 
+#: Test files whose servers use what a reader's commands use (the README's socket, admin port
+#: 8080, `kvtier demo`'s defaults): under `pytest -n`, one worker runs them one after another.
+SHARES_DEFAULTS = ("test_readme.py", "test_deploy.py", "test_demo.py", "test_packaging.py")
+
+#: Files that start engines, clusters or venvs, slowest first: under `pytest -n` they are handed
+#: out first, so that the workers finish together instead of one waiting on a late engine test.
+SLOW_FIRST = (
+    "test_vllm_hybrid_engines.py",
+    "test_vllm_engine.py",
+    "test_vllm_lora.py",
+    "test_vllm033.py",
+    "SHARES_DEFAULTS",
+    "test_vllm_scheduler.py",
+    "test_transformers.py",
+    "test_vllm_trust.py",
+    "test_tier_cluster.py",
+    "test_sglang.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group each file's tests on one xdist worker (module fixtures, engines among them, start
+    once), the files in SHARES_DEFAULTS together, and hand out the slow groups first."""
+
+    def group(item: pytest.Item) -> str:
+        return (
+            "SHARES_DEFAULTS" if item.path.name in SHARES_DEFAULTS else item.nodeid.split("::")[0]
+        )
+
+    def rank(item: pytest.Item) -> int:
+        name = "SHARES_DEFAULTS" if item.path.name in SHARES_DEFAULTS else item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=rank)  # stable: each file's own order is kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """HOME is a temporary folder for the whole run, in this process and every server or tool
