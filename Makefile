@@ -53,9 +53,10 @@ engines: $(ENGINES) $(VLLM033)
 install-test: $(TEST_STAMP) $(ENGINES) $(VLLM033) system-packages ibverbs
 
 # Debian packages the tests use: chromium (the status-page test drives a real headless browser;
-# no browser download) and systemd (test_deploy.py runs `systemd-analyze verify` on the unit).
+# no browser download), systemd (test_deploy.py runs `systemd-analyze verify` on the unit) and
+# docker-compose (it checks deploy/compose.yaml with `docker-compose config`).
 # apt-get needs root: without it, say what to run instead of failing on a permission error.
-SYSTEM_PACKAGES := chromium:chromium systemd-analyze:systemd
+SYSTEM_PACKAGES := chromium:chromium systemd-analyze:systemd docker-compose:docker-compose
 system-packages:
 	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
 	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair##*:}"; done; \
