@@ -26,9 +26,9 @@ REDIS_HINT = (
 )
 
 
-#: Test files whose servers use what a reader's commands use (the README's socket, admin port
-#: 8080, `kvtier demo`'s defaults): under `pytest -n`, one worker runs them one after another.
-SHARES_DEFAULTS = ("test_readme.py", "test_deploy.py", "test_demo.py", "test_packaging.py")
+#: Test files whose servers use what a reader's commands use (the README's socket and admin port
+#: 8080): under `pytest -n`, one worker runs them one after another.
+SHARES_DEFAULTS = ("test_readme.py", "test_deploy.py")
 
 #: Files that start engines, clusters or venvs, slowest first: under `pytest -n` they are handed
 #: out first, so that the workers finish together instead of one waiting on a late engine test.
@@ -36,8 +36,10 @@ SLOW_FIRST = (
     "test_vllm_hybrid_engines.py",
     "test_vllm_engine.py",
     "test_vllm_lora.py",
+    "test_packaging.py",
     "test_vllm033.py",
     "SHARES_DEFAULTS",
+    "test_demo.py",
     "test_vllm_scheduler.py",
     "test_transformers.py",
     "test_vllm_trust.py",
