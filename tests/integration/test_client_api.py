@@ -264,3 +264,44 @@ def test_slots_that_rejoin_a_server_whose_arena_cannot_be_mapped_fail_typed(
             c.retrieve_slots("r", tokens, end=2 * CS, **common)  # type: ignore[arg-type]
         out = np.zeros_like(kv)
         assert c.retrieve("r", tokens, out, model="m") == 0  # inline again; nothing stored here
+
+
+def test_a_lookup_for_two_readers_of_one_shard_holds_its_pin_until_both_retrieved(
+    server: ServerProcess,
+) -> None:
+    # MLA: one shard per chunk (world_size 1), retrieved by every TP rank under one pin.
+    tokens = list(range(8000, 8000 + 3 * CS))
+    kv = kv_for(37, 3)
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("w", tokens, kv, model="m")
+        assert c.lookup("r", tokens, model="m", readers=2) == 3 * CS
+        assert status(server)["l1"]["pinned_groups"] == 3
+        for reader in (0, 1):
+            assert status(server)["l1"]["pinned_groups"] == 3  # still held for this reader
+            out = np.zeros_like(kv)
+            assert c.retrieve("r", tokens, out, model="m", reader=reader) == 3 * CS
+            assert np.array_equal(out, kv)
+        assert status(server)["l1"]["pinned_groups"] == 0  # both read: released
+        # the slot API names its reader the same way, and a repeated reader does not count twice
+        assert c.lookup("r", tokens, model="m", readers=2) == 3 * CS
+        common = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16", "end": 3 * CS}
+        for _ in range(2):
+            with c.retrieve_slots("r", tokens, reader=1, **common) as got:  # type: ignore[arg-type]
+                assert got.num_chunks == 3
+        assert status(server)["l1"]["pinned_groups"] == 3
+        with pytest.raises(InvalidArgumentError, match=r"outside range\(readers=2\)"):
+            c.retrieve("r", tokens, np.zeros_like(kv), model="m", reader=2)
+        with c.retrieve_slots("r", tokens, reader=0, **common) as got:  # type: ignore[arg-type]
+            assert got.num_chunks == 3
+        assert status(server)["l1"]["pinned_groups"] == 0
+        # without readers, world_size ranks: the one rank's retrieve releases the pin
+        assert c.lookup("r", tokens, model="m") == 3 * CS
+        c.retrieve("r", tokens, np.zeros_like(kv), model="m")
+        assert status(server)["l1"]["pinned_groups"] == 0
+        for bad in ({"readers": -1}, {"readers": 1 << 20}):
+            with pytest.raises(InvalidArgumentError, match="readers"):
+                c.lookup("r", tokens, model="m", **bad)  # type: ignore[call-overload]
+        for reader in (-2, 1 << 20):
+            with pytest.raises(InvalidArgumentError, match="reader"):
+                c.retrieve("r", tokens, np.zeros_like(kv), model="m", reader=reader)

@@ -45,6 +45,7 @@ class _LookupJob:
     model: str
     cache_salt: str
     world_size: int
+    readers: int  # ranks that retrieve under its pin
     tenant: str
     done: bool = False
     hit_tokens: int = 0
@@ -90,6 +91,7 @@ class LookupBook:
         tenant: str = "",
     ) -> p.LookupReply | None:
         """Under the engine lock: the reply, or None when `answer` waits for a prefetch job."""
+        readers = req.readers or req.world_size
         running = self._jobs.get(req.request_id)
         busy = running is not None and not running.done
         if busy and running is not None and _same_chunks(running.keys, keys):
@@ -99,9 +101,16 @@ class LookupBook:
         # keeps its place: this lookup is answered from L1 alone, about its own chunks.
         if not busy and hit < len(keys) and layout is not None and self._tiers.tiers:
             if hit:  # hold what is hit while the rest loads
-                self._pin(req.request_id, keys[:hit], req.world_size, tenant)
+                self._pin(req.request_id, keys[:hit], readers, tenant)
             job = _LookupJob(
-                req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size, tenant
+                req.request_id,
+                keys,
+                num_tokens,
+                req.model,
+                req.cache_salt,
+                req.world_size,
+                readers,
+                tenant,
             )
             started = self._submit(keys[hit:], layout, tenant, lambda _loaded: self._loaded(job))
             if started:
@@ -109,9 +118,7 @@ class LookupBook:
                 return self._wait_or_pending(job, req.wait, answer)
         if not busy:
             self._jobs.pop(req.request_id, None)  # a done job nobody polled
-        hit_tokens = self._finish(
-            req.request_id, keys, hit, num_tokens, req.model, req.world_size, tenant
-        )
+        hit_tokens = self._finish(req.request_id, keys, hit, num_tokens, req.model, readers, tenant)
         return p.LookupReply(hit_tokens)
 
     def _submit(
@@ -191,7 +198,7 @@ class LookupBook:
             return  # the session ended meanwhile: nothing is pinned for it
         hit = self._l1.count_prefix(job.keys)
         job.hit_tokens = self._finish(
-            job.request_id, job.keys, hit, job.num_tokens, job.model, job.world_size, job.tenant
+            job.request_id, job.keys, hit, job.num_tokens, job.model, job.readers, job.tenant
         )
         job.done = True
         if job.waiters:
@@ -210,13 +217,13 @@ class LookupBook:
         hit: int,
         num_tokens: int,
         model: str,
-        world_size: int,
+        readers: int,
         tenant: str,
     ) -> int:
-        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens:
-        those its pins hold (at most the tenant's pinned share)."""
+        """Pin the `hit` leading groups for the request's `readers` and count the lookup; its
+        hit tokens: those its pins hold (at most the tenant's pinned share)."""
         if hit:
-            hit = self._pin(request_id, keys[:hit], world_size, tenant)
+            hit = self._pin(request_id, keys[:hit], readers, tenant)
         if hit:
             self._l1.touch(keys[:hit])
         else:
@@ -227,12 +234,13 @@ class LookupBook:
         self._metrics.observe_lookup(model, num_tokens, hit_tokens)
         return hit_tokens
 
-    def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int, tenant: str) -> int:
-        """Pin what the tenant's pinned share allows of `keys`; how many leading ones."""
+    def _pin(self, request_id: str, keys: list[ChunkKey], readers: int, tenant: str) -> int:
+        """Pin what the tenant's pinned share allows of `keys` until `readers` ranks retrieved
+        them; how many leading ones."""
         return self._l1.pin(
             request_id,
             keys,
-            ranks=range(world_size),
+            ranks=range(readers),
             lease_s=self._config.pin_lease,
             tenant=tenant,
             max_bytes=self._bounds.pinned_bytes,

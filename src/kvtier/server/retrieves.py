@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier import protocol as p
 from kvtier.config import ServerConfig
+from kvtier.errors import InvalidArgumentError
 from kvtier.metrics import Metrics
 from kvtier.server.fencing import CopyGuard, Watch
 from kvtier.server.layouts import LayoutRegistry
@@ -73,7 +74,10 @@ class RetrieveBook:
         guard = CopyGuard() if req.inline else None
         # Named chunks have no session: their retrieve neither renews nor releases any pin.
         session_id = req.request_id if isinstance(req, p.Retrieve) else None
+        reader = req.reader if isinstance(req, p.Retrieve) and req.reader >= 0 else req.worker_id
         with self._lock.hold("Retrieve"):
+            if session_id is not None:
+                self._check_reader(session_id, reader)
             peer = self._leases.peers.get(client_id)
             tenant = "" if peer is None else peer.tenant
             room = len(keys)
@@ -95,7 +99,7 @@ class RetrieveBook:
                     RetrieveLease(
                         client_id,
                         session_id,
-                        req.worker_id,
+                        reader,
                         found,
                         layout.nbytes,
                         self._clock() + self._config.staging_lease,
@@ -116,7 +120,7 @@ class RetrieveBook:
                 self.done(client_id, lease_id)
         elif session_id is not None:
             with self._lock.hold("Retrieve"):
-                self._l1.mark_retrieved(session_id, req.worker_id)
+                self._l1.mark_retrieved(session_id, reader)
         return [p.encode(p.RetrieveReply(len(offsets), [], 0, layout.nbytes)), *frames]
 
     def done(self, client_id: str, lease_id: int) -> p.Ok:
@@ -126,9 +130,19 @@ class RetrieveBook:
         if lease.lapsed:  # the slots were kept, but the copy was not vouched for in time
             raise self._leases.expired("the retrieve's lease", self._config.staging_lease)
         if lease.request_id is not None:
-            self._l1.mark_retrieved(lease.request_id, lease.worker_id)
+            self._l1.mark_retrieved(lease.request_id, lease.reader)
         self._metrics.add_retrieved_bytes(len(lease.keys) * lease.nbytes)
         return p.Ok()
+
+    def _check_reader(self, session_id: str, reader: int) -> None:
+        """Under the lock: a reader outside the ranks the session's pin waits for is an error
+        (it would never be marked done there, and the pin would outlive every real reader)."""
+        readers = self._l1.pin_readers(session_id)
+        if readers and reader >= readers:
+            raise InvalidArgumentError(
+                f"reader {reader} is outside range(readers={readers}) of this request's lookup: "
+                "pass readers= to the lookup (the ranks that retrieve) or the reader's index"
+            )
 
     def end_lease(self, lease: RetrieveLease) -> None:
         """Release what an ended lease holds: its groups, its watch."""

@@ -91,11 +91,12 @@ class _Group:
 
 
 class _Pin:
-    __slots__ = ("deadline", "groups", "queued", "ranks", "tenant")
+    __slots__ = ("deadline", "groups", "queued", "ranks", "readers", "tenant")
 
     def __init__(self, groups: list[_Group], ranks: set[int], deadline: float, tenant: str) -> None:
         self.groups = groups
         self.ranks = ranks
+        self.readers = len(ranks)  # the ranks it was made for: range(readers)
         self.deadline = deadline
         self.tenant = tenant
         self.queued = deadline  # the deadline its entry in the expiry heap carries
@@ -426,7 +427,7 @@ class L1Store:
         if old is not None and old.groups == groups:
             # A repeated lookup of the same prompt (the common case): the same groups are held
             # already, so only the pending ranks and the lease start over.
-            old.ranks = pending
+            old.ranks, old.readers = pending, len(pending)
             self._set_deadline(holder, old, deadline)
             return len(groups)
         for group in groups:
@@ -439,6 +440,7 @@ class L1Store:
             self._compact_pin_heap()
         else:
             released, old.groups, old.ranks = old.groups, groups, pending
+            old.readers = len(pending)
             self._set_deadline(holder, old, deadline)
             self._release_groups(released)
         return len(groups)
@@ -454,6 +456,11 @@ class L1Store:
         del self._pins[holder]
         self._release_pin(pin)
         return True
+
+    def pin_readers(self, holder: str) -> int:
+        """How many ranks the holder's pin was made for (0: it holds none)."""
+        pin = self._pins.get(holder)
+        return 0 if pin is None else pin.readers
 
     def unpin(self, holder: str) -> bool:
         """Release the holder's pin; False when it holds none."""
