@@ -618,14 +618,19 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         world_size: int | None = None,
+        resumable: Sequence[bool] = (),
     ) -> StoreSlots:
-        """Slots to write this rank's chunks [start, end) into; commits on leaving `with`."""
+        """Slots to write this rank's chunks [start, end) into; commits on leaving `with`.
+
+        `resumable[i]`: whether chunk i is a point the engine can resume from (empty: every
+        chunk is); a lookup's hit ends at the last resume point of its leading stored chunks.
+        """
         num_chunks = max(0, (end - start) // self.chunk_size)
         fields = self._fields(
             request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
             cache_salt, extra_key, world_size,
         )  # fmt: skip
-        return StoreSlots(self, fields)
+        return StoreSlots(self, {**fields, "resumable": [bool(r) for r in resumable]})
 
     def retrieve_slots(
         self,
@@ -665,15 +670,18 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         world_size: int | None = None,
+        resumable: Sequence[bool] = (),
     ) -> int:
         """Store chunks [start, end) of this rank from `kv` (num_chunks, *chunk_shape).
 
         `end` defaults to start + num_chunks * chunk_size. Returns the tokens now stored.
+        `resumable` as in `store_slots`.
         """
         rows, fields = self._range(
             request_id, tokens, kv, "kv", model, worker_id, start, end, cache_salt, extra_key,
             world_size,
         )  # fmt: skip
+        fields["resumable"] = [bool(r) for r in resumable]
         with StoreSlots(self, fields) as slots:
             copy_pairs([(view, rows[i]) for i, view in slots.targets()])
             return slots.commit()

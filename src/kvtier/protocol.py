@@ -118,7 +118,13 @@ class RangeRequest(_Msg):
 
 
 class Reserve(RangeRequest):
-    """Store, step 1 (shared memory): staging slots for the range."""
+    """Store, step 1 (shared memory): staging slots for the range.
+
+    `resumable[i]` says whether chunk i of the range is a point the engine can resume from
+    (a Mamba state exists only where the engine materialized it); empty: every chunk is.
+    """
+
+    resumable: list[bool] = []
 
 
 class Commit(_Msg):
@@ -134,7 +140,12 @@ class Abort(_Msg):
 
 
 class StoreInline(RangeRequest):
-    """Store for a client without the arena: one payload frame per chunk follows."""
+    """Store for a client without the arena: one payload frame per chunk follows.
+
+    `resumable` as in Reserve.
+    """
+
+    resumable: list[bool] = []
 
 
 class Retrieve(RangeRequest):

@@ -158,6 +158,8 @@ class Limits:
                 self._range(req.start, req.end, req.num_chunks)
                 if isinstance(req, p.Retrieve):
                     self._reader(req.reader)
+                elif isinstance(req, p.Reserve | p.StoreInline):
+                    self._resumable(req.resumable, req.num_chunks)
             case p.KeyRequest():
                 self._strings(req.request_id, req.model, req.cache_salt)
                 _extra_key(req.extra_key)
@@ -203,6 +205,14 @@ class Limits:
             raise InvalidArgumentError(
                 f"reader {reader} is outside -1..{self.max_world_size - 1} (-1: the worker_id; "
                 "else the rank's index in range(readers) of the lookup, --max-world-size)"
+            )
+
+    @staticmethod
+    def _resumable(resumable: list[bool], num_chunks: int) -> None:
+        if resumable and len(resumable) != num_chunks:
+            raise BadArrayError(
+                f"resumable has {len(resumable)} flags for {num_chunks} chunks: one per chunk "
+                "of the range, or none (every chunk resumable)"
             )
 
     def _shape(self, chunk_shape: list[int], dtype: str) -> None:

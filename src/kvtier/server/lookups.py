@@ -141,16 +141,16 @@ class LookupBook:
     def exists(
         self, keys: list[ChunkKey], layout: Layout | None, answer: Answer, *, tenant: str = ""
     ) -> p.ExistsReply | None:
-        """Under the engine lock: the leading named chunks every rank has; the ones only L2
-        holds are loaded into L1 first (a prefetch job; the answer comes when it ends, or at
-        once from L1 when none can start).
+        """Under the engine lock: the leading named chunks every rank has, up to the last
+        resume point among them; the ones only L2 holds are loaded into L1 first (a prefetch
+        job; the answer comes when it ends, or at once from L1 when none can start).
 
         Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
         chunk evicted before the caller's get is a miss there, never wrong bytes.
         """
 
         def count() -> p.ExistsReply:  # under the lock
-            hit = self._l1.count_prefix(keys)
+            hit = self._l1.resume_prefix(keys)
             self._l1.touch(keys[:hit])
             return p.ExistsReply(hit)
 
@@ -220,8 +220,10 @@ class LookupBook:
         readers: int,
         tenant: str,
     ) -> int:
-        """Pin the `hit` leading groups for the request's `readers` and count the lookup; its
-        hit tokens: those its pins hold (at most the tenant's pinned share)."""
+        """Pin the `hit` leading complete groups, up to the last resume point among them, for
+        the request's `readers` and count the lookup; its hit tokens: those its pins hold (at
+        most the tenant's pinned share)."""
+        hit = self._l1.resume_prefix(keys, hit)
         if hit:
             hit = self._pin(request_id, keys[:hit], readers, tenant)
         if hit:

@@ -37,7 +37,17 @@ class ShardState(enum.Enum):
 
 
 class _Shard:
-    __slots__ = ("deadline", "layout", "nbytes", "offset", "owner", "size", "state", "tenant")
+    __slots__ = (
+        "deadline",
+        "layout",
+        "nbytes",
+        "offset",
+        "owner",
+        "resumable",
+        "size",
+        "state",
+        "tenant",
+    )
 
     def __init__(
         self,
@@ -48,6 +58,7 @@ class _Shard:
         owner: str,
         deadline: float,
         tenant: str,
+        resumable: bool,
     ) -> None:
         self.offset = offset
         self.size = size  # bytes asked for: what a reader copies
@@ -56,6 +67,7 @@ class _Shard:
         self.owner = owner
         self.deadline = deadline
         self.tenant = tenant  # whose staging bytes it counts in while STAGING
+        self.resumable = resumable  # a point the engine can resume from (see `resume_prefix`)
         self.state = ShardState.STAGING
 
 
@@ -72,6 +84,7 @@ class _Group:
         "refs",
         "shards",
         "staging",
+        "unresumable",
     )
 
     def __init__(self, key: ChunkKey) -> None:
@@ -79,6 +92,7 @@ class _Group:
         self.shards: list[_Shard | None] = [None] * key.world_size
         self.missing = key.world_size  # shards not READY; 0 means the group is a hit
         self.staging = 0
+        self.unresumable = 0  # shards that are no resume point: the group is one when 0
         self.holds = 0  # holder pins plus anonymous refs; > 0 means never evicted
         self.refs = 0  # anonymous refs alone, to check release() against acquire()
         self.pins = 0  # pins holding it: the first charges its bytes to its tenant
@@ -218,9 +232,11 @@ class L1Store:
         layout: str = "",
         tenant: str = "",
         bounds: TenantBounds = UNBOUNDED,
+        resumable: bool = True,
     ) -> int | None:
         """Reserve a STAGING shard of `size` bytes and return its offset; its bytes count as
-        `tenant`'s staging bytes until it is committed, aborted or fenced.
+        `tenant`'s staging bytes until it is committed, aborted or fenced. `resumable`: whether
+        the shard carries a resume point (see `resume_prefix`).
 
         Returns None when the shard already exists (staging or ready): there is nothing to
         write. NoSpaceError when it would take the tenant past its `bounds` (then nothing is
@@ -253,9 +269,12 @@ class L1Store:
             self._lru_discard(group)
         if group is None:
             group = self._groups[key] = _Group(key)
-        shard = _Shard(offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant)
+        shard = _Shard(
+            offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant, resumable
+        )
         group.shards[worker_id] = shard
         group.staging += 1
+        group.unresumable += not resumable
         group.nbytes += nbytes
         self._staging[key, worker_id] = shard
         self._staging_bytes += nbytes
@@ -273,8 +292,11 @@ class L1Store:
             del self._by_owner[shard.owner]
         self._usage_of(shard.tenant).staging -= shard.nbytes
 
-    def commit(self, key: ChunkKey, worker_id: int, *, owner: str) -> bool:
-        """Make a staging shard READY; True when that completed the whole group.
+    def commit(
+        self, key: ChunkKey, worker_id: int, *, owner: str, resumable: bool | None = None
+    ) -> bool:
+        """Make a staging shard READY; True when that completed the whole group. `resumable`
+        (None: as reserved) is for writers that learn it with the bytes (an L2 read).
 
         A shard whose lease expired but was not reclaimed yet still commits.
         """
@@ -284,6 +306,9 @@ class L1Store:
         self._unstage(key, worker_id, shard)
         shard.state = ShardState.READY
         group = self._groups[key]
+        if resumable is not None and resumable != shard.resumable:
+            shard.resumable = resumable
+            group.unresumable += -1 if resumable else 1
         group.staging -= 1
         group.missing -= 1
         complete = group.missing == 0 and not group.doomed
@@ -365,6 +390,25 @@ class L1Store:
                 break
             n += 1
         return n
+
+    def resume_prefix(self, keys: Sequence[ChunkKey], complete: int | None = None) -> int:
+        """How many leading keys an engine can resume after: the leading complete groups
+        (`complete` of them, when the caller counted them), up to the last one whose every
+        shard is a resume point."""
+        n = self.count_prefix(keys) if complete is None else complete
+        get = self._groups.get
+        while n:
+            group = get(keys[n - 1])
+            if group is not None and not group.unresumable:
+                break
+            n -= 1
+        return n
+
+    def is_resumable(self, key: ChunkKey, worker_id: int) -> bool:
+        """Whether the rank's shard is a resume point (False when there is none)."""
+        group = self._groups.get(key)
+        shard = None if group is None else group.shards[worker_id]
+        return shard is not None and shard.resumable
 
     def get_shard(self, key: ChunkKey, worker_id: int) -> tuple[int, int, str] | None:
         """(offset, size, layout) of a READY shard, else None."""
@@ -644,6 +688,7 @@ class L1Store:
         group = self._groups[key]
         group.shards[worker_id] = None
         group.staging -= 1
+        group.unresumable -= not shard.resumable
         group.nbytes -= shard.nbytes
         if group.staging or group.holds:
             return
