@@ -47,6 +47,7 @@ class _LookupJob:
     world_size: int
     readers: int  # ranks that retrieve under its pin
     tenant: str
+    owner: str  # the client that looked up: its pin lives while it does
     done: bool = False
     hit_tokens: int = 0
     waiters: list[Answer] = field(default_factory=list)
@@ -89,8 +90,10 @@ class LookupBook:
         answer: Answer,
         *,
         tenant: str = "",
+        owner: str = "",
     ) -> p.LookupReply | None:
-        """Under the engine lock: the reply, or None when `answer` waits for a prefetch job."""
+        """Under the engine lock: the reply, or None when `answer` waits for a prefetch job.
+        `owner`: the client asking; the pins live while it does (`L1Store.reclaim_pins`)."""
         readers = req.readers or req.world_size
         running = self._jobs.get(req.request_id)
         busy = running is not None and not running.done
@@ -101,7 +104,7 @@ class LookupBook:
         # keeps its place: this lookup is answered from L1 alone, about its own chunks.
         if not busy and hit < len(keys) and layout is not None and self._tiers.tiers:
             if hit:  # hold what is hit while the rest loads
-                self._pin(req.request_id, keys[:hit], readers, tenant)
+                self._pin(req.request_id, keys[:hit], readers, tenant, owner)
             job = _LookupJob(
                 req.request_id,
                 keys,
@@ -111,6 +114,7 @@ class LookupBook:
                 req.world_size,
                 readers,
                 tenant,
+                owner,
             )
             started = self._submit(keys[hit:], layout, tenant, lambda _loaded: self._loaded(job))
             if started:
@@ -118,7 +122,9 @@ class LookupBook:
                 return self._wait_or_pending(job, req.wait, answer)
         if not busy:
             self._jobs.pop(req.request_id, None)  # a done job nobody polled
-        hit_tokens = self._finish(req.request_id, keys, hit, num_tokens, req.model, readers, tenant)
+        hit_tokens = self._finish(
+            req.request_id, keys, hit, num_tokens, req.model, readers, tenant, owner
+        )
         return p.LookupReply(hit_tokens)
 
     def _submit(
@@ -198,7 +204,14 @@ class LookupBook:
             return  # the session ended meanwhile: nothing is pinned for it
         hit = self._l1.count_prefix(job.keys)
         job.hit_tokens = self._finish(
-            job.request_id, job.keys, hit, job.num_tokens, job.model, job.readers, job.tenant
+            job.request_id,
+            job.keys,
+            hit,
+            job.num_tokens,
+            job.model,
+            job.readers,
+            job.tenant,
+            job.owner,
         )
         job.done = True
         if job.waiters:
@@ -219,13 +232,14 @@ class LookupBook:
         model: str,
         readers: int,
         tenant: str,
+        owner: str,
     ) -> int:
         """Pin the `hit` leading complete groups, up to the last resume point among them, for
         the request's `readers` and count the lookup; its hit tokens: those its pins hold (at
         most the tenant's pinned share)."""
         hit = self._l1.resume_prefix(keys, hit)
         if hit:
-            hit = self._pin(request_id, keys[:hit], readers, tenant)
+            hit = self._pin(request_id, keys[:hit], readers, tenant, owner)
         if hit:
             self._l1.touch(keys[:hit])
         else:
@@ -236,9 +250,11 @@ class LookupBook:
         self._metrics.observe_lookup(model, num_tokens, hit_tokens)
         return hit_tokens
 
-    def _pin(self, request_id: str, keys: list[ChunkKey], readers: int, tenant: str) -> int:
-        """Pin what the tenant's pinned share allows of `keys` until `readers` ranks retrieved
-        them; how many leading ones."""
+    def _pin(
+        self, request_id: str, keys: list[ChunkKey], readers: int, tenant: str, owner: str
+    ) -> int:
+        """Pin what the tenant's pinned share allows of `keys` for `owner` until `readers`
+        ranks retrieved them; how many leading ones."""
         return self._l1.pin(
             request_id,
             keys,
@@ -246,4 +262,5 @@ class LookupBook:
             lease_s=self._config.pin_lease,
             tenant=tenant,
             max_bytes=self._bounds.pinned_bytes,
+            owner=owner,
         )

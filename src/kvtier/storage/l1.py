@@ -26,7 +26,10 @@ from kvtier.snapshots import L1Stats, TenantUsage
 from kvtier.storage.arena import Allocator
 from kvtier.storage.shares import UNBOUNDED, TenantBounds, Usage, check_staging
 
-__all__ = ["UNBOUNDED", "L1Store", "ShardState", "TenantBounds"]
+__all__ = ["UNBOUNDED", "L1Store", "OwnerSeen", "ShardState", "TenantBounds"]
+
+#: (pin holder, its owner) -> when the owner was last seen (the L1's clock), None when gone
+OwnerSeen = Callable[[str, str], float | None]
 
 
 class ShardState(enum.Enum):
@@ -105,14 +108,33 @@ class _Group:
 
 
 class _Pin:
-    __slots__ = ("deadline", "groups", "queued", "ranks", "readers", "tenant")
+    __slots__ = (
+        "deadline",
+        "groups",
+        "lease_s",
+        "owner",
+        "queued",
+        "ranks",
+        "readers",
+        "tenant",
+    )
 
-    def __init__(self, groups: list[_Group], ranks: set[int], deadline: float, tenant: str) -> None:
+    def __init__(
+        self,
+        groups: list[_Group],
+        ranks: set[int],
+        deadline: float,
+        tenant: str,
+        owner: str,
+        lease_s: float,
+    ) -> None:
         self.groups = groups
         self.ranks = ranks
         self.readers = len(ranks)  # the ranks it was made for: range(readers)
         self.deadline = deadline
         self.tenant = tenant
+        self.owner = owner  # the client that made it: its pin lives while that client does
+        self.lease_s = lease_s
         self.queued = deadline  # the deadline its entry in the expiry heap carries
 
 
@@ -443,9 +465,11 @@ class L1Store:
         lease_s: float,
         tenant: str = "",
         max_bytes: int | None = None,
+        owner: str = "",
     ) -> int:
         """Pin the groups of `keys` that are in L1 for `holder`, replacing its previous pin;
-        returns how many groups it pins.
+        returns how many groups it pins. `owner`: the client it is pinned for (see
+        `reclaim_pins`).
 
         A group's bytes count once against the pinned bytes of the tenant that pinned it first,
         however many of its pins hold it. With `max_bytes`, only the leading groups that keep
@@ -472,6 +496,7 @@ class L1Store:
             # A repeated lookup of the same prompt (the common case): the same groups are held
             # already, so only the pending ranks and the lease start over.
             old.ranks, old.readers = pending, len(pending)
+            old.owner, old.lease_s = owner, lease_s
             self._set_deadline(holder, old, deadline)
             return len(groups)
         for group in groups:
@@ -479,12 +504,12 @@ class L1Store:
             self._charge_pin(group, tenant)
         # Release the old groups after taking the new ones, so groups in both stay held.
         if old is None:
-            pin = self._pins[holder] = _Pin(groups, pending, deadline, tenant)
+            pin = self._pins[holder] = _Pin(groups, pending, deadline, tenant, owner, lease_s)
             heapq.heappush(self._pin_heap, (deadline, next(self._pin_seq), holder, pin))
             self._compact_pin_heap()
         else:
             released, old.groups, old.ranks = old.groups, groups, pending
-            old.readers = len(pending)
+            old.readers, old.owner, old.lease_s = len(pending), owner, lease_s
             self._set_deadline(holder, old, deadline)
             self._release_groups(released)
         return len(groups)
@@ -523,27 +548,37 @@ class L1Store:
             raise UnknownReservationError(f"holder {holder!r} has no pin (expired or released)")
         self._set_deadline(holder, pin, self._clock() + lease_s)
 
-    def reclaim_pins(self) -> int:
-        """Release every pin whose lease expired; returns how many.
+    def reclaim_pins(self, owner_seen: OwnerSeen | None = None) -> list[str]:
+        """Release every pin whose lease expired; returns their holders.
+
+        The lease counts from the owner's last sign of life: for a pin whose lease ran out,
+        `owner_seen(holder, owner)` tells when its owner was last seen (None: gone), and a pin
+        whose owner was seen less than its lease ago is kept until a lease after that. So what
+        a lookup reported stays pinned while the client that asked lives, however long the
+        request waits; a dead client's pins lapse a lease after its last sign of life.
 
         Costs the heap entries that came due (expired pins, renewed ones put back, released
         ones dropped), not the number of pins.
         """
         now = self._clock()
         heap = self._pin_heap
-        n = 0
+        lapsed: list[str] = []
         while heap and heap[0][0] <= now:
             due, _, holder, pin = heapq.heappop(heap)
             if self._pins.get(holder) is not pin or due != pin.queued:
                 continue  # released or replaced, or a duplicate entry of a shortened lease
+            if pin.deadline <= now and owner_seen is not None and pin.owner:
+                seen = owner_seen(holder, pin.owner)
+                if seen is not None:
+                    pin.deadline = max(pin.deadline, seen + pin.lease_s)
             if pin.deadline <= now:
                 del self._pins[holder]
                 self._release_pin(pin)
-                n += 1
+                lapsed.append(holder)
             else:  # renewed since: due again at its new deadline
                 pin.queued = pin.deadline
                 heapq.heappush(heap, (pin.deadline, next(self._pin_seq), holder, pin))
-        return n
+        return lapsed
 
     def _set_deadline(self, holder: str, pin: _Pin, deadline: float) -> None:
         pin.deadline = deadline
