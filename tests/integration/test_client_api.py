@@ -349,3 +349,10 @@ def test_a_hit_ends_at_the_last_resume_point_of_the_stored_chunks(
         assert c.retrieve("r", tokens, out, model="m", worker_id=0) == 6 * CS
         assert np.array_equal(out, kv)
         assert status(second)["prefetch"]["loaded_groups"] == 6
+        for r in ("r", "r2"):
+            c.end_session(r)
+        # an engine that later holds a resume point at chunks 3 and 4 stores it over the old
+        # shards: the hit of the 5-chunk prompt now reaches its end
+        for rank in (0, 1):
+            assert c.store("w2", tokens, kv, model="m", worker_id=rank) == 6 * CS
+        assert c.lookup("r3", tokens[: 5 * CS], model="m", world_size=2) == 5 * CS
