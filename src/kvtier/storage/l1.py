@@ -278,9 +278,10 @@ class L1Store:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         group = self._groups.get(key)
         old = None if group is None else group.shards[worker_id]
-        if group is not None and (group.doomed or old is not None):
-            if group.doomed or not self._replaceable(group, old, resumable):
-                return None
+        if group is not None and (
+            group.doomed or (old is not None and not self._replaceable(group, old, resumable))
+        ):
+            return None
         nbytes = self._alloc.rounded(size)
         if bounds is not UNBOUNDED:
             check_staging(self._usage.get(tenant) or Usage(), tenant, size, nbytes, bounds)
