@@ -367,12 +367,12 @@ def test_pin_leases_expire_and_renew() -> None:
     clock.now += 8
     l1.renew("a", 10)
     clock.now += 5
-    assert l1.reclaim_pins() == 1
+    assert len(l1.reclaim_pins()) == 1
     assert l1.pinned_keys("b") == [] and l1.pinned_keys("a") == [key(1)]
     with pytest.raises(UnknownReservationError, match="'b'"):
         l1.renew("b", 10)
     clock.now += 6
-    assert l1.reclaim_pins() == 1
+    assert len(l1.reclaim_pins()) == 1
     assert l1.stats().pinned_groups == 0
 
 
@@ -596,12 +596,12 @@ def test_reclaim_pins_releases_only_the_expired_and_follows_renewals() -> None:
     l1.renew("a", 10)  # now due at +15
     l1.pin("b", [key(2)], ranks=[0], lease_s=2)  # shortened: due at +7
     clock.advance(3)
-    assert l1.reclaim_pins() == 1 and l1.pinned_keys("b") == []
+    assert len(l1.reclaim_pins()) == 1 and l1.pinned_keys("b") == []
     clock.advance(5)  # +13: a's first entry came due, but it was renewed
-    assert l1.reclaim_pins() == 0 and l1.pinned_keys("a") == [key(1)]
+    assert l1.reclaim_pins() == [] and l1.pinned_keys("a") == [key(1)]
     clock.advance(3)
-    assert l1.reclaim_pins() == 1 and l1.pinned_keys("a") == []
-    assert l1.reclaim_pins() == 0
+    assert len(l1.reclaim_pins()) == 1 and l1.pinned_keys("a") == []
+    assert l1.reclaim_pins() == []
 
 
 def test_released_pins_leave_the_expiry_heap_bounded() -> None:
@@ -622,3 +622,59 @@ def test_no_space_message_counts_quarantined_bytes() -> None:
     expected = f"{PAGE} pinned or in use, 0 staging, {PAGE} quarantined"
     with pytest.raises(NoSpaceError, match=expected):
         l1.reserve(key(3), 0, PAGE, owner="w", lease_s=30)
+
+
+def test_a_pin_lives_while_its_owner_is_seen_and_lapses_a_lease_after() -> None:
+    l1, clock, _ = make(4)
+    store(l1, key(1))
+    store(l1, key(2))
+    l1.pin("a", [key(1)], ranks=[0], lease_s=10, owner="alive")
+    l1.pin("b", [key(2)], ranks=[0], lease_s=10, owner="dead")
+    seen = {"alive": clock.now}  # "dead" was last seen when it pinned, then left the book
+    asked: list[tuple[str, str]] = []
+
+    def owner_seen(holder: str, owner: str) -> float | None:
+        asked.append((holder, owner))
+        return seen.get(owner)
+
+    lapsed: list[str] = []
+    for _ in range(5):  # 25 s, two and a half leases; the live owner heartbeats
+        clock.advance(5)
+        seen["alive"] = clock.now
+        lapsed += l1.reclaim_pins(owner_seen)
+    assert lapsed == ["b"]  # a lease after its owner's last sign of life
+    assert l1.pinned_keys("a") == [key(1)] and l1.pinned_keys("b") == []
+    assert ("a", "alive") in asked and ("b", "dead") in asked
+    clock.advance(9)  # the live owner stops: still within a lease of its last sign of life
+    assert l1.reclaim_pins(owner_seen) == []
+    clock.advance(2)
+    assert l1.reclaim_pins(owner_seen) == ["a"]
+    assert l1.stats().pinned_groups == 0
+
+
+def test_a_resume_point_replaces_a_shard_that_is_none_and_an_abort_puts_it_back() -> None:
+    l1, _, _ = make(8)
+    k = key(1)
+    first = l1.reserve(k, 0, PAGE, owner="w", lease_s=30, resumable=False)
+    assert first is not None
+    l1.commit(k, 0, owner="w")
+    assert l1.count_prefix([k]) == 1 and l1.resume_prefix([k]) == 0
+    assert l1.reserve(k, 0, PAGE, owner="w", lease_s=30, resumable=False) is None  # no better
+    # a resume point for it: the old shard steps aside (the group is no hit meanwhile) ...
+    second = l1.reserve(k, 0, PAGE, owner="w", lease_s=30)
+    assert second is not None and second != first
+    assert l1.count_prefix([k]) == 0 and l1.num_ready_groups == 0
+    l1.abort(k, 0, owner="w")  # ... and comes back when the new one never commits
+    assert l1.get_shard(k, 0) == (first, PAGE, "") and l1.resume_prefix([k]) == 0
+    assert l1.num_ready_groups == 1 and l1.used_bytes == PAGE
+    third = l1.reserve(k, 0, PAGE, owner="w", lease_s=30)
+    assert third is not None
+    assert l1.commit(k, 0, owner="w") is True  # the old shard's range is freed
+    assert l1.get_shard(k, 0) == (third, PAGE, "") and l1.resume_prefix([k]) == 1
+    assert l1.num_ready_groups == 1 and l1.used_bytes == PAGE
+    # nothing replaces a shard whose group something holds
+    l2, _, _ = make(8)
+    l2.reserve(k, 0, PAGE, owner="w", lease_s=30, resumable=False)
+    l2.commit(k, 0, owner="w")
+    l2.pin("r", [k], ranks=[0], lease_s=10)
+    assert l2.reserve(k, 0, PAGE, owner="w", lease_s=30) is None

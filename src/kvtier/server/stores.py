@@ -97,11 +97,12 @@ class StoreBook:
         )
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
+        flags = req.resumable if isinstance(req, p.Reserve | p.StoreInline) else []
         with self._lock.hold("Reserve"):
             peer = self._leases.peers.get(client_id)
             tenant = "" if peer is None else peer.tenant
             try:
-                for key in keys:
+                for i, key in enumerate(keys):
                     if self._l1.is_busy(key, req.worker_id):
                         # Another client is storing it right now: this store cannot call it
                         # stored (that client may still abort or die).
@@ -116,6 +117,7 @@ class StoreBook:
                         layout=layout.text,
                         tenant=tenant,
                         bounds=self._bounds,
+                        resumable=flags[i] if flags else True,
                     )
                     offsets.append(p.STORED if offset is None else offset)
                     if offset is not None:
@@ -278,4 +280,7 @@ class StoreBook:
             with self._lock.hold("L2 written"):
                 self._l1.release(key)
 
-        return Shard(key.shard(worker_id), self._arena.view(offset, size), layout, done)
+        view = self._arena.view(offset, size)
+        return Shard(
+            key.shard(worker_id), view, layout, done, self._l1.is_resumable(key, worker_id)
+        )
