@@ -82,6 +82,22 @@ def test_a_prefix_counts_only_leading_names(server: ServerProcess) -> None:
         assert c.get_keys(keys, out, model="m") == 2
 
 
+def test_each_name_is_answered_past_a_gap_and_only_when_every_rank_stored_it(
+    server: ServerProcess,
+) -> None:
+    keys = names("each", 6)
+    with connect(server, world_size=2) as rank0, connect(server, world_size=2) as rank1:
+        picked = [keys[1], keys[2], keys[4]]
+        assert rank0.put_keys(picked, chunks(6, 3), model="m", worker_id=0) == 3
+        assert rank1.put_keys(picked[1:], chunks(7, 2), model="m", worker_id=1) == 2
+        want = [False, False, True, False, True, False]  # keys[1] lacks rank 1's shard
+        for c in (rank0, rank1):
+            assert c.exists_each_key(keys, model="m", world_size=2) == want
+            assert c.exists_keys(keys, model="m", world_size=2) == 0
+        assert rank0.exists_each_key([], model="m", world_size=2) == []
+        assert rank0.exists_each_key(keys[2:3], model="m") == [False]  # another world size
+
+
 def test_bad_names_are_refused_by_the_client_and_the_server(server: ServerProcess) -> None:
     good = names("keep", 2)
     data = chunks(5, 2)
@@ -237,3 +253,10 @@ def test_named_chunks_come_back_from_the_disk_tier(
         out = np.zeros((4, *shape), np.float16)
         assert c.get_keys(keys[:4], out, model="m") == 4
         assert out.tobytes() == data[:4].tobytes()
+        # past a name no tier holds, the ones only the disk holds are loaded back too
+        sparse = [keys[4], "never-stored", keys[5], keys[6]]  # long evicted from L1
+        loaded = status(server)["prefetch"]["loaded_groups"]
+        assert c.exists_each_key(sparse, model="m") == [True, False, True, True]
+        assert status(server)["prefetch"]["loaded_groups"] == loaded + 3
+        assert c.get_keys(sparse[2:], out[:2], model="m") == 2
+        assert out[:2].tobytes() == data[5:7].tobytes()
