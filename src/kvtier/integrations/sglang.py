@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,9 @@ _FAILURES = (KVTierError, zmq.ZMQError, OSError)
 _MISFITS = (ValueError, BadArrayError, LayoutMismatchError)
 #: pools whose pieces are split across TP ranks even when the KV is one shared MLA copy
 _RANK_SHARDED_POOLS = frozenset({str(PoolName.MAMBA)})
+
+#: `_set` / `_get`: (client, geometry, host pool, keys, host indices, operation) -> per page ok
+_Move = Callable[[Client, PageGeometry, Any, list[str], torch.Tensor, str], list[bool]]
 
 #: the keys `--hicache-storage-backend-extra-config` may hold, with what each means
 EXTRA_CONFIG_KEYS = {
@@ -141,6 +144,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.interface_v1 = bool(settings.get("interface_v1", 0))
         self.geometry: PageGeometry | None = None  # the KV pool's
         self.pool_geometry: dict[str, PageGeometry] = {}  # the other v2 pools', by name
+        self._host_pools: dict[str, Any] = {}  # those pools, by name
         self._label = ""
         self.last_error: BaseException | None = None
         self._client: Client | None = None
@@ -181,6 +185,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "state slot (1)"
             )
         self.pool_geometry[name] = geometry
+        self._host_pools[name] = host_pool
         self._register_now()
 
     def _register_now(self) -> None:
@@ -433,7 +438,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _resume_points(self, client: Client, transfer: PoolTransfer, keys: list[str]) -> list[int]:
         """The prefixes of `keys` (in pages) the transfer's pool holds what a resume needs."""
-        geometry = self._pool(transfer.name)
+        geometry, _ = self._pool(transfer.name)
         if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
             held = self._count(client, geometry, keys)
             return resume_points([i < held for i in range(len(keys))])
@@ -467,23 +472,18 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return self._batch_v2(transfers, self._get, "batch_get_v2")
 
     def _batch_v2(
-        self, transfers: list[PoolTransfer], move: Any, operation: str
+        self, transfers: list[PoolTransfer], move: _Move, operation: str
     ) -> dict[Any, list[bool]]:
         results: dict[Any, list[bool]] = {}
         client = self._connect()
         for transfer in transfers:
             keys = list(transfer.keys or [])
             try:
-                geometry = self._pool(transfer.name)
+                geometry, pool = self._pool(transfer.name)
             except ValueError as exc:
                 logger.error("kvtier %s: %s", operation, exc)
                 results[transfer.name] = [False] * len(keys)
                 continue
-            pool = (
-                self.mem_pool_host
-                if geometry is self.geometry
-                else self.registered_pools[str(transfer.name)]
-            )
             if client is None or transfer.host_indices is None:
                 results[transfer.name] = [False] * len(keys)
                 continue
@@ -492,14 +492,14 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
         return results
 
-    def _pool(self, name: Any) -> PageGeometry:
-        """The geometry of a registered pool; ValueError for one SGLang never registered."""
-        geometry = (
-            self.geometry if str(name) == str(PoolName.KV) else self.pool_geometry.get(str(name))
-        )
+    def _pool(self, name: Any) -> tuple[PageGeometry, Any]:
+        """A registered pool's geometry and host pool; ValueError for one never registered."""
+        if str(name) == str(PoolName.KV) and self.geometry is not None:
+            return self.geometry, self.mem_pool_host
+        geometry = self.pool_geometry.get(str(name))
         if geometry is None:
             raise ValueError(f"SGLang's {name} host pool was never registered with the backend")
-        return geometry
+        return geometry, self._host_pools[str(name)]
 
     # -- plain path: SGLang's flat data-page tensors ----------------------------------------------
 
