@@ -10,13 +10,14 @@ trailing keys with `batch_get_v2`. The pools run SGLang's own page methods (sgla
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from ..conftest import ServerProcess, start_server
+from ..conftest import ServerProcess, free_port, start_server
 from .sglang_pool import HostPoolStandIn, MambaPoolStandIn, build_backend, sglang_api
 
 PAGE = 16
@@ -298,5 +299,32 @@ def test_pools_and_rules_kvtier_cannot_serve_are_refused_or_missed(server: Serve
         assert b.batch_set_v2([side("swa", keys, swa_pool().indices([0]))]) == {
             api().PoolName.SWA: [False, False]
         }
+    finally:
+        b.close()
+
+
+def test_a_server_started_after_sglang_learns_every_pool_when_it_answers(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    kv, mamba = kv_pool(), MambaPoolStandIn()
+    kv.fill_random(70)
+    mamba.fill_random(71)
+    # nothing there yet: SGLang starts anyway (test_sglang shows its writes fail meanwhile)
+    b = build_backend(address, kv, timeout=1, retry_interval=0.2, pools={"mamba": mamba})
+    keys = keys_for("late-hybrid-", 2)
+    try:
+        server_factory("--chunk-size", str(PAGE), address=address)
+        deadline = time.monotonic() + 15
+        while not all(b.batch_set_v1(keys, kv.indices([0, 1]))):
+            assert time.monotonic() < deadline, b.last_error
+            time.sleep(0.2)
+        assert b.batch_set_v2([side("mamba", keys[1:], mamba.indices([3]))]) == {
+            api().PoolName.MAMBA: [True]
+        }
+        assert query(b, keys, mamba=1) == (2, {"kv": 2, "mamba": 2}, [2])
+        got = b.batch_get_v2([side("mamba", keys[1:], mamba.indices([6]))])
+        assert got == {api().PoolName.MAMBA: [True]}
+        assert mamba.page_bytes(6) == mamba.page_bytes(3)
     finally:
         b.close()
