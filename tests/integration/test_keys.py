@@ -82,22 +82,6 @@ def test_a_prefix_counts_only_leading_names(server: ServerProcess) -> None:
         assert c.get_keys(keys, out, model="m") == 2
 
 
-def test_each_name_is_answered_past_a_gap_and_only_when_every_rank_stored_it(
-    server: ServerProcess,
-) -> None:
-    keys = names("each", 6)
-    with connect(server, world_size=2) as rank0, connect(server, world_size=2) as rank1:
-        picked = [keys[1], keys[2], keys[4]]
-        assert rank0.put_keys(picked, chunks(6, 3), model="m", worker_id=0) == 3
-        assert rank1.put_keys(picked[1:], chunks(7, 2), model="m", worker_id=1) == 2
-        want = [False, False, True, False, True, False]  # keys[1] lacks rank 1's shard
-        for c in (rank0, rank1):
-            assert c.exists_each_key(keys, model="m", world_size=2) == want
-            assert c.exists_keys(keys, model="m", world_size=2) == 0
-        assert rank0.exists_each_key([], model="m", world_size=2) == []
-        assert rank0.exists_each_key(keys[2:3], model="m") == [False]  # another world size
-
-
 def test_bad_names_are_refused_by_the_client_and_the_server(server: ServerProcess) -> None:
     good = names("keep", 2)
     data = chunks(5, 2)
@@ -210,6 +194,15 @@ def test_a_group_counts_when_every_rank_stored_its_shard(server: ServerProcess) 
             out[:] = 0
             assert c.get_keys(keys, out, model="m", worker_id=rank) == 2
             assert out[:2].tobytes() == shard[rank][:2].tobytes()
+        # per name, past the missing one too: whole groups only
+        gap = names("tp-gap", 2)
+        assert rank0.put_keys(gap, shard[0][:2], model="m", worker_id=0) == 2
+        assert rank1.put_keys(gap[1:], shard[1][:1], model="m", worker_id=1) == 1
+        for c in (rank0, rank1):
+            each = c.exists_each_key([*keys, *gap], model="m", world_size=2)
+            assert each == [True, True, False, False, True]
+        assert rank0.exists_each_key([], model="m", world_size=2) == []
+        assert rank0.exists_each_key(gap[1:], model="m") == [False]  # another world size
 
 
 def test_slots_abort_on_an_exception_and_store_nothing(server: ServerProcess) -> None:
