@@ -31,6 +31,7 @@ from kvtier.errors import (
     InvalidArgumentError,
     KVTierError,
     NotConnectedError,
+    ProtocolVersionError,
     error_from_code,
 )
 from kvtier.hashing import TokenHasher, TokenIds, token_bytes
@@ -789,6 +790,28 @@ class Client:
         names = check_names(names)
         raw, _ = self._call(p.ExistsKeys(names, model, world_size, cache_salt, extra_key))
         return reply_as(raw, p.ExistsReply, "ExistsKeys").num_chunks
+
+    def exists_each_key(
+        self,
+        names: Sequence[ChunkName],
+        *,
+        model: str,
+        world_size: int = 1,
+        cache_salt: str = "",
+        extra_key: bytes = b"",
+    ) -> list[bool]:
+        """Per named chunk, whether every rank has stored it (past a missing one too; L2 hits
+        are loaded into L1)."""
+        names = check_names(names)
+        request = p.ExistsKeys(names, model, world_size, cache_salt, extra_key, each=True)
+        raw, _ = self._call(request)
+        present = reply_as(raw, p.ExistsReply, "ExistsKeys").present
+        if len(present) != len(names):
+            raise ProtocolVersionError(
+                f"the server answered {len(present)} flags for {len(names)} names: it predates "
+                "ExistsKeys.each (upgrade the server)"
+            )
+        return present
 
     def store_key_slots(
         self,

@@ -204,13 +204,18 @@ class KeyRequest(_Msg):
 
 
 class ExistsKeys(_Msg):
-    """How many leading named chunks are stored for every rank (L2 hits are loaded into L1)."""
+    """How many leading named chunks are stored for every rank (L2 hits are loaded into L1).
+
+    `each`: also say which of all the names are stored (`ExistsReply.present`), the ones
+    after a gap included; their L2 hits are loaded too. SGLang's trailing-page pools ask this.
+    """
 
     names: list[bytes]
     model: str
     world_size: int = 1
     cache_salt: str = ""
     extra_key: bytes = b""  # as in RangeRequest
+    each: bool = False
 
 
 class ReserveKeys(KeyRequest):
@@ -307,9 +312,11 @@ class RetrieveReply(_Msg):
 
 
 class ExistsReply(_Msg):
-    """Leading named chunks stored for every rank."""
+    """Leading named chunks stored for every rank; with `ExistsKeys.each`, per name whether
+    it is (empty otherwise)."""
 
     num_chunks: int
+    present: list[bool] = []
 
 
 class ErrorReply(_Msg):

@@ -194,6 +194,15 @@ def test_a_group_counts_when_every_rank_stored_its_shard(server: ServerProcess) 
             out[:] = 0
             assert c.get_keys(keys, out, model="m", worker_id=rank) == 2
             assert out[:2].tobytes() == shard[rank][:2].tobytes()
+        # per name, past the missing one too: whole groups only
+        gap = names("tp-gap", 2)
+        assert rank0.put_keys(gap, shard[0][:2], model="m", worker_id=0) == 2
+        assert rank1.put_keys(gap[1:], shard[1][:1], model="m", worker_id=1) == 1
+        for c in (rank0, rank1):
+            each = c.exists_each_key([*keys, *gap], model="m", world_size=2)
+            assert each == [True, True, False, False, True]
+        assert rank0.exists_each_key([], model="m", world_size=2) == []
+        assert rank0.exists_each_key(gap[1:], model="m") == [False]  # another world size
 
 
 def test_slots_abort_on_an_exception_and_store_nothing(server: ServerProcess) -> None:
@@ -237,3 +246,10 @@ def test_named_chunks_come_back_from_the_disk_tier(
         out = np.zeros((4, *shape), np.float16)
         assert c.get_keys(keys[:4], out, model="m") == 4
         assert out.tobytes() == data[:4].tobytes()
+        # past a name no tier holds, the ones only the disk holds are loaded back too
+        sparse = [keys[4], "never-stored", keys[5], keys[6]]  # long evicted from L1
+        loaded = status(server)["prefetch"]["loaded_groups"]
+        assert c.exists_each_key(sparse, model="m") == [True, False, True, True]
+        assert status(server)["prefetch"]["loaded_groups"] == loaded + 3
+        assert c.get_keys(sparse[2:], out[:2], model="m") == 2
+        assert out[:2].tobytes() == data[5:7].tobytes()

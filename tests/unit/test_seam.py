@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.errors import InvalidArgumentError, NotConnectedError
 from kvtier.integrations.seam import (
@@ -12,7 +14,9 @@ from kvtier.integrations.seam import (
     Recompute,
     agree_min,
     check_chunk_blocks,
+    common_resume_points,
     head_range,
+    resume_points,
 )
 
 
@@ -34,6 +38,40 @@ def test_chunk_must_be_whole_blocks() -> None:
     assert check_chunk_blocks(256, 32, "--block-size") == 8
     with pytest.raises(InvalidArgumentError, match=r"chunk size \(48 tokens.*--block-size"):
         check_chunk_blocks(48, 32, "--block-size")
+
+
+def test_full_attention_resumes_only_inside_its_leading_pages() -> None:
+    assert resume_points([True, True, False, True]) == [1, 2]
+    assert resume_points([False, True]) == []
+    assert resume_points([]) == []
+
+
+def test_a_trailing_part_resumes_where_its_last_pages_are_held() -> None:
+    state = [False, True, False, False, True, True]  # a recurrent state after pages 2, 5, 6
+    assert resume_points(state, trailing=1) == [2, 5, 6]
+    window = [True, False, True, True, False, True, True, True]
+    assert resume_points(window, trailing=2) == [1, 4, 7, 8]  # 1: the window is the prefix
+    assert resume_points(window, trailing=5) == [1]
+
+
+def test_every_part_must_resume_at_a_common_point() -> None:
+    kv = resume_points([True] * 6)
+    state = resume_points([False, True, False, True, False, False], trailing=1)
+    window = resume_points([True, True, True, False, True, True], trailing=2)
+    assert common_resume_points(6, [kv, state, window]) == [2]
+    assert common_resume_points(6, [kv]) == kv
+    assert common_resume_points(4, [kv]) == [1, 2, 3, 4]  # only points inside num_pages
+    assert common_resume_points(6, [kv, []]) == []
+
+
+@given(
+    present=st.lists(st.booleans(), max_size=40),
+    trailing=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_resume_points_match_the_window_rule(present: list[bool], trailing: int | None) -> None:
+    n = len(present) if trailing is None else trailing
+    want = [p for p in range(1, len(present) + 1) if all(present[max(0, p - n) : p])]
+    assert resume_points(present, trailing) == want
 
 
 def test_a_kvtier_failure_reads_as_the_fallback_until_reset() -> None:

@@ -1,8 +1,10 @@
 """The policy every engine adapter shares: a kvtier failure costs a recompute, tensor-parallel
-ranks split KV heads evenly and agree on one reuse span, and a chunk is whole blocks.
+ranks split KV heads evenly and agree on one reuse span, a chunk is whole blocks, and a hit ends
+only where every part of the KV can resume.
 
-The transformers adapter (`integrations.transformers`) and the vLLM connector
-(`integrations.vllm`) both go through this module, so the rules live once.
+The transformers adapter (`integrations.transformers`), the vLLM connector
+(`integrations.vllm`) and the SGLang backend (`integrations.sglang`) go through this module, so
+the rules live once.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from kvtier.client import Client
@@ -21,9 +23,11 @@ __all__ = [
     "Recompute",
     "agree_min",
     "check_chunk_blocks",
+    "common_resume_points",
     "credential",
     "head_range",
     "refuse_unknown_keys",
+    "resume_points",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,34 @@ def head_range(num_kv_heads: int, world_size: int, worker_id: int) -> slice:
 def agree_min(counts: Iterable[int]) -> int:
     """The span every rank can reuse: the smallest of the ranks' token counts."""
     return min(int(c) for c in counts)
+
+
+def resume_points(present: Sequence[bool], trailing: int | None = None) -> list[int]:
+    """The prefix lengths (in pages) one part of the KV can resume from, given which pages
+    it holds a piece of (`present[i]`: page i's).
+
+    `trailing` None: every page before the point is needed (full attention). `trailing` n: only
+    the last n pages before it (a sliding window: the pages it still sees; a recurrent state,
+    n=1: the state after the point's last page), so the points can have holes.
+    """
+    points: list[int] = []
+    run = 0  # present pages ending at the current one
+    for page, ok in enumerate(present):
+        run = run + 1 if ok else 0
+        if trailing is None and not ok:
+            break
+        if run >= (page + 1 if trailing is None else min(trailing, page + 1)):
+            points.append(page + 1)
+    return points
+
+
+def common_resume_points(num_pages: int, parts: Iterable[Sequence[int]]) -> list[int]:
+    """The prefix lengths in 1..num_pages every part can resume from, ascending; a hit is the
+    last (none: a miss). One part missing a piece never yields a point it cannot restore."""
+    common = set(range(1, num_pages + 1))
+    for points in parts:
+        common.intersection_update(points)
+    return sorted(common)
 
 
 def check_chunk_blocks(chunk_size: int, block_size: int, knob: str) -> int:

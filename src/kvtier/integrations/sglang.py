@@ -3,15 +3,23 @@
 SGLang names its KV pages itself (a chain hash per page of `--page-size` tokens, 64 by default)
 and hands the backend those names plus host-pool indices. Each page of each rank becomes one
 key-addressed kvtier chunk: its name is SGLang's key, its bytes are the page's bytes in the host
-pool, in the order the pool's `get_page_buffer_meta` lists them. The v1 path (`interface_v1: 1`)
-copies straight between those host pages and kvtier's shared-memory arena; the plain path
-(`get`/`set`/`batch_get`/`batch_set`) moves SGLang's flat data-page tensors.
+pool (`sglang_pages.py`). The v1 path (`interface_v1: 1`) copies straight between those host
+pages and kvtier's shared-memory arena; the plain path (`get`/`set`/`batch_get`/`batch_set`)
+moves SGLang's flat data-page tensors.
 
 - A page must hold exactly one kvtier chunk: SGLang's page size must equal the server's
   `--chunk-size`. `register_mem_pool_host` checks it and refuses to start otherwise.
+- Hybrid models (SWA, Mamba): SGLang's v2 interface. Every host pool registered with
+  `register_mem_host_pool_v2` gets a kvtier model of its own (the KV model's name plus the
+  pool's name), so a page's piece in each pool is its own chunk under the page's key.
+  `batch_exists_v2` counts the KV pages every rank stored, asks each other pool which pages'
+  pieces it holds, and reports the prefixes every pool can resume from under its hit rule
+  (`ALL_PAGES`: every page before the point; `TRAILING_PAGES`: the last n, `seam.resume_points`).
+  The hit is the longest common one: never a prefix one pool cannot restore.
 - Tensor parallelism: rank r stores shard r of world size tp_size, and a page counts as present
   only when every rank's shard is, so every rank sees the same `batch_exists`. MLA models keep
-  one copy of the KV for all ranks: world size 1, written by SGLang's storage writer rank.
+  one copy of the KV (and of every pool but Mamba, whose state is split across ranks) for all
+  ranks: world size 1, written by SGLang's storage writer rank.
 - The kvtier model name carries a fingerprint of the weights (`fingerprint.py`), the host
   layout, the KV dtype and the path (v1 or flat) besides SGLang's model name, so pages of other
   weights or other byte orders never alias. SGLang's page keys already carry each request's
@@ -33,26 +41,38 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 import zmq
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from kvtier.client import Client, Transfer
-from kvtier.copying import copy_addresses
 from kvtier.errors import BadArrayError, InvalidArgumentError, KVTierError, LayoutMismatchError
 from kvtier.integrations.fingerprint import model_identity
-from kvtier.integrations.seam import CREDENTIAL_KEYS, credential, refuse_unknown_keys
-from kvtier.server.layouts import DTYPE_SIZES
+from kvtier.integrations.seam import (
+    CREDENTIAL_KEYS,
+    common_resume_points,
+    credential,
+    refuse_unknown_keys,
+    resume_points,
+)
+from kvtier.integrations.sglang_pages import (
+    PageGeometry,
+    flat_bytes,
+    load_pages,
+    page_geometry,
+    store_pages,
+)
 
 __all__ = ["EXTRA_CONFIG_KEYS", "KVTierHiCacheStorage", "PageGeometry"]
 
@@ -61,8 +81,11 @@ logger = logging.getLogger(__name__)
 _FAILURES = (KVTierError, zmq.ZMQError, OSError)
 #: settings that do not fit the server: fixed by the operator, not by waiting
 _MISFITS = (ValueError, BadArrayError, LayoutMismatchError)
+#: pools whose pieces are split across TP ranks even when the KV is one shared MLA copy
+_RANK_SHARDED_POOLS = frozenset({str(PoolName.MAMBA)})
 
-Bytes = npt.NDArray[np.uint8]
+#: `_set` / `_get`: (client, geometry, host pool, keys, host indices, operation) -> per page ok
+_Move = Callable[[Client, PageGeometry, Any, list[str], torch.Tensor, str], list[bool]]
 
 #: the keys `--hicache-storage-backend-extra-config` may hold, with what each means
 EXTRA_CONFIG_KEYS = {
@@ -85,33 +108,6 @@ EXTRA_CONFIG_KEYS = {
     "hicache_storage_pass_prefix_keys": "read by SGLang",
     "tp_lcm_size": "read by SGLang",
 }
-
-
-@dataclass(frozen=True)
-class PageGeometry:
-    """What one SGLang page is to kvtier: a chunk of `nbytes`, labelled `chunk_shape`/`dtype`.
-
-    `element_sizes` are the byte sizes of the pieces a page is made of in the host pool (per
-    layer K and V in layer_first, K and V in page_first), in the order they are concatenated.
-    """
-
-    page_size: int
-    element_sizes: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    dtype: str
-    model: str
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.element_sizes)
-
-
-def _layout_of(sizes: Sequence[int], dtype: str) -> tuple[tuple[int, ...], str]:
-    """A registered chunk layout for pieces of `sizes` bytes in `dtype` (bytes if it cannot)."""
-    itemsize = DTYPE_SIZES.get(dtype)
-    if itemsize and len(set(sizes)) == 1 and sizes[0] % itemsize == 0:
-        return (len(sizes), sizes[0] // itemsize), dtype
-    return (sum(sizes),), "uint8"
 
 
 class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -146,13 +142,10 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.retry_interval = float(settings.get("retry_interval", 5.0))
         self.transfer: Transfer = settings.get("transfer", "auto")
         self.interface_v1 = bool(settings.get("interface_v1", 0))
-        if storage_config.is_mla_model:  # one copy of the KV for all ranks
-            self.world_size, self.worker_id = 1, 0
-            self.is_writer = bool(storage_config.is_storage_writer)
-        else:
-            self.world_size, self.worker_id = storage_config.tp_size, storage_config.tp_rank
-            self.is_writer = True
-        self.geometry: PageGeometry | None = None
+        self.geometry: PageGeometry | None = None  # the KV pool's
+        self.pool_geometry: dict[str, PageGeometry] = {}  # the other v2 pools', by name
+        self._host_pools: dict[str, Any] = {}  # those pools, by name
+        self._label = ""
         self.last_error: BaseException | None = None
         self._client: Client | None = None
         self._connect_lock = threading.Lock()  # SGLang calls from its prefetch and backup threads
@@ -164,13 +157,38 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # -- set-up ----------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Learn the page geometry and check it against the server.
+        """Learn the KV pool's page geometry and check it against the server.
 
         A setting that does not fit (the page size) raises, so SGLang stops at start with the
         message; a server that is away is checked when it answers.
         """
         super().register_mem_pool_host(mem_pool_host)
-        self.geometry = self._geometry(mem_pool_host)
+        self._label = self._label_of(mem_pool_host)
+        self.geometry = self._geometry(mem_pool_host, str(PoolName.KV))
+        self._register_now()
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Learn one more host pool of a hybrid model (SWA, Mamba, ...): its pages are chunks of
+        a kvtier model of its own. The KV pool is the one `register_mem_pool_host` took."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == str(PoolName.KV):
+            return
+        kv = self.geometry
+        if kv is None:
+            raise ValueError("SGLang registered a v2 host pool before the KV host pool")
+        geometry = self._geometry(host_pool, name)
+        if geometry.page_size not in (kv.page_size, 1):
+            raise ValueError(
+                f"SGLang's {name} host pool has pages of {geometry.page_size} host indices; the "
+                f"kvtier backend stores pools whose page is a KV page ({kv.page_size}) or one "
+                "state slot (1)"
+            )
+        self.pool_geometry[name] = geometry
+        self._host_pools[name] = host_pool
+        self._register_now()
+
+    def _register_now(self) -> None:
         client = self._client
         if client is None:
             return
@@ -183,22 +201,28 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.close()  # connect again later, checking again then
             self._fail("register", exc)
 
-    def _geometry(self, pool: Any) -> PageGeometry:
-        dtype = str(pool.dtype).removeprefix("torch.")
-        page_size = int(pool.page_size)
-        if self.interface_v1:
-            _, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-            path = "v1"
+    def _label_of(self, kv_pool: Any) -> str:
+        weights = "" if self.explicit_model else f" {self._weights(kv_pool)}"
+        return f"{self.model_name} [sglang{weights}"
+
+    def _geometry(self, pool: Any, name: str) -> PageGeometry:
+        """A pool's geometry; the KV pool's model name has no pool name (older names hold)."""
+        config = self.storage_config
+        pp = config.pp_size
+        if config.is_mla_model and name not in _RANK_SHARDED_POOLS:  # one copy for all ranks
+            world_size, worker_id, writer = 1, 0, bool(config.is_storage_writer)
         else:
-            page = pool.get_dummy_flat_data_page()
-            sizes, path = [page.numel() * page.element_size()], "flat"
-        element_sizes = tuple(int(s) for s in sizes)
-        shape, label = _layout_of(element_sizes, dtype)
-        pp = self.storage_config.pp_size
-        stage = f" pp{self.storage_config.pp_rank}/{pp}" if pp > 1 else ""
-        weights = "" if self.explicit_model else f" {self._weights(pool)}"
-        model = f"{self.model_name} [sglang{weights} {pool.layout} {dtype} {path}{stage}]"
-        return PageGeometry(page_size, element_sizes, shape, label, model)
+            world_size, worker_id, writer = config.tp_size, config.tp_rank, True
+        pool_label = "" if name == str(PoolName.KV) else f" {name}"
+        return page_geometry(
+            pool,
+            v1=self.interface_v1,
+            label=f"{self._label}{pool_label} {pool.layout}",
+            stage=f" pp{config.pp_rank}/{pp}" if pp > 1 else "",
+            world_size=world_size,
+            worker_id=worker_id,
+            writer=writer,
+        )
 
     def _weights(self, pool: Any) -> str:
         """The fingerprint of the weights behind SGLang's model name (`fingerprint.py`), so KV
@@ -220,13 +244,14 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 f"`kvtier serve --chunk-size {geometry.page_size}` (or launch SGLang with "
                 f"--page-size {client.chunk_size})"
             )
-        client.register(
-            model=geometry.model,
-            world_size=self.world_size,
-            worker_id=self.worker_id,
-            chunk_shape=geometry.chunk_shape,
-            dtype=geometry.dtype,
-        )
+        for g in (geometry, *self.pool_geometry.values()):
+            client.register(
+                model=g.model,
+                world_size=g.world_size,
+                worker_id=g.worker_id,
+                chunk_shape=g.chunk_shape,
+                dtype=g.dtype,
+            )
 
     def _connect(self) -> Client | None:
         """The client, connecting at most every `retry_interval` while the server is away."""
@@ -292,14 +317,17 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         client, geometry = ready
         try:
-            hit = client.exists_keys(
-                keys, model=geometry.model, world_size=self.world_size, cache_salt=self.cache_salt
-            )
+            hit = self._count(client, geometry, keys)
         except _FAILURES as exc:
             self._fail("batch_exists", exc)
             return 0
         self._ok()
         return hit
+
+    def _count(self, client: Client, geometry: PageGeometry, keys: list[str]) -> int:
+        return client.exists_keys(
+            keys, model=geometry.model, world_size=geometry.world_size, cache_salt=self.cache_salt
+        )
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -312,21 +340,13 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        if not keys or not self.is_writer:
+        if not self._writes_kv():
             return [True] * len(keys)  # MLA: another rank writes the one shared copy
         ready = self._ready()
         if ready is None:
             return [False] * len(keys)
         client, geometry = ready
-        try:
-            pointers = self._page_pointers(keys, host_indices)
-            with client.store_key_slots(keys, **self._layout_args(geometry)) as slots:
-                copy_addresses(self._pieces(slots.targets(), pointers))
-        except (*_FAILURES, ValueError) as exc:
-            self._fail("batch_set_v1", exc)
-            return [False] * len(keys)
-        self._ok()
-        return [True] * len(keys)
+        return self._set(client, geometry, self.mem_pool_host, keys, host_indices, "batch_set_v1")
 
     def batch_get_v1(
         self,
@@ -338,56 +358,148 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if ready is None or not keys:
             return [False] * len(keys)
         client, geometry = ready
+        return self._get(client, geometry, self.mem_pool_host, keys, host_indices, "batch_get_v1")
+
+    def _writes_kv(self) -> bool:
+        return self.geometry is None or self.geometry.writer
+
+    def _set(
+        self,
+        client: Client,
+        geometry: PageGeometry,
+        pool: Any,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        operation: str,
+    ) -> list[bool]:
+        if not keys or not geometry.writer:
+            return [True] * len(keys)  # MLA: another rank writes the one shared copy
         try:
-            pointers = self._page_pointers(keys, host_indices)
-            with client.retrieve_key_slots(keys, **self._layout_args(geometry)) as got:
-                pieces = self._pieces(enumerate(got.views), pointers)
-                copy_addresses([(host, slot, n) for slot, host, n in pieces])
-                hit = got.num_chunks
+            store_pages(client, geometry, pool, keys, host_indices, self.cache_salt)
+        except (*_FAILURES, ValueError) as exc:
+            self._fail(operation, exc)
+            return [False] * len(keys)
+        self._ok()
+        return [True] * len(keys)
+
+    def _get(
+        self,
+        client: Client,
+        geometry: PageGeometry,
+        pool: Any,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        operation: str,
+    ) -> list[bool]:
+        try:
+            hit = load_pages(client, geometry, pool, keys, host_indices, self.cache_salt)
         except (*_FAILURES, ValueError) as exc:  # a lapsed lease too: bytes not vouched for
-            self._fail("batch_get_v1", exc)
+            self._fail(operation, exc)
             return [False] * len(keys)
         self._ok()
         return [i < hit for i in range(len(keys))]
 
-    def _page_pointers(self, keys: list[str], host_indices: torch.Tensor) -> list[list[int]]:
-        """Per page, the addresses of its pieces in the host pool, from the pool itself."""
-        assert self.geometry is not None
-        per_page = len(self.geometry.element_sizes)
-        if host_indices.numel() != len(keys) * self.geometry.page_size:
-            raise ValueError(
-                f"{len(keys)} keys need {len(keys) * self.geometry.page_size} host indices, got "
-                f"{host_indices.numel()}"
-            )
-        ptrs, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        return [list(ptrs[i * per_page : (i + 1) * per_page]) for i in range(len(keys))]
+    # -- v2: hybrid host pools (KV plus SWA, Mamba, ...) ------------------------------------------
 
-    def _pieces(
-        self, slots: Iterable[tuple[int, Bytes]], pointers: list[list[int]]
-    ) -> list[tuple[int, int, int]]:
-        """(slot address, host address, size) of every piece of every page listed.
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The KV prefix every pool can resume from under its hit rule, and each one's own.
 
-        A slot holds its page's pieces one after the other, in the pool's order.
+        `restorable_prefix_pages` lists every such prefix (a trailing pool leaves holes), so
+        SGLang can intersect the ranks' lists; every rank asks about whole chunk groups, all
+        ranks' shards, so the lists agree unless pages leave kvtier between the ranks' calls.
         """
-        assert self.geometry is not None
-        sizes = self.geometry.element_sizes
-        pieces: list[tuple[int, int, int]] = []
-        for i, slot in slots:
-            at = int(slot.ctypes.data)
-            for ptr, size in zip(pointers[i], sizes, strict=True):
-                pieces.append((at, ptr, size))
-                at += size
-        return pieces
+        ready = self._ready()
+        if ready is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        client, kv = ready
+        try:
+            kv_pages = self._count(client, kv, keys)
+            hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+            parts = [list(range(1, kv_pages + 1))]
+            for transfer in (pool_transfers or []) if kv_pages else []:
+                points = self._resume_points(client, transfer, keys[:kv_pages])
+                if points:
+                    hits[transfer.name] = points[-1]
+                parts.append(points)
+        except _FAILURES as exc:
+            self._fail("batch_exists_v2", exc)
+            return PoolTransferResult(0, {}, [])
+        except ValueError as exc:  # a pool or hit rule this backend does not know: a miss
+            logger.error("kvtier batch_exists_v2: %s", exc)
+            return PoolTransferResult(0, {}, [])
+        self._ok()
+        restorable = common_resume_points(kv_pages, parts)
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
-    def _layout_args(self, geometry: PageGeometry) -> dict[str, Any]:
-        return {
-            "model": geometry.model,
-            "worker_id": self.worker_id,
-            "world_size": self.world_size,
-            "chunk_shape": geometry.chunk_shape,
-            "dtype": geometry.dtype,
-            "cache_salt": self.cache_salt,
-        }
+    def _resume_points(self, client: Client, transfer: PoolTransfer, keys: list[str]) -> list[int]:
+        """The prefixes of `keys` (in pages) the transfer's pool holds what a resume needs."""
+        geometry, _ = self._pool(transfer.name)
+        if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+            held = self._count(client, geometry, keys)
+            return resume_points([i < held for i in range(len(keys))])
+        if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+            present = client.exists_each_key(
+                keys,
+                model=geometry.model,
+                world_size=geometry.world_size,
+                cache_salt=self.cache_salt,
+            )
+            return resume_points(present, trailing=max(1, len(transfer.keys or ())))
+        raise ValueError(
+            f"the {transfer.name} pool's hit rule {transfer.hit_policy} is not one kvtier "
+            "serves (all_pages, trailing_pages): its pages count as misses"
+        )
+
+    def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[Any, list[bool]]:
+        """Store each transfer's pages from its pool; per pool, which pages are stored."""
+        return self._batch_v2(transfers, self._set, "batch_set_v2")
+
+    def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[Any, list[bool]]:
+        """Load each transfer's leading stored pages into its pool; per pool, which loaded."""
+        return self._batch_v2(transfers, self._get, "batch_get_v2")
+
+    def _batch_v2(
+        self, transfers: list[PoolTransfer], move: _Move, operation: str
+    ) -> dict[Any, list[bool]]:
+        results: dict[Any, list[bool]] = {}
+        client = self._connect()
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            try:
+                geometry, pool = self._pool(transfer.name)
+            except ValueError as exc:
+                logger.error("kvtier %s: %s", operation, exc)
+                results[transfer.name] = [False] * len(keys)
+                continue
+            if client is None or transfer.host_indices is None:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            results[transfer.name] = move(
+                client, geometry, pool, keys, transfer.host_indices, operation
+            )
+        return results
+
+    def _pool(self, name: Any) -> tuple[PageGeometry, Any]:
+        """A registered pool's geometry and host pool; ValueError for one never registered."""
+        if str(name) == str(PoolName.KV) and self.geometry is not None:
+            return self.geometry, self.mem_pool_host
+        geometry = self.pool_geometry.get(str(name))
+        if geometry is None:
+            raise ValueError(f"SGLang's {name} host pool was never registered with the backend")
+        return geometry, self._host_pools[str(name)]
 
     # -- plain path: SGLang's flat data-page tensors ----------------------------------------------
 
@@ -398,7 +510,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        if not keys or not self.is_writer:
+        if not keys or not self._writes_kv():
             return True
         ready = self._ready()
         if ready is None or values is None or len(values) != len(keys):
@@ -406,13 +518,13 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         client, geometry = ready
         pages: list[int] = []
         for value in values:
-            address = _flat_bytes(value, geometry.nbytes)
+            address = flat_bytes(value, geometry.nbytes)
             if address is None:
                 logger.warning("kvtier batch_set: a page is not %d CPU bytes", geometry.nbytes)
                 return False
             pages.append(address)
         try:
-            with client.store_key_slots(keys, **self._layout_args(geometry)) as slots:
+            with client.store_key_slots(keys, **geometry.layout_args(self.cache_salt)) as slots:
                 for i, view in slots.targets():
                     ctypes.memmove(view.ctypes.data, pages[i], geometry.nbytes)
         except _FAILURES as exc:
@@ -443,10 +555,10 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         client, geometry = ready
         result: list[torch.Tensor | None] = [None] * len(keys)
         try:
-            with client.retrieve_key_slots(keys, **self._layout_args(geometry)) as got:
+            with client.retrieve_key_slots(keys, **geometry.layout_args(self.cache_salt)) as got:
                 for i, view in enumerate(got.views):
                     target = self._target(target_locations, i)
-                    address = _flat_bytes(target, geometry.nbytes)
+                    address = flat_bytes(target, geometry.nbytes)
                     if address is None:
                         break
                     ctypes.memmove(address, view.ctypes.data, geometry.nbytes)
@@ -487,14 +599,3 @@ def _sglang_revision() -> str | None:
     except Exception:  # no launched server (a test, a benchmark), or another SGLang
         return None
     return None if revision is None else str(revision)
-
-
-def _flat_bytes(tensor: torch.Tensor, nbytes: int) -> int | None:
-    """The address of a contiguous CPU tensor of exactly `nbytes`, else None."""
-    if (
-        tensor.device.type != "cpu"
-        or not tensor.is_contiguous()
-        or tensor.numel() * tensor.element_size() != nbytes
-    ):
-        return None
-    return int(tensor.data_ptr())

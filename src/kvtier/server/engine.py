@@ -365,7 +365,7 @@ class Engine:
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.exists(keys, layout, answer, tenant=tenant)
+            return self.lookups.exists(keys, layout, answer, tenant=tenant, each=req.each)
 
     # -- background -----------------------------------------------------------------------------
 

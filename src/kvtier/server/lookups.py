@@ -133,6 +133,8 @@ class LookupBook:
         layout: Layout,
         tenant: str,
         on_done: Callable[[list[ChunkKey]], None],
+        *,
+        leading: bool = True,
     ) -> bool:
         return self._prefetcher.submit(
             keys,
@@ -142,13 +144,21 @@ class LookupBook:
             tenant=tenant,
             tenant_jobs=self._tenant_jobs,
             bounds=self._bounds,
+            leading=leading,
         )
 
     def exists(
-        self, keys: list[ChunkKey], layout: Layout | None, answer: Answer, *, tenant: str = ""
+        self,
+        keys: list[ChunkKey],
+        layout: Layout | None,
+        answer: Answer,
+        *,
+        tenant: str = "",
+        each: bool = False,
     ) -> p.ExistsReply | None:
         """Under the engine lock: the leading named chunks every rank has, up to the last
-        resume point among them; the ones only L2 holds are loaded into L1 first (a prefetch
+        resume point among them (with `each`, also which of all of them are complete); the ones
+        only L2 holds are loaded into L1 first (a prefetch
         job; the answer comes when it ends, or at once from L1 when none can start).
 
         Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
@@ -156,16 +166,27 @@ class LookupBook:
         """
 
         def count() -> p.ExistsReply:  # under the lock
+            if each:
+                present = self._l1.complete_each(keys)
+                self._l1.touch([key for key, ok in zip(keys, present, strict=True) if ok])
+                leading = present.index(False) if False in present else len(present)
+                return p.ExistsReply(self._l1.resume_prefix(keys, leading), present)
             hit = self._l1.resume_prefix(keys)
             self._l1.touch(keys[:hit])
             return p.ExistsReply(hit)
 
-        hit = self._l1.count_prefix(keys)
+        if each:
+            flags = self._l1.complete_each(keys)
+            missing = [key for key, ok in zip(keys, flags, strict=True) if not ok]
+        else:
+            missing = keys[self._l1.count_prefix(keys) :]
         if (
-            hit < len(keys)
+            missing
             and layout is not None
             and self._tiers.tiers
-            and self._submit(keys[hit:], layout, tenant, lambda _loaded: answer.reply(count()))
+            and self._submit(
+                missing, layout, tenant, lambda _loaded: answer.reply(count()), leading=not each
+            )
         ):
             return None
         return count()

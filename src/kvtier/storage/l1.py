@@ -463,6 +463,15 @@ class L1Store:
         shard = None if group is None else group.shards[worker_id]
         return shard is not None and shard.resumable
 
+    def complete_each(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Per key, whether it is a complete group (as `count_prefix`, past a gap too)."""
+        get = self._groups.get
+        out: list[bool] = []
+        for key in keys:
+            group = get(key)
+            out.append(group is not None and not group.missing and not group.doomed)
+        return out
+
     def get_shard(self, key: ChunkKey, worker_id: int) -> tuple[int, int, str] | None:
         """(offset, size, layout) of a READY shard, else None."""
         group = self._groups.get(key)

@@ -121,8 +121,10 @@ class Prefetcher:
         tenant: str = "",
         tenant_jobs: int | None = None,
         bounds: TenantBounds = UNBOUNDED,
+        leading: bool = True,
     ) -> bool:
-        """Start loading the leading loadable groups of `keys` for `tenant`; False when
+        """Start loading the leading loadable groups of `keys` for `tenant` (with
+        `leading=False`, every loadable one, past those the tiers lack); False when
         `max_jobs` jobs run, or `tenant_jobs` of this tenant's.
 
         `on_done(loaded)` runs exactly once on a worker thread, under the lock, even when the
@@ -137,7 +139,9 @@ class Prefetcher:
             self._tenant_jobs[tenant] = mine + 1
             self.started += 1
         try:
-            self._pool.submit(self._run, list(keys), nbytes, layout, on_done, tenant, bounds)
+            self._pool.submit(
+                self._run, list(keys), nbytes, layout, on_done, tenant, bounds, leading
+            )
         except RuntimeError:  # the pool is shut down: the server is closing
             self._job_ended(tenant, 0)
             return False
@@ -166,14 +170,19 @@ class Prefetcher:
         on_done: OnDone,
         tenant: str,
         bounds: TenantBounds,
+        leading: bool,
     ) -> None:
         loaded: list[ChunkKey] = []
         reserved: list[tuple[ChunkKey, list[tuple[int, int]]]] = []
         try:
             ws = keys[0].world_size if keys else 1
             present = self._tiers.contains_many([k.shard(w) for k in keys for w in range(ws)])
+            whole = [all(present[i * ws : (i + 1) * ws]) for i in range(len(keys))]
+            if not leading:
+                keys = [key for key, ok in zip(keys, whole, strict=True) if ok]
+                whole = [True] * len(keys)
             loadable = 0
-            while loadable < len(keys) and all(present[loadable * ws : (loadable + 1) * ws]):
+            while loadable < len(keys) and whole[loadable]:
                 loadable += 1
             for lo in range(0, loadable, _BATCH):  # short holds: a batch of groups each
                 with self._hold():
