@@ -24,10 +24,11 @@ from .test_tiers import written
 
 PIN_LEASE = 2.0
 # A small L1 (128 pages; a chunk's shard takes one) that a short pin lease and a fast reaper
-# would empty of unpinned chunks within seconds of pressure.
+# would empty of unpinned chunks within seconds of pressure. Heartbeats come every second: a
+# client timeout of 3 s keeps a live client alive on a loaded machine.
 ARGS = (
     "--chunk-size", str(CS), "--l1-size", "512KiB", "--pin-lease", str(PIN_LEASE),
-    "--reap-interval", "0.2", "--client-timeout", "1",
+    "--reap-interval", "0.2", "--client-timeout", "3",
 )  # fmt: skip
 
 
@@ -84,7 +85,8 @@ def test_a_live_clients_hit_stays_loadable_past_the_pin_lease_under_eviction_pre
         _pressure(worker, 200_000)
         time.sleep(3 * PIN_LEASE)
         _pressure(worker, 300_000)
-        assert status(server)["l1"]["pinned_groups"] == 8
+        # the pressure's own chunks are held until the disk tier has them: wait for the writer
+        assert wait_for(lambda: status(server)["l1"]["pinned_groups"] == 8, timeout=60)
         for rid, prompt, expected in (("req", tokens, kv), ("req-l2", from_l2, kv_l2)):
             out = np.zeros_like(expected)
             assert worker.retrieve(rid, prompt, out, model="m") == 4 * CS
