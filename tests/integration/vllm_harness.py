@@ -200,11 +200,20 @@ def kv_cache_config(
 
 def hybrid_kv_cache_config(vllm_cfg: Any, specs: dict[str, Any], num_blocks: int) -> Any:
     """The KVCacheConfig vLLM builds for these per-layer specs (its hybrid KV cache manager's
-    grouping, shared buffer and block strides), sized to `num_blocks` blocks."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
+    grouping, shared buffer and block strides), sized to `num_blocks` blocks. vLLM 0.32 keeps
+    the planner in kv_cache_utils; 0.33 moved it to kv_cache_planning, where the engine core
+    computes the groups first."""
     vllm_cfg.cache_config.num_gpu_blocks_override = num_blocks
-    (config,) = get_kv_cache_configs(vllm_cfg, [specs], [1 << 34])
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        (config,) = get_kv_cache_configs(vllm_cfg, [specs], [1 << 34])
+    except ImportError:  # vLLM 0.33
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as plan
+
+        groups = get_global_kv_cache_groups(vllm_cfg, [specs])
+        (config,) = plan(vllm_cfg, [specs], [1 << 34], groups)
     return config
 
 
