@@ -355,11 +355,17 @@ class Harness:
             kv_config = hybrid_kv_cache_config(sched_config, specs(0), num_blocks)
             num_blocks = kv_config.num_blocks
         sched_config.cache_config.num_gpu_blocks = num_blocks
+        sizes: dict[str, int] = {"block_size": block_size}
+        if specs is not None:  # as vLLM's engine core resolves them for hybrid groups
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+            scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_config, sched_config)
+            sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
         scheduler = Scheduler(
             vllm_config=sched_config,
             kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(sched_config),
-            block_size=block_size,
+            **sizes,
         )
         workers, caches = [], []
         kernel_blocks = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups]
