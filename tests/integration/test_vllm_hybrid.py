@@ -393,3 +393,29 @@ def test_what_cannot_be_stored_is_refused_at_start(
             harness(odd.address, specs=mamba_specs, block_size=CHUNK, mamba_cache_mode="align")
     finally:
         odd.stop()
+
+
+def test_pipeline_stages_store_their_own_layers_and_a_hit_needs_every_stage(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    prompt = _prompt(11, 300)
+    kw: dict[str, Any] = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
+    _store(harness, server.address, prompt, **kw)
+    b = harness(server.address, **kw)
+    sides = [w.worker_side for w in b.workers]
+    assert [s.worker_id for s in sides] == [0, 1, 2, 3]  # pp_rank * tp + tp_rank
+    assert {s.config.world_size for s in sides} == {4}
+    assert [b.stage_layers(r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    b.add("b", prompt)
+    b.step()
+    assert b.num_cached["b"] == 256
+    for rank in range(4):
+        got = b.read_back("b", rank, 256)
+        assert got.numpy().tobytes() == b.expected(prompt[:256], rank).numpy().tobytes()
+    b.run_until_done(["b"])
+    assert not b.invalid_blocks_seen
+    # one stage alone (a TP=2 engine without pipeline stages) never gets these shards
+    c = harness(server.address, tensor_parallel_size=2)
+    c.add("c", prompt)
+    c.step()
+    assert c.num_cached["c"] == 0

@@ -117,6 +117,7 @@ def vllm_config(
     address: str,
     block_size: int = 32,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     rank: int = 0,
     max_num_batched_tokens: int = 4096,
     max_model_len: int = 4096,
@@ -151,7 +152,9 @@ def vllm_config(
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
-    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    parallel = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size
+    )
     parallel.rank = rank
     kv_transfer = KVTransferConfig(
         kv_connector="KVTierConnector",
@@ -170,9 +173,17 @@ def vllm_config(
 
 
 def kv_cache_config(
-    *, layers: int, kv_heads: int, head_size: int, block_size: int, num_blocks: int, dtype: Any
+    *,
+    layers: int,
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: Any,
+    first_layer: int = 0,
 ) -> Any:
-    """One full-attention group over `layers` layers, each layer's pages in one region."""
+    """One full-attention group over `layers` layers from `first_layer` on (a pipeline stage's),
+    each layer's pages in one region."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -183,7 +194,7 @@ def kv_cache_config(
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype
     )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(first_layer, first_layer + layers)]
     page = spec.page_size_bytes
     tensor = KVCacheTensor(
         size=page * num_blocks * layers,
@@ -294,6 +305,7 @@ class Harness:
     eos: int = 2
     groups: list[HGroup] = field(default_factory=list)
     mamba_align: bool = False
+    tp: int = 1  # tensor-parallel size: worker r is TP rank r % tp of pipeline stage r // tp
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
@@ -306,6 +318,7 @@ class Harness:
         address: str,
         layout: str = "LBHNC",
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         num_blocks: int = 256,
         block_size: int = 32,
         extra: dict[str, Any] | None = None,
@@ -335,6 +348,7 @@ class Harness:
             "address": address,
             "block_size": block_size,
             "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
             "extra": extra,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_model_len": max_model_len,
@@ -371,10 +385,22 @@ class Harness:
         kernel_blocks = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups]
         if specs is None:
             kernel_blocks = [block_size]
-        for rank in range(tensor_parallel_size):
+        stage_layers = layers // pipeline_parallel_size
+        for rank in range(tensor_parallel_size * pipeline_parallel_size):
             config = vllm_config(model_dir, rank=rank, **knobs)
             rank_config = kv_config
-            if specs is not None:
+            if pipeline_parallel_size > 1:  # each stage holds its own layers (the plain model)
+                assert specs is None, "the harness runs pipeline stages of the plain model"
+                rank_config = kv_cache_config(
+                    layers=stage_layers,
+                    kv_heads=per_rank,
+                    head_size=head_size,
+                    block_size=block_size,
+                    num_blocks=num_blocks,
+                    dtype=torch.float32,
+                    first_layer=rank // tensor_parallel_size * stage_layers,
+                )
+            elif specs is not None:
                 rank_config = hybrid_kv_cache_config(config, specs(rank), num_blocks)
             worker = KVTierConnector(config, KVConnectorRole.WORKER, rank_config)
             kv = allocate_kv_cache(
@@ -398,6 +424,7 @@ class Harness:
             dtype=attention.dtype,
             groups=groups,
             mamba_align=mamba_cache_mode == "align",
+            tp=tensor_parallel_size,
         )
 
     def add(
@@ -515,7 +542,8 @@ class Harness:
         blocks = torch.tensor([ids[p // g.block_size] for p in pos])
         offsets = torch.tensor(pos) % g.block_size
         for layer, name in enumerate(g.names):
-            cache[name][blocks, :, offsets] = values[pos, layer, heads]
+            if name in cache:  # a pipeline stage holds its own layers
+                cache[name][blocks, :, offsets] = values[pos, layer, heads]
 
     def state_block(self, g: HGroup, ids: Any, end: int) -> int:
         """vLLM's block for a Mamba state after `end` tokens: in "align" mode block p holds
@@ -536,7 +564,13 @@ class Harness:
     def _heads(self, g: HGroup, rank: int) -> slice:
         if g.kind == "mla":
             return slice(0, 1)
-        return slice(rank * g.heads_per_rank, (rank + 1) * g.heads_per_rank)
+        tp_rank = rank % self.tp
+        return slice(tp_rank * g.heads_per_rank, (tp_rank + 1) * g.heads_per_rank)
+
+    def stage_layers(self, rank: int, group: int | None = None) -> list[int]:
+        """The group's layer indexes worker `rank` holds (its pipeline stage's)."""
+        g = self._group(group)
+        return [i for i, n in enumerate(g.names) if n in self.caches[rank]]
 
     def read_back(self, req_id: str, rank: int, end: int, group: int | None = None) -> Any:
         """(end, layers, heads, content): what rank's cache holds for the request's tokens in
@@ -549,7 +583,8 @@ class Harness:
         pos = self.held(req_id, end, g.index)
         blocks = torch.tensor([ids[p // g.block_size] for p in pos])
         offsets = torch.tensor(pos, dtype=torch.int64) % g.block_size
-        return torch.stack([cache[n][blocks, :, offsets] for n in g.names], dim=1)
+        names = [n for n in g.names if n in cache]
+        return torch.stack([cache[n][blocks, :, offsets] for n in names], dim=1)
 
     def held(self, req_id: str, end: int, group: int) -> list[int]:
         """Positions < end whose block the group holds (not vLLM's null block)."""
@@ -562,7 +597,7 @@ class Harness:
     ) -> Any:
         g = self._group(group)
         values = token_kv(tokens, len(g.names), g.heads_total, g.content, g.dtype)
-        values = values[:, :, self._heads(g, rank)]
+        values = values[:, self.stage_layers(rank, group)][:, :, self._heads(g, rank)]
         if req_id is not None:
             values = values[self.held(req_id, len(tokens), g.index)]
         return values
@@ -578,8 +613,7 @@ class Harness:
         g = self.groups[group]
         nbytes = self.caches[rank][g.names[0]][0].numel()
         return [
-            state_bytes([*tokens, rank], nbytes, layer).tobytes()
-            for layer in range(len(g.names))
+            state_bytes([*tokens, rank], nbytes, layer).tobytes() for layer in range(len(g.names))
         ]
 
     def _group(self, group: int | None) -> HGroup:
