@@ -31,6 +31,22 @@ def require_vllm() -> None:
         raise RuntimeError(VLLM_MISSING) from exc
 
 
+#: where the harness puts vLLM's KV cache: "cpu", or "cuda" under `make gpu-check`
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
+
+
+def kv_device() -> Any:
+    """The KV cache's device; a CUDA run on a machine without CUDA fails saying so."""
+    import torch
+
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "KVTIER_TEST_DEVICE=cuda (make gpu-check) needs a CUDA machine with CUDA builds of "
+            "torch and vLLM"
+        )
+    return torch.device(DEVICE)
+
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -403,9 +419,7 @@ class Harness:
             elif specs is not None:
                 rank_config = hybrid_kv_cache_config(config, specs(rank), num_blocks)
             worker = KVTierConnector(config, KVConnectorRole.WORKER, rank_config)
-            kv = allocate_kv_cache(
-                rank_config, torch.device("cpu"), KVCacheLayout[layout], kernel_blocks
-            )
+            kv = allocate_kv_cache(rank_config, kv_device(), KVCacheLayout[layout], kernel_blocks)
             worker.register_kv_caches(kv)
             workers.append(worker)
             caches.append(kv)
@@ -539,11 +553,12 @@ class Harness:
         pos = [p for p in range(start, end) if ids[p // g.block_size] != 0]
         if not pos:
             return
-        blocks = torch.tensor([ids[p // g.block_size] for p in pos])
-        offsets = torch.tensor(pos) % g.block_size
+        device = kv_device()
+        blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
+        offsets = torch.tensor(pos, device=device) % g.block_size
         for layer, name in enumerate(g.names):
             if name in cache:  # a pipeline stage holds its own layers
-                cache[name][blocks, :, offsets] = values[pos, layer, heads]
+                cache[name][blocks, :, offsets] = values[pos, layer, heads].to(device)
 
     def state_block(self, g: HGroup, ids: Any, end: int) -> int:
         """vLLM's block for a Mamba state after `end` tokens: in "align" mode block p holds
@@ -559,7 +574,7 @@ class Harness:
             view = self.caches[rank][name]
             nbytes = view[block].numel()
             state = state_bytes([*tokens[:end], rank], nbytes, layer)
-            view[block].view(-1).copy_(torch.from_numpy(state))
+            view[block].view(-1).copy_(torch.from_numpy(state).to(view.device))
 
     def _heads(self, g: HGroup, rank: int) -> slice:
         if g.kind == "mla":
@@ -581,10 +596,11 @@ class Harness:
         cache = self.caches[rank]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
         pos = self.held(req_id, end, g.index)
-        blocks = torch.tensor([ids[p // g.block_size] for p in pos])
-        offsets = torch.tensor(pos, dtype=torch.int64) % g.block_size
+        device = kv_device()
+        blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
+        offsets = torch.tensor(pos, dtype=torch.int64, device=device) % g.block_size
         names = [n for n in g.names if n in cache]
-        return torch.stack([cache[n][blocks, :, offsets] for n in names], dim=1)
+        return torch.stack([cache[n][blocks, :, offsets] for n in names], dim=1).cpu()
 
     def held(self, req_id: str, end: int, group: int) -> list[int]:
         """Positions < end whose block the group holds (not vLLM's null block)."""
@@ -607,7 +623,7 @@ class Harness:
         g = self.groups[group]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
         block = self.state_block(g, ids, end)
-        return [self.caches[rank][n][block].numpy().tobytes() for n in g.names]
+        return [self.caches[rank][n][block].cpu().numpy().tobytes() for n in g.names]
 
     def expected_state(self, tokens: list[int], rank: int, group: int) -> list[bytes]:
         g = self.groups[group]
