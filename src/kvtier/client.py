@@ -558,6 +558,7 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         wait: Literal[True] = True,
+        prefill_tokens_per_s: float = 0.0,
     ) -> int: ...
 
     @overload
@@ -571,6 +572,7 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         wait: Literal[False],
+        prefill_tokens_per_s: float = 0.0,
     ) -> LookupHandle: ...
 
     def lookup(
@@ -583,13 +585,25 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         wait: bool = True,
+        prefill_tokens_per_s: float = 0.0,
     ) -> int | LookupHandle:
         """Leading tokens whose chunks every rank has cached (pinned until retrieved).
 
         Chunks that must first load from an L2 tier load on the server; with `wait=False` this
         returns at once a `LookupHandle` to poll while they do (a scheduler step is not held up).
+        With `prefill_tokens_per_s` (the engine's prefill speed) the server leaves out the L2
+        chunks it predicts load slower than they recompute; 0 (unknown) reports every one.
         """
-        msg = p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt, wait, extra_key)
+        msg = p.Lookup(
+            request_id,
+            _tokens(tokens),
+            model,
+            world_size,
+            cache_salt,
+            wait,
+            extra_key,
+            prefill_tokens_per_s,
+        )
         raw, _ = self._call(msg)
         reply = reply_as(raw, p.LookupReply, "Lookup")
         if wait:

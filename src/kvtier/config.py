@@ -243,6 +243,14 @@ class ServerConfig:
         example="--max-prefetch-jobs 8",
         metavar="JOBS",
     )
+    miss_memory: int = _opt(
+        65536,
+        "Chunk names remembered to say why a lookup missed (evicted from which tier, another "
+        "salt or model, a lapsed store): about 300 bytes each; a name forgotten counts as "
+        "never stored",
+        example="--miss-memory 65536",
+        metavar="NAMES",
+    )
     handler_threads: int = _opt(
         4,
         "Threads that handle requests with long prompts or inline bytes, off the I/O thread",
@@ -398,6 +406,8 @@ class ServerConfig:
         if self.handler_threads < 1:
             raise self.error("handler_threads", f"must be at least 1, got "
                              f"{self.handler_threads}")  # fmt: skip
+        if self.miss_memory < 1:
+            raise self.error("miss_memory", f"must be at least 1, got {self.miss_memory}")
         if self.max_prefetch_jobs < 1:
             raise self.error("max_prefetch_jobs", f"must be at least 1, got "
                              f"{self.max_prefetch_jobs}")  # fmt: skip

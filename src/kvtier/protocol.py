@@ -80,6 +80,9 @@ class Lookup(_Msg):
     cache_salt: str = ""
     wait: bool = True
     extra_key: bytes = b""  # what else changes the KV of these tokens (see RangeRequest)
+    #: how fast the engine computes a prefill, tokens per second (0 = unknown): L2 chunks whose
+    #: load the server predicts slower than recomputing them are not reported
+    prefill_tokens_per_s: float = 0.0
 
 
 class LookupPoll(_Msg):

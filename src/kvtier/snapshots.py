@@ -13,6 +13,7 @@ import msgspec
 
 from kvtier.server.fencing import FencingStats
 from kvtier.server.locking import HoldStats
+from kvtier.storage.loadrate import LoadRate
 from kvtier.storage.tiers.base import TierStats
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "L2Summary",
     "LatencySummary",
     "LookupTotals",
+    "MissCount",
     "ModelLookup",
     "PrefetchStats",
     "Registration",
@@ -135,6 +137,15 @@ class LookupTotals(msgspec.Struct, frozen=True, kw_only=True):
     hit_tokens: int
 
 
+class MissCount(msgspec.Struct, frozen=True, kw_only=True):
+    """Tokens lookups missed for one reason (and the tier it is about, "" for none), since
+    start; the reasons are `server.misses.MissReason`'s."""
+
+    reason: str
+    tier: str
+    tokens: int
+
+
 class ModelLookup(msgspec.Struct, frozen=True, kw_only=True):
     """Lookup totals of one model (models past the label bound are summed as "other")."""
 
@@ -206,6 +217,8 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     sessions: SessionCounts
     fencing: FencingStats
     lookup: LookupTotals
+    misses: list[MissCount]  # missed tokens by reason, most first
+    load_rates: list[LoadRate]  # each L2 tier's measured load speed, in read order
     models: list[ModelLookup]
     hit_rate_history: list[HitRatePoint]
     traffic: Traffic

@@ -17,7 +17,7 @@ from kvtier.storage import prefetch as prefetch_mod
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
-from kvtier.storage.prefetch import Prefetcher
+from kvtier.storage.prefetch import LoadOutcome, Prefetcher
 from kvtier.storage.tiers.disk import DiskTier
 
 NBYTES = 4096
@@ -40,12 +40,13 @@ def run_job(l1: L1Store, arena: Arena, tiers: TierManager, chain: list[ChunkKey]
     done = threading.Event()
     seen: list[ChunkKey] = []
 
-    def on_done(loaded: list[ChunkKey]) -> None:
+    def on_done(outcome: LoadOutcome) -> None:
+        loaded = outcome.loaded
         seen.extend(loaded)
         assert l1.count_prefix(loaded) == len(loaded)  # complete while the caller pins them
         done.set()
 
-    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5)
+    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5, chunk_size=16)
     assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
     assert done.wait(10)
     prefetcher.close()
@@ -90,7 +91,7 @@ def test_at_most_max_jobs_run_at_once(arena: Arena, tmp_path: Path) -> None:
     tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
     lock = threading.RLock()
     l1 = L1Store(arena.size)
-    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5)
+    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5, chunk_size=16)
     finished = threading.Semaphore(0)
     with lock:  # the jobs cannot end while the test holds the lock
         assert prefetcher.submit(
@@ -130,12 +131,12 @@ def test_tier_reads_run_at_a_lower_cpu_priority_and_the_lock_work_does_not(
         tiers.tiers[0].put(key.shard(0), bytes(NBYTES), LAYOUT)
     done = threading.Event()
 
-    def on_done(loaded: list[ChunkKey]) -> None:
+    def on_done(outcome: LoadOutcome) -> None:
         seen["on_done"] = nice()
         done.set()
 
     lock = threading.RLock()
-    prefetcher = Prefetcher(L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5)
+    prefetcher = Prefetcher(L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5, chunk_size=16)
     assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
     assert done.wait(10)
     prefetcher.close()

@@ -34,6 +34,7 @@ from kvtier.periodic import (
 from kvtier.redaction import redact
 from kvtier.server.admin import AdminServer, start_admin_server
 from kvtier.server.auth import Authenticator, is_local_address
+from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.transport import Transport
@@ -196,6 +197,7 @@ def build_engine(
                 lambda: lock.hold("L2 prefetch"),
                 max_jobs=config.max_prefetch_jobs,
                 lease_s=config.staging_lease,
+                chunk_size=config.chunk_size,
             ),
             write_through=WriteThrough(tiers),
             handlers=ThreadPoolExecutor(
@@ -203,6 +205,7 @@ def build_engine(
             ),
             metrics=Metrics(),
             registry=registry,
+            memory=ChunkMemory(config.miss_memory),
             auth=auth if auth is not None else Authenticator.from_file(config.auth_tokens_file),
         )
         engine = Engine(config, parts, clock=clock)

@@ -48,6 +48,7 @@ from kvtier.redaction import redact
 from kvtier.server import naming, tenants
 from kvtier.server.answers import Answer, Respond, offloaded
 from kvtier.server.auth import Authenticator
+from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.fencing import FencingStats
 from kvtier.server.handshake import Handshake
 from kvtier.server.layouts import LayoutRegistry
@@ -88,6 +89,8 @@ class EngineParts:
     handlers: ThreadPoolExecutor
     metrics: Metrics
     registry: PeriodicThreadRegistry
+    #: what each tier holds and lost, by chunk name: what a lookup's misses are explained from
+    memory: ChunkMemory
     #: the credentials Hello checks; empty (everyone anonymous) without --auth-tokens-file
     auth: Authenticator = field(default_factory=Authenticator)
 
@@ -117,6 +120,7 @@ class Engine:
         self.prefetcher = parts.prefetcher
         self._write_through = parts.write_through
         self.auth = parts.auth
+        self.memory = parts.memory
         self.limits = Limits(
             chunk_size=config.chunk_size,
             max_request_tokens=config.max_request_tokens,
@@ -144,7 +148,9 @@ class Engine:
             max_watched_processes=config.max_watched_processes,
         )
         # The request families, each in its own module (see there what runs under the lock).
-        self.lookups = LookupBook(config, self.l1, self.tiers, self.prefetcher, self.metrics)
+        self.lookups = LookupBook(
+            config, self.l1, self.tiers, self.prefetcher, self.metrics, self.memory
+        )
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
         self.sessions.destroy_listeners.append(self.session_book.end)
         self.stores = StoreBook(
@@ -378,6 +384,8 @@ class Engine:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
             for res in expired.fenced:
                 self.stores.fence(res)
+            for res in (*expired.fenced, *expired.reservations):
+                self.memory.lapsed(res.reserved)  # what a later lookup misses, and why
             self._reclaim(expired)
             staging = len(expired.reservations) + len(expired.fenced)
             pins = self.l1.reclaim_pins()

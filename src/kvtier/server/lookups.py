@@ -13,6 +13,10 @@ past it a lookup is answered from L1 alone), a job's staging counts against its 
 and its pins hold at most `--tenant-pinned-share` of the L1 (a lookup reports as hit only the
 leading groups its pins could hold; past the share, a miss). Another tenant's lookups are not
 affected by either.
+
+Every lookup's missed tokens are counted by reason (`misses.py`), from the chunk memory and
+what its load found. A lookup that states its engine's prefill speed gets no L2 chunk whose
+load would take longer than recomputing it (`storage/loadrate.py`); L1 hits are always reported.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.server.answers import Answer
+from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.layouts import Layout
 from kvtier.server.limits import tenant_bounds, tenant_prefetch_jobs
+from kvtier.server.misses import explain_misses
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
-from kvtier.storage.prefetch import Prefetcher
+from kvtier.storage.prefetch import LoadOutcome, Prefetcher
 
 __all__ = ["LookupBook"]
 
@@ -46,6 +52,7 @@ class _LookupJob:
     cache_salt: str
     world_size: int
     tenant: str
+    start: int  # the chunks it loads are keys[start:] (the L1 hit when it began)
     done: bool = False
     hit_tokens: int = 0
     waiters: list[Answer] = field(default_factory=list)
@@ -66,6 +73,7 @@ class LookupBook:
         tiers: TierManager,
         prefetcher: Prefetcher,
         metrics: Metrics,
+        memory: ChunkMemory,
     ) -> None:
         self._config = config
         self._chunk_size = config.chunk_size
@@ -73,6 +81,7 @@ class LookupBook:
         self._tiers = tiers
         self._prefetcher = prefetcher
         self._metrics = metrics
+        self._memory = memory
         self._jobs: dict[str, _LookupJob] = {}
         self._bounds = tenant_bounds(config, l1.capacity_bytes)
         self._tenant_jobs = tenant_prefetch_jobs(config)
@@ -101,9 +110,22 @@ class LookupBook:
             if hit:  # hold what is hit while the rest loads
                 self._pin(req.request_id, keys[:hit], req.world_size, tenant)
             job = _LookupJob(
-                req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size, tenant
+                req.request_id,
+                keys,
+                num_tokens,
+                req.model,
+                req.cache_salt,
+                req.world_size,
+                tenant,
+                hit,
             )
-            started = self._submit(keys[hit:], layout, tenant, lambda _loaded: self._loaded(job))
+            started = self._submit(
+                keys[hit:],
+                layout,
+                tenant,
+                lambda outcome: self._loaded(job, outcome),
+                req.prefill_tokens_per_s,
+            )
             if started:
                 self._jobs[req.request_id] = job
                 return self._wait_or_pending(job, req.wait, answer)
@@ -119,7 +141,8 @@ class LookupBook:
         keys: list[ChunkKey],
         layout: Layout,
         tenant: str,
-        on_done: Callable[[list[ChunkKey]], None],
+        on_done: Callable[[LoadOutcome], None],
+        prefill_tokens_per_s: float = 0.0,
     ) -> bool:
         return self._prefetcher.submit(
             keys,
@@ -129,6 +152,7 @@ class LookupBook:
             tenant=tenant,
             tenant_jobs=self._tenant_jobs,
             bounds=self._bounds,
+            prefill_tokens_per_s=prefill_tokens_per_s,
         )
 
     def exists(
@@ -152,7 +176,7 @@ class LookupBook:
             hit < len(keys)
             and layout is not None
             and self._tiers.tiers
-            and self._submit(keys[hit:], layout, tenant, lambda _loaded: answer.reply(count()))
+            and self._submit(keys[hit:], layout, tenant, lambda _outcome: answer.reply(count()))
         ):
             return None
         return count()
@@ -185,13 +209,21 @@ class LookupBook:
             return None
         return p.LookupReply(0, pending=True)
 
-    def _loaded(self, job: _LookupJob) -> None:
+    def _loaded(self, job: _LookupJob, outcome: LoadOutcome) -> None:
         """The job's loads ended (on its worker, under the lock, the loaded groups held)."""
         if self._jobs.get(job.request_id) is not job:
             return  # the session ended meanwhile: nothing is pinned for it
         hit = self._l1.count_prefix(job.keys)
         job.hit_tokens = self._finish(
-            job.request_id, job.keys, hit, job.num_tokens, job.model, job.world_size, job.tenant
+            job.request_id,
+            job.keys,
+            hit,
+            job.num_tokens,
+            job.model,
+            job.world_size,
+            job.tenant,
+            outcome,
+            job.start,
         )
         job.done = True
         if job.waiters:
@@ -212,9 +244,12 @@ class LookupBook:
         model: str,
         world_size: int,
         tenant: str,
+        outcome: LoadOutcome | None = None,
+        job_start: int = 0,
     ) -> int:
-        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens:
-        those its pins hold (at most the tenant's pinned share)."""
+        """Pin the `hit` leading groups for the request and count the lookup and its misses;
+        its hit tokens: those its pins hold (at most the tenant's pinned share)."""
+        l1_hit = hit
         if hit:
             hit = self._pin(request_id, keys[:hit], world_size, tenant)
         if hit:
@@ -225,6 +260,19 @@ class LookupBook:
         self.requested_tokens += num_tokens
         self.hit_tokens += hit_tokens
         self._metrics.observe_lookup(model, num_tokens, hit_tokens)
+        tally = explain_misses(
+            keys,
+            hit=hit,
+            l1_hit=l1_hit,
+            num_tokens=num_tokens,
+            chunk_size=self._chunk_size,
+            l1=self._l1,
+            memory=self._memory,
+            outcome=outcome,
+            job_start=job_start,
+        )
+        if tally:
+            self._metrics.observe_misses(tally)
         return hit_tokens
 
     def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int, tenant: str) -> int:

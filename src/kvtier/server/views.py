@@ -225,6 +225,8 @@ class AdminViews:
             ),
             fencing=fencing,
             lookup=LookupTotals(requested_tokens=requested, hit_tokens=hit),
+            misses=self.metrics.misses(),
+            load_rates=e.tiers.rates.snapshot(),
             models=self.metrics.models(),
             hit_rate_history=self.metrics.history.points(),
             traffic=self.metrics.traffic(),

@@ -365,6 +365,13 @@ class L1Store:
             n += 1
         return n
 
+    def ready_shards(self, key: ChunkKey) -> int:
+        """How many ranks' shards of the group are READY (0 when absent or cleared)."""
+        group = self._groups.get(key)
+        if group is None or group.doomed:
+            return 0
+        return key.world_size - group.missing
+
     def get_shard(self, key: ChunkKey, worker_id: int) -> tuple[int, int, str] | None:
         """(offset, size, layout) of a READY shard, else None."""
         group = self._groups.get(key)

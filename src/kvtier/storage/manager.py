@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, cast
 
@@ -22,6 +23,7 @@ import msgspec
 from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.snapshots import L2Summary
+from kvtier.storage.loadrate import LoadRates
 from kvtier.storage.tiers.base import L2Tier
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,8 @@ class TierManager:
             ("submitted", "written", "dropped", "write_errors", "read_errors", "batches"), 0
         )
         self._tier_writes = dict.fromkeys(names, 0)
+        #: each tier's load latency and throughput, measured by the reads below
+        self.rates = LoadRates(names)
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -244,21 +248,30 @@ class TierManager:
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is in any tier; a later tier is asked only about keys still missing."""
-        found = [False] * len(keys)
+        return [where >= 0 for where in self.locate_many(keys)]
+
+    def locate_many(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """The index of the first tier holding each key (the one a read gets it from), or -1;
+        a later tier is asked only about keys still missing. Each tier's check is timed: it is
+        that tier's latency sample (see `LoadRates`)."""
+        where = [-1] * len(keys)
         missing = list(range(len(keys)))
-        for tier in self._tiers:
+        for t, tier in enumerate(self._tiers):
             if not missing:
                 break
+            start = time.perf_counter()
             try:
                 flags = tier.contains_many([keys[i] for i in missing])
             except Exception:
                 logger.exception("tier manager: tier %s failed contains_many", tier.name)
                 self._count_read_error()
                 continue
+            self.rates.observe_probe(tier.name, time.perf_counter() - start)
             for i, flag in zip(missing, flags, strict=True):
-                found[i] = flag
-            missing = [i for i in missing if not found[i]]
-        return found
+                if flag:
+                    where[i] = t
+            missing = [i for i in missing if where[i] < 0]
+        return where
 
     def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> str | None:
         """Read `key` into `out` from the first tier that has it; that tier's name, or None."""
@@ -284,15 +297,20 @@ class TierManager:
         for tier in self._tiers:
             if not missing:
                 break
+            start = time.perf_counter()
             try:
                 flags = tier.get_many_into([items[i] for i in missing])
             except Exception:
                 logger.exception("tier manager: tier %s failed get_many_into", tier.name)
                 self._count_read_error()
                 continue
+            seconds = time.perf_counter() - start
+            nbytes = 0
             for i, flag in zip(missing, flags, strict=True):
                 if flag:
                     got[i] = tier.name
+                    nbytes += items[i][1].nbytes
+            self.rates.observe_read(tier.name, nbytes, seconds)
             missing = [i for i in missing if got[i] is None]
         return got
 

@@ -1,0 +1,146 @@
+"""A bounded memory of chunk groups by name: which tiers hold each, which tier one left last,
+whose store lapsed, and the names stored under each chunk hash. What a miss is explained from.
+
+It is fed from the storage's reports (a group became complete in a tier, left one, a tier was
+cleared) and from the lease reaper (a store whose staging lease lapsed). It holds at most
+`capacity` names, least recently reported first out: a name forgotten is explained as never
+stored, the one answer a memory cannot give wrongly the other way. Each name costs about 300
+bytes (its key, its record and its place in the hash index), so the default 65536 names take
+about 20 MiB.
+
+Thread-safe with its own small lock: reports come from the engine (under its lock), the L2
+writer and the tiers' own threads; each call touches the names it is given, except a clear,
+which walks the memory once (bounded by `capacity`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from kvtier.keys import ChunkKey
+
+__all__ = ["L1_TIER", "ChunkMemory", "Whereabouts"]
+
+L1_TIER = "l1"  # the tier name L1 goes by here and in the miss metrics
+
+
+class _Record:
+    __slots__ = ("left", "lapsed", "tiers")
+
+    def __init__(self) -> None:
+        self.tiers: set[str] = set()  # where the group is complete now
+        self.left = ""  # the tier it left last, once no tier holds it
+        self.lapsed = False  # a store of it lapsed, and it was not stored since
+
+
+class Whereabouts:
+    """What the memory knows of one name (see `ChunkMemory.whereabouts`)."""
+
+    __slots__ = ("held_by", "lapsed", "left", "other_name")
+
+    def __init__(self, held_by: str, left: str, lapsed: bool, other_name: bool) -> None:
+        self.held_by = held_by  # an L2 tier the memory says holds it ("" none)
+        self.left = left  # the tier it left last ("" none)
+        self.lapsed = lapsed
+        self.other_name = other_name  # the same chunk hash is stored under another name
+
+
+class ChunkMemory:
+    """At most `capacity` names with their record, most recently reported last."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity} (see --miss-memory)")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._records: OrderedDict[ChunkKey, _Record] = OrderedDict()
+        # chunk hash -> the names under it that some tier holds (few: one per salt or model)
+        self._by_hash: dict[bytes, set[ChunkKey]] = {}
+        self.forgotten = 0  # names dropped to stay within capacity
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def stored(self, keys: Iterable[ChunkKey], tier: str) -> None:
+        """The groups of `keys` became complete in `tier`."""
+        with self._lock:
+            for key in keys:
+                record = self._touch(key)
+                record.tiers.add(tier)
+                record.left = ""
+                record.lapsed = False
+                self._by_hash.setdefault(key.chunk_hash, set()).add(key)
+
+    def removed(self, keys: Iterable[ChunkKey], tier: str) -> None:
+        """The groups of `keys` left `tier` (evicted, expired, cleared, found corrupt)."""
+        with self._lock:
+            for key in keys:
+                record = self._records.get(key)
+                if record is None:
+                    record = self._touch(key)
+                record.tiers.discard(tier)
+                if not record.tiers:
+                    record.left = tier
+                    self._unindex(key)
+
+    def cleared(
+        self, tier: str, *, model: str | None = None, cache_salt: str | None = None
+    ) -> None:
+        """Every group of `model` and `cache_salt` (None: any) left `tier`."""
+        with self._lock:
+            gone = [
+                key
+                for key, record in self._records.items()
+                if tier in record.tiers
+                and (model is None or key.model == model)
+                and (cache_salt is None or key.cache_salt == cache_salt)
+            ]
+        self.removed(gone, tier)
+
+    def lapsed(self, keys: Iterable[ChunkKey]) -> None:
+        """Stores of `keys` lapsed before their commit (their staging lease ran out)."""
+        with self._lock:
+            for key in keys:
+                record = self._touch(key)
+                if not record.tiers:
+                    record.lapsed = True
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def whereabouts(self, key: ChunkKey) -> Whereabouts:
+        """What is known of `key`: an L2 tier holding it, the tier it left, a lapsed store,
+        another name under its hash."""
+        with self._lock:
+            record = self._records.get(key)
+            others = self._by_hash.get(key.chunk_hash, ())
+            other_name = any(name != key for name in others)
+            if record is None:
+                return Whereabouts("", "", False, other_name)
+            held = next((t for t in sorted(record.tiers) if t != L1_TIER), "")
+            left = record.left or (L1_TIER if L1_TIER in record.tiers else "")
+            return Whereabouts(held, left, record.lapsed, other_name)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _touch(self, key: ChunkKey) -> _Record:
+        record = self._records.get(key)
+        if record is not None:
+            self._records.move_to_end(key)
+            return record
+        record = self._records[key] = _Record()
+        if len(self._records) > self.capacity:
+            old, _ = self._records.popitem(last=False)
+            self._unindex(old)
+            self.forgotten += 1
+        return record
+
+    def _unindex(self, key: ChunkKey) -> None:
+        names = self._by_hash.get(key.chunk_hash)
+        if names is not None:
+            names.discard(key)
+            if not names:
+                del self._by_hash[key.chunk_hash]
