@@ -43,6 +43,7 @@ from kvtier.session import SessionManager
 from kvtier.storage.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
+from kvtier.storage.observers import NO_OBSERVER, StorageObserver
 from kvtier.storage.prefetch import Prefetcher
 from kvtier.storage.tiers.base import L2Tier, RegistersMemory, open_tier
 
@@ -124,8 +125,11 @@ def _arena_error(exc: OSError, size: int) -> ConfigError:
     )
 
 
-def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
-    """The L2 tiers of the config behind one TierManager (empty with no L2), not started.
+def build_tiers(
+    config: ServerConfig, arena_name: str, *, observer: StorageObserver = NO_OBSERVER
+) -> TierManager:
+    """The L2 tiers of the config behind one TierManager (empty with no L2), not started;
+    `observer` follows what the tiers, and the L1 built on them, hold.
 
     A tier that cannot be opened (a folder it cannot create or write) is a ConfigError naming
     --l2 and the folder.
@@ -138,6 +142,7 @@ def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
         tiers,
         queue_size=config.l2_queue_size,
         policy="block" if config.l2_queue_policy == "block" else "drop",
+        observer=observer,
     )
 
 
@@ -174,7 +179,7 @@ def build_engine(
         for tier in tiers.tiers:  # Mooncake moves bytes in place between slots and its pool
             if isinstance(tier, RegistersMemory):
                 tier.register_memory(arena.buffer)
-        l1 = L1Store(arena.size, clock=clock)
+        l1 = L1Store(arena.size, clock=clock, observer=tiers.observer)
         lock = TimedLock()
         sessions = SessionManager(
             hasher,
