@@ -44,6 +44,7 @@ from kvtier.session import SessionManager
 from kvtier.storage.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
+from kvtier.storage.observers import NO_OBSERVER, Observers, StorageObserver
 from kvtier.storage.prefetch import Prefetcher
 from kvtier.storage.tiers.base import L2Tier, RegistersMemory, open_tier
 
@@ -125,8 +126,11 @@ def _arena_error(exc: OSError, size: int) -> ConfigError:
     )
 
 
-def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
-    """The L2 tiers of the config behind one TierManager (empty with no L2), not started.
+def build_tiers(
+    config: ServerConfig, arena_name: str, *, observer: StorageObserver = NO_OBSERVER
+) -> TierManager:
+    """The L2 tiers of the config behind one TierManager (empty with no L2), not started;
+    `observer` follows what the tiers, and the L1 built on them, hold.
 
     A tier that cannot be opened (a folder it cannot create or write) is a ConfigError naming
     --l2 and the folder.
@@ -139,6 +143,7 @@ def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
         tiers,
         queue_size=config.l2_queue_size,
         policy="block" if config.l2_queue_policy == "block" else "drop",
+        observer=observer,
     )
 
 
@@ -150,6 +155,7 @@ def build_engine(
     registry: PeriodicThreadRegistry | None = None,
     start_threads: bool = True,
     auth: Authenticator | None = None,
+    memory: ChunkMemory | None = None,
 ) -> Engine:
     """Build every part of the engine and hand them over; `start_threads` False leaves out the
     lease reaper and session expiry threads (tests drive `reap()` and expiry by hand).
@@ -161,7 +167,10 @@ def build_engine(
     registry = registry or PeriodicThreadRegistry.get_instance()
     arena_name = config.arena_name or default_arena_name(config.address[0])
     built_tiers = tiers is None  # closed here when the build fails; else the caller's
-    tiers = tiers if tiers is not None else build_tiers(config, arena_name)
+    if memory is None:  # a given `tiers` feeds it only if its observer has it
+        memory = ChunkMemory(config.miss_memory)
+    if tiers is None:
+        tiers = build_tiers(config, arena_name, observer=Observers(memory))
     hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
     try:
         if not tiers.running:
@@ -175,7 +184,7 @@ def build_engine(
         for tier in tiers.tiers:  # Mooncake moves bytes in place between slots and its pool
             if isinstance(tier, RegistersMemory):
                 tier.register_memory(arena.buffer)
-        l1 = L1Store(arena.size, clock=clock)
+        l1 = L1Store(arena.size, clock=clock, observer=tiers.observer)
         lock = TimedLock()
         sessions = SessionManager(
             hasher,
@@ -205,7 +214,7 @@ def build_engine(
             ),
             metrics=Metrics(),
             registry=registry,
-            memory=ChunkMemory(config.miss_memory),
+            memory=memory,
             auth=auth if auth is not None else Authenticator.from_file(config.auth_tokens_file),
         )
         engine = Engine(config, parts, clock=clock)
@@ -262,10 +271,11 @@ class KVTierServer:
         self.token_file: Path | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         _check_shm_room(config.l1_size)
-        self.tiers = build_tiers(config, config.arena_name)
+        memory = ChunkMemory(config.miss_memory)  # what the misses are explained from
+        self.tiers = build_tiers(config, config.arena_name, observer=Observers(memory))
         try:
             self.tiers.start()
-            self.engine = build_engine(config, tiers=self.tiers, auth=auth)
+            self.engine = build_engine(config, tiers=self.tiers, auth=auth, memory=memory)
         except OSError as exc:
             self.tiers.close()
             raise _arena_error(exc, config.l1_size) from None

@@ -1,8 +1,9 @@
 """A bounded memory of chunk groups by name: which tiers hold each, which tier one left last,
 whose store lapsed, and the names stored under each chunk hash. What a miss is explained from.
 
-It is fed from the storage's reports (a group became complete in a tier, left one, a tier was
-cleared) and from the lease reaper (a store whose staging lease lapsed). It holds at most
+It is a `StorageObserver` (storage/observers.py): fed from the storage's reports (a group became
+complete in a tier, left one, a tier was cleared), and from the lease reaper (a store whose
+staging lease lapsed). It holds at most
 `capacity` names, least recently reported first out: a name forgotten is explained as never
 stored, the one answer a memory cannot give wrongly the other way. Each name costs about 300
 bytes (its key, its record and its place in the hash index), so the default 65536 names take
@@ -17,32 +18,35 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvtier.keys import ChunkKey
+from kvtier.storage.observers import L1_TIER, Removal
 
-__all__ = ["L1_TIER", "ChunkMemory", "Whereabouts"]
-
-L1_TIER = "l1"  # the tier name L1 goes by here and in the miss metrics
+__all__ = ["ChunkMemory", "Whereabouts"]
 
 
 class _Record:
-    __slots__ = ("left", "lapsed", "tiers")
+    __slots__ = ("cleared", "lapsed", "left", "tiers")
 
     def __init__(self) -> None:
         self.tiers: set[str] = set()  # where the group is complete now
         self.left = ""  # the tier it left last, once no tier holds it
+        self.cleared = False  # and it left that tier by a clear
         self.lapsed = False  # a store of it lapsed, and it was not stored since
 
 
 class Whereabouts:
     """What the memory knows of one name (see `ChunkMemory.whereabouts`)."""
 
-    __slots__ = ("held_by", "lapsed", "left", "other_name")
+    __slots__ = ("cleared", "held_by", "lapsed", "left", "other_name")
 
-    def __init__(self, held_by: str, left: str, lapsed: bool, other_name: bool) -> None:
+    def __init__(
+        self, held_by: str, left: str, cleared: bool, lapsed: bool, other_name: bool
+    ) -> None:
         self.held_by = held_by  # an L2 tier the memory says holds it ("" none)
         self.left = left  # the tier it left last ("" none)
+        self.cleared = cleared  # it left by a clear
         self.lapsed = lapsed
         self.other_name = other_name  # the same chunk hash is stored under another name
 
@@ -65,17 +69,17 @@ class ChunkMemory:
 
     # -- reports -------------------------------------------------------------------------------
 
-    def stored(self, keys: Iterable[ChunkKey], tier: str) -> None:
+    def stored(self, keys: Sequence[ChunkKey], tier: str) -> None:
         """The groups of `keys` became complete in `tier`."""
         with self._lock:
             for key in keys:
                 record = self._touch(key)
                 record.tiers.add(tier)
                 record.left = ""
-                record.lapsed = False
+                record.cleared = record.lapsed = False
                 self._by_hash.setdefault(key.chunk_hash, set()).add(key)
 
-    def removed(self, keys: Iterable[ChunkKey], tier: str) -> None:
+    def removed(self, keys: Sequence[ChunkKey], tier: str, reason: Removal) -> None:
         """The groups of `keys` left `tier` (evicted, expired, cleared, found corrupt)."""
         with self._lock:
             for key in keys:
@@ -85,11 +89,10 @@ class ChunkMemory:
                 record.tiers.discard(tier)
                 if not record.tiers:
                     record.left = tier
+                    record.cleared = reason is Removal.CLEARED
                     self._unindex(key)
 
-    def cleared(
-        self, tier: str, *, model: str | None = None, cache_salt: str | None = None
-    ) -> None:
+    def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
         """Every group of `model` and `cache_salt` (None: any) left `tier`."""
         with self._lock:
             gone = [
@@ -99,7 +102,7 @@ class ChunkMemory:
                 and (model is None or key.model == model)
                 and (cache_salt is None or key.cache_salt == cache_salt)
             ]
-        self.removed(gone, tier)
+        self.removed(gone, tier, Removal.CLEARED)
 
     def lapsed(self, keys: Iterable[ChunkKey]) -> None:
         """Stores of `keys` lapsed before their commit (their staging lease ran out)."""
@@ -119,10 +122,10 @@ class ChunkMemory:
             others = self._by_hash.get(key.chunk_hash, ())
             other_name = any(name != key for name in others)
             if record is None:
-                return Whereabouts("", "", False, other_name)
+                return Whereabouts("", "", False, False, other_name)
             held = next((t for t in sorted(record.tiers) if t != L1_TIER), "")
             left = record.left or (L1_TIER if L1_TIER in record.tiers else "")
-            return Whereabouts(held, left, record.lapsed, other_name)
+            return Whereabouts(held, left, record.cleared, record.lapsed, other_name)
 
     # -- internals -----------------------------------------------------------------------------
 

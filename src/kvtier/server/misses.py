@@ -14,8 +14,9 @@ import enum
 from collections.abc import Sequence
 
 from kvtier.keys import ChunkKey
-from kvtier.server.chunkmemory import L1_TIER, ChunkMemory
+from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.storage.l1 import L1Store
+from kvtier.storage.observers import L1_TIER, Removal
 from kvtier.storage.prefetch import LoadOutcome, LoadStatus
 
 __all__ = ["MissReason", "MissTally", "explain_misses"]
@@ -25,7 +26,8 @@ class MissReason(enum.StrEnum):
     """The reasons, as the `reason` label of `kvtier_lookup_miss_tokens_total` shows them."""
 
     NEVER_STORED = "never_stored"  # no tier holds it, none remembers it
-    EVICTED = "evicted"  # it left the tier in the `tier` label last (eviction, TTL, clear)
+    EVICTED = "evicted"  # it left the tier in the `tier` label last (eviction, TTL, corrupt)
+    CLEARED = "cleared"  # an operator's clear took it out of the tier in the `tier` label
     OTHER_SALT_OR_MODEL = "other_salt_or_model"  # its tokens are stored under another name
     INCOMPLETE = "incomplete"  # some ranks' shards are stored, not all
     LEASE_LAPSED = "lease_lapsed"  # its store's staging lease lapsed before the commit
@@ -101,11 +103,11 @@ def _explain(
     seen = memory.whereabouts(key)
     if seen.held_by:
         if status is LoadStatus.ABSENT:  # it left that tier unreported (its own TTL)
-            memory.removed([key], seen.held_by)
+            memory.removed([key], seen.held_by, Removal.EVICTED)
             return MissReason.EVICTED, seen.held_by
         return MissReason.NOT_LOADED, seen.held_by  # no load ran: the tier was not asked
     if seen.left:
-        return MissReason.EVICTED, seen.left
+        return (MissReason.CLEARED if seen.cleared else MissReason.EVICTED), seen.left
     if seen.lapsed:
         return MissReason.LEASE_LAPSED, L1_TIER
     if seen.other_name:

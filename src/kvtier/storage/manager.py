@@ -24,6 +24,7 @@ from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.snapshots import L2Summary
 from kvtier.storage.loadrate import LoadRates
+from kvtier.storage.observers import NO_OBSERVER, ListsChunks, ReportsRemovals, StorageObserver
 from kvtier.storage.tiers.base import L2Tier
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ class TierManager:
         batch_size: int = 16,
         policy: Policy = _DEFAULT_POLICY,
         block_timeout: float = 1.0,
+        observer: StorageObserver = NO_OBSERVER,
     ) -> None:
+        """`observer` hears, from the writer thread, of each group a write made complete in a
+        tier, and (through the tiers that see them) of removals; see `start`."""
         if queue_size < 1 or batch_size < 1:
             raise ValueError(
                 f"queue_size and batch_size must be >= 1, got {queue_size} and {batch_size}"
@@ -92,8 +96,14 @@ class TierManager:
         self._tier_writes = dict.fromkeys(names, 0)
         #: each tier's load latency and throughput, measured by the reads below
         self.rates = LoadRates(names)
+        self._observer = observer
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def observer(self) -> StorageObserver:
+        """Who follows what the tiers hold (the L1 of the same server reports to it too)."""
+        return self._observer
 
     @property
     def tiers(self) -> tuple[L2Tier, ...]:
@@ -111,6 +121,7 @@ class TierManager:
         """Start the background writer; raises RuntimeError when started before or closed."""
         if self._thread is not None or self._closed:
             raise RuntimeError("TierManager.start() called twice or after close()")
+        self._follow_tiers()
         self._thread = threading.Thread(target=self._run, name="kvtier-l2-writer", daemon=True)
         self._thread.start()
 
@@ -128,6 +139,19 @@ class TierManager:
                 tier.close()
             except Exception:
                 logger.exception("tier manager: closing tier %s failed", tier.name)
+
+    def _follow_tiers(self) -> None:
+        """Hand the observer to the tiers that see their own removals, and report what the
+        tiers that know their contents hold already (what survived a restart)."""
+        if not self._observer:
+            return
+        for tier in self._tiers:
+            if isinstance(tier, ReportsRemovals):
+                tier.observe(self._observer)
+            if isinstance(tier, ListsChunks):
+                held = tier.complete_chunks()
+                if held:
+                    self._observer.stored(held, tier.name)
 
     def _drop_leftovers(self) -> None:
         """Drop jobs queued after the writer stopped (or when it never started)."""
@@ -228,7 +252,26 @@ class TierManager:
             with self._cond:
                 self._tier_writes[tier.name] += written
                 self._n["write_errors"] += len(items) - written
+            if self._observer and written:
+                self._report_stored(tier, [j.key for j in batch], all_written=written == len(items))
         self._finish(batch, dropped=False)
+
+    def _report_stored(self, tier: L2Tier, written: list[ObjectKey], *, all_written: bool) -> None:
+        """Report the groups a batch made complete in `tier`. A group of one piece is complete
+        once written; for bigger groups, or when some writes failed, the tier is asked which
+        groups now hold every piece (one batched `contains_many`)."""
+        chunks = list(dict.fromkeys(key.chunk for key in written))
+        if not all_written or any(chunk.world_size > 1 for chunk in chunks):
+            pieces = [chunk.shard(w) for chunk in chunks for w in range(chunk.world_size)]
+            try:
+                flags = iter(tier.contains_many(pieces))
+            except Exception:
+                logger.exception("tier manager: tier %s failed contains_many", tier.name)
+                self._count_read_error()
+                return
+            chunks = [c for c in chunks if all([next(flags) for _ in range(c.world_size)])]
+        if chunks:
+            self._observer.stored(chunks, tier.name)
 
     def _finish(self, jobs: list[_Job], *, dropped: bool) -> None:
         for job in jobs:
@@ -353,5 +396,14 @@ class TierManager:
         )
 
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        """Clear matching objects in every tier; the total removed (writes still queued stay)."""
-        return sum(t.clear(model=model, cache_salt=cache_salt) for t in self._tiers)
+        """Clear matching objects in every tier; the total removed (writes still queued stay).
+
+        A tier that lists what it holds reports each group it cleared; of the others the
+        observer hears that everything matching the filters left them.
+        """
+        removed = 0
+        for tier in self._tiers:
+            removed += tier.clear(model=model, cache_salt=cache_salt)
+            if not isinstance(tier, ListsChunks):
+                self._observer.cleared(tier.name, model, cache_salt)
+        return removed
