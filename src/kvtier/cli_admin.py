@@ -209,6 +209,19 @@ def render_status(status: ServerStatus) -> list[Table]:
         share = f"{100 * m.hit_tokens / m.requested_tokens:.1f}%" if m.requested_tokens else "n/a"
         models.add_row(m.model, str(m.lookups), share, f"{m.hit_tokens:,} / {m.requested_tokens:,}")
 
+    misses = Table(title="Why lookups missed (tokens since start)", title_justify="left")
+    for column in ("reason", "tokens", "share of misses"):
+        misses.add_column(column, justify="left" if column == "reason" else "right")
+    missed = sum(m.tokens for m in status.misses)
+    for m in status.misses:
+        reason = f"{m.reason} ({m.tier})" if m.tier else m.reason
+        misses.add_row(reason, f"{m.tokens:,}", f"{100 * m.tokens / missed:.1f}%")
+    for rate in status.load_rates:
+        speed = f"{_bytes(rate.bytes_per_s)}/s" if rate.bytes_per_s else "not measured yet"
+        misses.caption = (misses.caption or "") + (
+            f"{rate.tier} loads: {speed}, round trip {1e3 * rate.latency_s:.3g} ms. "
+        )
+
     latency = Table(title="Request latency (server side)", title_justify="left")
     for column in ("operation", "requests", "mean", "p50 <=", "p99 <="):
         latency.add_column(column)
@@ -239,7 +252,7 @@ def render_status(status: ServerStatus) -> list[Table]:
         errors.add_column(column)
     for error in status.recent_errors[-10:]:
         errors.add_row(_clock_time(error.time), error.operation, error.code, error.message)
-    return [overview, l1_table, l2_table, models, latency, clients, errors]
+    return [overview, l1_table, l2_table, models, misses, latency, clients, errors]
 
 
 app = typer.Typer(help="Operator commands for a running kvtier server.", no_args_is_help=True)

@@ -200,10 +200,13 @@ def test_missed_tokens_by_reason_and_tier() -> None:
     m.observe_misses({("evicted", "l1"): 32, ("partial_chunk", ""): 5})
     m.observe_misses({("evicted", "l1"): 16, ("slower_than_recompute", "redis"): 64})
     got = samples(m)
-    assert got[("kvtier_lookup_miss_tokens_total", (("reason", "evicted"), ("tier", "l1")))] == 48
-    assert got[("kvtier_lookup_miss_tokens_total", (("reason", "partial_chunk"), ("tier", "")))] == 5
-    slow = (("reason", "slower_than_recompute"), ("tier", "redis"))
-    assert got[("kvtier_lookup_miss_tokens_total", slow)] == 64
+    miss = lambda reason, tier: (  # noqa: E731
+        "kvtier_lookup_miss_tokens_total",
+        (("reason", reason), ("tier", tier)),
+    )
+    assert got[miss("evicted", "l1")] == 48
+    assert got[miss("partial_chunk", "")] == 5
+    assert got[miss("slower_than_recompute", "redis")] == 64
     assert [(r.reason, r.tier, r.tokens) for r in m.misses()] == [
         ("slower_than_recompute", "redis", 64),
         ("evicted", "l1", 48),

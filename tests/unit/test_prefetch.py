@@ -136,7 +136,9 @@ def test_tier_reads_run_at_a_lower_cpu_priority_and_the_lock_work_does_not(
         done.set()
 
     lock = threading.RLock()
-    prefetcher = Prefetcher(L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5, chunk_size=16)
+    prefetcher = Prefetcher(
+        L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5, chunk_size=16
+    )
     assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
     assert done.wait(10)
     prefetcher.close()

@@ -70,8 +70,9 @@ def explain_misses(
     tail = num_tokens - len(keys) * chunk_size
     if tail > 0:
         tally[MissReason.PARTIAL_CHUNK, ""] = tail
-    previous = (MissReason.NOT_LOADED, "")
+    previous: tuple[str, str] = (MissReason.NOT_LOADED, "")
     for i in range(hit, len(keys)):
+        reason: tuple[str, str]
         if i < l1_hit:
             reason = (MissReason.TENANT_SHARE, L1_TIER)
         else:

@@ -71,7 +71,6 @@ _READ_NICE = 19  # added to the reader threads' nice value, which stops at 19 (t
 _OWNER = "kvtier:l2-prefetch"  # the staging owner of slots being filled from L2
 
 
-
 class LoadStatus(enum.Enum):
     """What became of one chunk a job was given."""
 
