@@ -212,15 +212,15 @@ def render_status(status: ServerStatus) -> list[Table]:
     misses = Table(title="Why lookups missed (tokens since start)", title_justify="left")
     for column in ("reason", "tokens", "share of misses"):
         misses.add_column(column, justify="left" if column == "reason" else "right")
-    missed = sum(m.tokens for m in status.misses)
-    for m in status.misses:
-        reason = f"{m.reason} ({m.tier})" if m.tier else m.reason
-        misses.add_row(reason, f"{m.tokens:,}", f"{100 * m.tokens / missed:.1f}%")
-    for rate in status.load_rates:
-        speed = f"{_bytes(rate.bytes_per_s)}/s" if rate.bytes_per_s else "not measured yet"
-        misses.caption = (misses.caption or "") + (
-            f"{rate.tier} loads: {speed}, round trip {1e3 * rate.latency_s:.3g} ms. "
-        )
+    missed = sum(miss.tokens for miss in status.misses)
+    for miss in status.misses:
+        reason = f"{miss.reason} ({miss.tier})" if miss.tier else miss.reason
+        misses.add_row(reason, f"{miss.tokens:,}", f"{100 * miss.tokens / missed:.1f}%")
+    loads = []
+    for load in status.load_rates:
+        speed = f"{_bytes(load.bytes_per_s)}/s" if load.bytes_per_s else "not measured yet"
+        loads.append(f"{load.tier} loads at {speed}, round trip {1e3 * load.latency_s:.3g} ms")
+    misses.caption = "; ".join(loads) or None
 
     latency = Table(title="Request latency (server side)", title_justify="left")
     for column in ("operation", "requests", "mean", "p50 <=", "p99 <="):
