@@ -779,10 +779,13 @@ class Client:
         world_size: int = 1,
         cache_salt: str = "",
         extra_key: bytes = b"",
+        prefill_tokens_per_s: float = 0.0,
     ) -> int:
-        """How many leading named chunks every rank has stored (L2 hits are loaded into L1)."""
+        """How many leading named chunks every rank has stored (L2 hits are loaded into L1;
+        with `prefill_tokens_per_s`, as for `lookup`, not those slower to load than recompute)."""
         names = check_names(names)
-        raw, _ = self._call(p.ExistsKeys(names, model, world_size, cache_salt, extra_key))
+        msg = p.ExistsKeys(names, model, world_size, cache_salt, extra_key, prefill_tokens_per_s)
+        raw, _ = self._call(msg)
         return reply_as(raw, p.ExistsReply, "ExistsKeys").num_chunks
 
     def store_key_slots(

@@ -195,6 +195,7 @@ class ExistsKeys(_Msg):
     world_size: int = 1
     cache_salt: str = ""
     extra_key: bytes = b""  # as in RangeRequest
+    prefill_tokens_per_s: float = 0.0  # as in Lookup
 
 
 class ReserveKeys(KeyRequest):

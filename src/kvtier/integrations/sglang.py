@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -77,6 +78,9 @@ EXTRA_CONFIG_KEYS = {
     "timeout": "seconds per request (default 5)",
     "retry_interval": "seconds between connection attempts while the server is away (default 5)",
     "transfer": "auto | shm | inline (default auto)",
+    "prefill_tokens_per_s": "this engine's prefill speed in tokens per second: kvtier then "
+    "reports no stored page whose load from an L2 tier would take longer than recomputing it "
+    "(default 0: unknown, report every stored page)",
     **CREDENTIAL_KEYS,
     # SGLang's own keys; it removes them before the backend is built, this is in case not
     "prefetch_threshold": "read by SGLang",
@@ -145,6 +149,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.timeout = float(settings.get("timeout", 5.0))
         self.retry_interval = float(settings.get("retry_interval", 5.0))
         self.transfer: Transfer = settings.get("transfer", "auto")
+        self.prefill_tokens_per_s = float(settings.get("prefill_tokens_per_s", 0.0))
+        if not (math.isfinite(self.prefill_tokens_per_s) and self.prefill_tokens_per_s >= 0):
+            raise ValueError(
+                f"--hicache-storage-backend-extra-config prefill_tokens_per_s="
+                f"{settings['prefill_tokens_per_s']!r} must be >= 0 tokens per second (0: unknown)"
+            )
         self.interface_v1 = bool(settings.get("interface_v1", 0))
         if storage_config.is_mla_model:  # one copy of the KV for all ranks
             self.world_size, self.worker_id = 1, 0
@@ -293,7 +303,11 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         client, geometry = ready
         try:
             hit = client.exists_keys(
-                keys, model=geometry.model, world_size=self.world_size, cache_salt=self.cache_salt
+                keys,
+                model=geometry.model,
+                world_size=self.world_size,
+                cache_salt=self.cache_salt,
+                prefill_tokens_per_s=self.prefill_tokens_per_s,
             )
         except _FAILURES as exc:
             self._fail("batch_exists", exc)

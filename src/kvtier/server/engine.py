@@ -369,7 +369,9 @@ class Engine:
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.exists(keys, layout, answer, tenant=tenant)
+            return self.lookups.exists(
+                keys, layout, answer, tenant=tenant, prefill_tokens_per_s=req.prefill_tokens_per_s
+            )
 
     # -- background -----------------------------------------------------------------------------
 

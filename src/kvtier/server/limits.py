@@ -172,6 +172,7 @@ class Limits:
             case p.ExistsKeys():
                 self._strings("", req.model, req.cache_salt)
                 _extra_key(req.extra_key)
+                _prefill_speed(req.prefill_tokens_per_s)
                 self._world(req.world_size, 0)
                 self._lookup_work(len(req.names), req.world_size)
             case p.Release() | p.EndSession():

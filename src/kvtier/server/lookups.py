@@ -156,19 +156,39 @@ class LookupBook:
         )
 
     def exists(
-        self, keys: list[ChunkKey], layout: Layout | None, answer: Answer, *, tenant: str = ""
+        self,
+        keys: list[ChunkKey],
+        layout: Layout | None,
+        answer: Answer,
+        *,
+        tenant: str = "",
+        prefill_tokens_per_s: float = 0.0,
     ) -> p.ExistsReply | None:
         """Under the engine lock: the leading named chunks every rank has; the ones only L2
         holds are loaded into L1 first (a prefetch job; the answer comes when it ends, or at
-        once from L1 when none can start).
+        once from L1 when none can start). The chunks after them count as misses, as a
+        lookup's do.
 
         Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
         chunk evicted before the caller's get is a miss there, never wrong bytes.
         """
 
-        def count() -> p.ExistsReply:  # under the lock
-            hit = self._l1.count_prefix(keys)
+        def count(outcome: LoadOutcome | None = None, start: int = 0) -> p.ExistsReply:
+            hit = self._l1.count_prefix(keys)  # under the lock
             self._l1.touch(keys[:hit])
+            tally = explain_misses(
+                keys,
+                hit=hit,
+                l1_hit=hit,
+                num_tokens=len(keys) * self._chunk_size,
+                chunk_size=self._chunk_size,
+                l1=self._l1,
+                memory=self._memory,
+                outcome=outcome,
+                job_start=start,
+            )
+            if tally:
+                self._metrics.observe_misses(tally)
             return p.ExistsReply(hit)
 
         hit = self._l1.count_prefix(keys)
@@ -176,7 +196,13 @@ class LookupBook:
             hit < len(keys)
             and layout is not None
             and self._tiers.tiers
-            and self._submit(keys[hit:], layout, tenant, lambda _outcome: answer.reply(count()))
+            and self._submit(
+                keys[hit:],
+                layout,
+                tenant,
+                lambda outcome: answer.reply(count(outcome, hit)),
+                prefill_tokens_per_s,
+            )
         ):
             return None
         return count()

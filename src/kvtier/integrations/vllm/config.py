@@ -3,6 +3,7 @@ layout, and the KV cache groups it can serve (one full-attention group, refused 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,9 @@ EXTRA_CONFIG_KEYS = {
     "its weights, dtypes, block size)",
     "timeout": f"seconds a kvtier call may take before it counts as failed (default "
     f"{DEFAULT_TIMEOUT_S:g})",
+    "prefill_tokens_per_s": "this engine's prefill speed in tokens per second: kvtier then "
+    "reports no L2 chunk whose load would take longer than recomputing it (default 0: unknown, "
+    "report every cached chunk)",
     **CREDENTIAL_KEYS,
 }
 
@@ -35,6 +39,7 @@ class ConnectorConfig:
     block_size: int
     world_size: int  # tensor-parallel size: the ranks a chunk is split over
     layer_names: tuple[str, ...]  # the full-attention layers, in the model's order
+    prefill_tokens_per_s: float = 0.0  # stated to kvtier with each lookup (0 = unknown)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> ConnectorConfig:
@@ -60,6 +65,12 @@ class ConnectorConfig:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config timeout={extra['timeout']!r} must be > 0 seconds"
             )
+        prefill = float(extra.get("prefill_tokens_per_s", 0.0))
+        if not (math.isfinite(prefill) and prefill >= 0):
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config prefill_tokens_per_s="
+                f"{extra['prefill_tokens_per_s']!r} must be >= 0 tokens per second (0: unknown)"
+            )
         return cls(
             address=str(extra.get("address", DEFAULT_ADDRESS)),
             model=str(model),
@@ -68,6 +79,7 @@ class ConnectorConfig:
             block_size=block_size,
             world_size=int(parallel.tensor_parallel_size),
             layer_names=layer_names,
+            prefill_tokens_per_s=prefill,
         )
 
 

@@ -94,6 +94,7 @@ class SchedulerSide:
                 cache_salt=request.cache_salt or "",
                 extra_key=state.extra_key or b"",
                 wait=False,
+                prefill_tokens_per_s=self.config.prefill_tokens_per_s,
             )
             if not isinstance(handle, LookupHandle):
                 return 0, False
