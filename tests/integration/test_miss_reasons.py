@@ -201,3 +201,23 @@ def test_a_slow_tier_is_not_reported_to_a_faster_prefill(
             hit = c.lookup("slow", prompt(2, 4), model="m", prefill_tokens_per_s=even / 10)
             assert hit == 4 * CS
             assert counted() == {}
+
+
+def test_chunks_past_a_tenants_pinned_share_miss_for_that_reason(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    token = "miss-test-token-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{token} tenant-a\n")
+    srv = server_factory(
+        "--l1-size", "64KiB", "--chunk-size", str(CS), "--auth-tokens-file", str(tokens),
+        "--tenant-pinned-share", "0.25", "--tenant-staging-share", "1",
+        "--tenant-quarantine-share", "1",
+    )  # fmt: skip
+    with Client(srv.address, token=token) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert c.store("w", prompt(1, 3), kv_for(1, 3), model="m") == 3 * CS
+        counted = Counted(srv)
+        # a quarter of the L1 pins one 16 KiB chunk; the other two are in L1 all the same
+        assert c.lookup("r", prompt(1, 3), model="m") == CS
+        assert counted() == {("tenant_share", "l1"): 2 * CS}

@@ -114,18 +114,21 @@ class ChunkMemory:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def whereabouts(self, key: ChunkKey) -> Whereabouts:
-        """What is known of `key`: an L2 tier holding it, the tier it left, a lapsed store,
-        another name under its hash."""
+    def whereabouts(self, keys: Sequence[ChunkKey]) -> list[Whereabouts]:
+        """What is known of each of `keys` (one hold of the lock for all): an L2 tier holding
+        it, the tier it left, a lapsed store, another name under its hash."""
         with self._lock:
-            record = self._records.get(key)
-            others = self._by_hash.get(key.chunk_hash, ())
-            other_name = any(name != key for name in others)
-            if record is None:
-                return Whereabouts("", "", False, False, other_name)
-            held = next((t for t in sorted(record.tiers) if t != L1_TIER), "")
-            left = record.left or (L1_TIER if L1_TIER in record.tiers else "")
-            return Whereabouts(held, left, record.cleared, record.lapsed, other_name)
+            return [self._whereabouts(key) for key in keys]
+
+    def _whereabouts(self, key: ChunkKey) -> Whereabouts:
+        record = self._records.get(key)
+        others = self._by_hash.get(key.chunk_hash, ())
+        other_name = any(name != key for name in others)
+        if record is None:
+            return Whereabouts("", "", False, False, other_name)
+        held = next((t for t in sorted(record.tiers) if t != L1_TIER), "")
+        left = record.left or (L1_TIER if L1_TIER in record.tiers else "")
+        return Whereabouts(held, left, record.cleared, record.lapsed, other_name)
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import enum
 from collections.abc import Sequence
 
 from kvtier.keys import ChunkKey
-from kvtier.server.chunkmemory import ChunkMemory
+from kvtier.server.chunkmemory import ChunkMemory, Whereabouts
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.observers import L1_TIER, Removal
 from kvtier.storage.prefetch import LoadOutcome, LoadStatus
@@ -70,28 +70,53 @@ def explain_misses(
     tail = num_tokens - len(keys) * chunk_size
     if tail > 0:
         tally[MissReason.PARTIAL_CHUNK, ""] = tail
-    previous: tuple[str, str] = (MissReason.NOT_LOADED, "")
+    # First what L1 and the load tell; the memory is asked once, about the chunks left.
+    found: list[tuple[str, str] | None] = []
+    asked: list[int] = []
+    absent: list[bool] = []  # per chunk asked: the load found no shard of it
     for i in range(hit, len(keys)):
-        reason: tuple[str, str]
         if i < l1_hit:
-            reason = (MissReason.TENANT_SHARE, L1_TIER)
+            found.append((MissReason.TENANT_SHARE, L1_TIER))
+            continue
+        j = i - job_start
+        status = (
+            outcome.statuses[j] if outcome is not None and 0 <= j < len(outcome.statuses) else None
+        )
+        tier = outcome.tiers[j] if outcome is not None and status is not None else ""
+        reason = _from_l1_or_load(keys[i], status, tier, l1)
+        if reason is _ASK:
+            asked.append(len(found))
+            absent.append(status is LoadStatus.ABSENT)
+            found.append(None)
         else:
-            j = i - job_start
-            loaded = outcome if outcome is not None and 0 <= j < len(outcome.statuses) else None
-            if loaded is None:
-                found = _explain(keys[i], None, "", l1, memory)
+            found.append(reason)
+    if asked:
+        seen = memory.whereabouts([keys[hit + n] for n in asked])
+        stale: dict[str, list[ChunkKey]] = {}
+        for n, known, gone in zip(asked, seen, absent, strict=True):
+            if gone and known.held_by:  # it left that tier unreported (its own TTL)
+                found[n] = (MissReason.EVICTED, known.held_by)
+                stale.setdefault(known.held_by, []).append(keys[hit + n])
             else:
-                found = _explain(keys[i], loaded.statuses[j], loaded.tiers[j], l1, memory)
-            reason = previous if found is None else found
+                found[n] = _from_memory(known)
+        for tier, left in stale.items():
+            memory.removed(left, tier, Removal.EVICTED)
+    previous: tuple[str, str] = (MissReason.NOT_LOADED, "")
+    for reason in found:
+        reason = previous if reason is None else reason
         tally[reason] = tally.get(reason, 0) + chunk_size
         previous = reason
     return tally
 
 
-def _explain(
-    key: ChunkKey, status: LoadStatus | None, tier: str, l1: L1Store, memory: ChunkMemory
+_ASK = ("", "")  # the chunk's reason is the memory's to tell
+
+
+def _from_l1_or_load(
+    key: ChunkKey, status: LoadStatus | None, tier: str, l1: L1Store
 ) -> tuple[str, str] | None:
-    """One chunk's reason; None when the chunk is complete somewhere (after a gap)."""
+    """One chunk's reason from L1 and its load; None when the chunk is complete somewhere
+    (after a gap: it takes the reason before it); `_ASK` when only the memory can tell."""
     if status is not None and status in _FROM_LOAD:
         return _FROM_LOAD[status], tier
     ready = l1.ready_shards(key)
@@ -101,12 +126,13 @@ def _explain(
         return MissReason.INCOMPLETE, L1_TIER
     if status is LoadStatus.LOADED or status is LoadStatus.BEHIND:
         return None
-    seen = memory.whereabouts(key)
-    if seen.held_by:
-        if status is LoadStatus.ABSENT:  # it left that tier unreported (its own TTL)
-            memory.removed([key], seen.held_by, Removal.EVICTED)
-            return MissReason.EVICTED, seen.held_by
-        return MissReason.NOT_LOADED, seen.held_by  # no load ran: the tier was not asked
+    return _ASK
+
+
+def _from_memory(seen: Whereabouts) -> tuple[str, str]:
+    """The reason of a chunk no tier had for the lookup, from what the memory knows of it."""
+    if seen.held_by:  # an L2 tier holds it, but no load ran to get it
+        return MissReason.NOT_LOADED, seen.held_by
     if seen.left:
         return (MissReason.CLEARED if seen.cleared else MissReason.EVICTED), seen.left
     if seen.lapsed:
