@@ -35,6 +35,7 @@ class MissReason(enum.StrEnum):
     SLOWER_THAN_RECOMPUTE = "slower_than_recompute"  # in L2, but recomputing it is faster
     NOT_LOADED = "not_loaded"  # in L2, but no load ran (prefetch slots busy, L1 full)
     TENANT_SHARE = "tenant_share"  # in L1, past the tenant's pinned share
+    NOT_RESUMABLE = "not_resumable"  # in L1, after the last chunk an engine can resume from
     PARTIAL_CHUNK = "partial_chunk"  # the prompt's tail, shorter than a chunk
 
 
@@ -53,6 +54,7 @@ def explain_misses(
     keys: Sequence[ChunkKey],
     *,
     hit: int,
+    resumable: int,
     l1_hit: int,
     num_tokens: int,
     chunk_size: int,
@@ -63,8 +65,9 @@ def explain_misses(
 ) -> MissTally:
     """Under the engine lock: the tokens of `keys[hit:]` and of the partial tail, by reason.
 
-    `hit` chunks are reported; `l1_hit` were complete in L1 (more when the tenant's pinned
-    share cut the hit); `outcome` is the lookup's L2 load of `keys[job_start:]`, if one ran.
+    `hit` chunks are reported; `l1_hit` were complete in L1, the first `resumable` of them up
+    to the last resume point (the tenant's pinned share cuts `hit` from there); `outcome` is
+    the lookup's L2 load of `keys[job_start:]`, if one ran.
     """
     tally: MissTally = {}
     tail = num_tokens - len(keys) * chunk_size
@@ -75,8 +78,11 @@ def explain_misses(
     asked: list[int] = []
     absent: list[bool] = []  # per chunk asked: the load found no shard of it
     for i in range(hit, len(keys)):
-        if i < l1_hit:
+        if i < resumable:
             found.append((MissReason.TENANT_SHARE, L1_TIER))
+            continue
+        if i < l1_hit:
+            found.append((MissReason.NOT_RESUMABLE, L1_TIER))
             continue
         j = i - job_start
         status = (
