@@ -203,7 +203,7 @@ def test_a_slow_tier_is_not_reported_to_a_faster_prefill(
             assert counted() == {}
 
 
-def test_chunks_past_a_tenants_pinned_share_miss_for_that_reason(
+def test_chunks_past_a_tenants_pinned_share_or_a_resume_point_miss_for_that_reason(
     server_factory: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
     token = "miss-test-token-0123456789"
@@ -221,3 +221,10 @@ def test_chunks_past_a_tenants_pinned_share_miss_for_that_reason(
         # a quarter of the L1 pins one 16 KiB chunk; the other two are in L1 all the same
         assert c.lookup("r", prompt(1, 3), model="m") == CS
         assert counted() == {("tenant_share", "l1"): 2 * CS}
+        c.end_session("r")
+
+        # three chunks stored, the engine can resume after the first only
+        flags = [True, False, False]
+        assert c.store("w2", prompt(2, 3), kv_for(2, 3), model="m", resumable=flags) == 3 * CS
+        assert c.lookup("resume", prompt(2, 3), model="m") == CS
+        assert counted() == {("not_resumable", "l1"): 2 * CS}
