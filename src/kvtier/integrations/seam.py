@@ -8,6 +8,7 @@ The transformers adapter (`integrations.transformers`) and the vLLM connector
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +24,7 @@ __all__ = [
     "check_chunk_blocks",
     "credential",
     "head_range",
+    "prefill_speed",
     "refuse_unknown_keys",
 ]
 
@@ -83,6 +85,29 @@ CREDENTIAL_KEYS = {
     "token": "the credential for a server started with --auth-tokens-file",
     "token_file": "a file holding that credential (its first line; instead of `token`)",
 }
+
+
+#: the key an engine states its prefill speed under, and what it means
+PREFILL_KEY = {
+    "prefill_tokens_per_s": "this engine's prefill speed in tokens per second: kvtier then "
+    "reports no chunk whose load from an L2 tier would take longer than recomputing it "
+    "(default 0: unknown, every cached chunk is reported)",
+}
+
+
+def prefill_speed(settings: Mapping[str, object], what: str) -> float:
+    """The engine's stated prefill speed (`prefill_tokens_per_s`; 0 when not given), sent with
+    each lookup so the server leaves out loads slower than recomputing."""
+    raw = settings.get("prefill_tokens_per_s", 0.0)
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgumentError(
+            f"{what}: prefill_tokens_per_s={raw!r} must be >= 0 tokens per second (0: unknown)"
+        )
+    return value
 
 
 def credential(settings: Mapping[str, object], what: str) -> str:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import threading
 import time
@@ -52,7 +51,13 @@ from kvtier.client import Client, Transfer
 from kvtier.copying import copy_addresses
 from kvtier.errors import BadArrayError, InvalidArgumentError, KVTierError, LayoutMismatchError
 from kvtier.integrations.fingerprint import model_identity
-from kvtier.integrations.seam import CREDENTIAL_KEYS, credential, refuse_unknown_keys
+from kvtier.integrations.seam import (
+    CREDENTIAL_KEYS,
+    PREFILL_KEY,
+    credential,
+    prefill_speed,
+    refuse_unknown_keys,
+)
 from kvtier.server.layouts import DTYPE_SIZES
 
 __all__ = ["EXTRA_CONFIG_KEYS", "KVTierHiCacheStorage", "PageGeometry"]
@@ -78,9 +83,7 @@ EXTRA_CONFIG_KEYS = {
     "timeout": "seconds per request (default 5)",
     "retry_interval": "seconds between connection attempts while the server is away (default 5)",
     "transfer": "auto | shm | inline (default auto)",
-    "prefill_tokens_per_s": "this engine's prefill speed in tokens per second: kvtier then "
-    "reports no stored page whose load from an L2 tier would take longer than recomputing it "
-    "(default 0: unknown, report every stored page)",
+    **PREFILL_KEY,
     **CREDENTIAL_KEYS,
     # SGLang's own keys; it removes them before the backend is built, this is in case not
     "prefetch_threshold": "read by SGLang",
@@ -133,6 +136,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
         try:
             self.token = credential(settings, "--hicache-storage-backend-extra-config")
+            self.prefill_tokens_per_s = prefill_speed(
+                settings, "--hicache-storage-backend-extra-config"
+            )
         except InvalidArgumentError as exc:
             raise ValueError(str(exc)) from None
         if storage_config.should_split_heads or storage_config.dcp_size > 1:
@@ -149,12 +155,6 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.timeout = float(settings.get("timeout", 5.0))
         self.retry_interval = float(settings.get("retry_interval", 5.0))
         self.transfer: Transfer = settings.get("transfer", "auto")
-        self.prefill_tokens_per_s = float(settings.get("prefill_tokens_per_s", 0.0))
-        if not (math.isfinite(self.prefill_tokens_per_s) and self.prefill_tokens_per_s >= 0):
-            raise ValueError(
-                f"--hicache-storage-backend-extra-config prefill_tokens_per_s="
-                f"{settings['prefill_tokens_per_s']!r} must be >= 0 tokens per second (0: unknown)"
-            )
         self.interface_v1 = bool(settings.get("interface_v1", 0))
         if storage_config.is_mla_model:  # one copy of the KV for all ranks
             self.world_size, self.worker_id = 1, 0

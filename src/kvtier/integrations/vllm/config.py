@@ -3,13 +3,18 @@ layout, and the KV cache groups it can serve (one full-attention group, refused 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.integrations.fingerprint import model_identity
-from kvtier.integrations.seam import CREDENTIAL_KEYS, credential, refuse_unknown_keys
+from kvtier.integrations.seam import (
+    CREDENTIAL_KEYS,
+    PREFILL_KEY,
+    credential,
+    prefill_speed,
+    refuse_unknown_keys,
+)
 
 DEFAULT_ADDRESS = "ipc:///tmp/kvtier.sock"
 DEFAULT_TIMEOUT_S = 5.0
@@ -21,9 +26,7 @@ EXTRA_CONFIG_KEYS = {
     "its weights, dtypes, block size)",
     "timeout": f"seconds a kvtier call may take before it counts as failed (default "
     f"{DEFAULT_TIMEOUT_S:g})",
-    "prefill_tokens_per_s": "this engine's prefill speed in tokens per second: kvtier then "
-    "reports no L2 chunk whose load would take longer than recomputing it (default 0: unknown, "
-    "report every cached chunk)",
+    **PREFILL_KEY,
     **CREDENTIAL_KEYS,
 }
 
@@ -65,12 +68,7 @@ class ConnectorConfig:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config timeout={extra['timeout']!r} must be > 0 seconds"
             )
-        prefill = float(extra.get("prefill_tokens_per_s", 0.0))
-        if not (math.isfinite(prefill) and prefill >= 0):
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config prefill_tokens_per_s="
-                f"{extra['prefill_tokens_per_s']!r} must be >= 0 tokens per second (0: unknown)"
-            )
+        prefill = prefill_speed(extra, "kv_connector_extra_config")
         return cls(
             address=str(extra.get("address", DEFAULT_ADDRESS)),
             model=str(model),
