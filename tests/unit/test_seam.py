@@ -67,5 +67,7 @@ def test_a_stated_prefill_speed_is_a_finite_number_of_tokens_per_second() -> Non
     assert prefill_speed({}, "cfg") == 0.0
     assert prefill_speed({"prefill_tokens_per_s": "25000"}, "cfg") == 25000.0
     for bad in (-1, "fast", float("inf"), float("nan"), None):
-        with pytest.raises(InvalidArgumentError, match=r"cfg: prefill_tokens_per_s=.* must be >= 0"):
+        with pytest.raises(
+            InvalidArgumentError, match=r"cfg: prefill_tokens_per_s=.* must be >= 0"
+        ):
             prefill_speed({"prefill_tokens_per_s": bad}, "cfg")
