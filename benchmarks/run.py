@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 MODULES = [
     "benchmarks.bench_hashing",
     "benchmarks.bench_session",
+    "benchmarks.bench_misses",
     "benchmarks.bench_serve",
     "benchmarks.bench_concurrency",
     "benchmarks.bench_copy",

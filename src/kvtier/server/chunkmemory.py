@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from kvtier.keys import ChunkKey
 from kvtier.storage.observers import L1_TIER, Removal
@@ -36,19 +37,18 @@ class _Record:
         self.lapsed = False  # a store of it lapsed, and it was not stored since
 
 
-class Whereabouts:
+class Whereabouts(NamedTuple):
     """What the memory knows of one name (see `ChunkMemory.whereabouts`)."""
 
-    __slots__ = ("cleared", "held_by", "lapsed", "left", "other_name")
+    held_by: str  # an L2 tier the memory says holds it ("" none)
+    left: str  # the tier it left last ("" none)
+    cleared: bool  # it left by a clear
+    lapsed: bool  # a store of it lapsed, and it was not stored since
+    other_name: bool  # the same chunk hash is stored under another name
 
-    def __init__(
-        self, held_by: str, left: str, cleared: bool, lapsed: bool, other_name: bool
-    ) -> None:
-        self.held_by = held_by  # an L2 tier the memory says holds it ("" none)
-        self.left = left  # the tier it left last ("" none)
-        self.cleared = cleared  # it left by a clear
-        self.lapsed = lapsed
-        self.other_name = other_name  # the same chunk hash is stored under another name
+
+_UNKNOWN = Whereabouts("", "", False, False, False)
+_UNKNOWN_OTHER = Whereabouts("", "", False, False, True)
 
 
 class ChunkMemory:
@@ -117,18 +117,24 @@ class ChunkMemory:
     def whereabouts(self, keys: Sequence[ChunkKey]) -> list[Whereabouts]:
         """What is known of each of `keys` (one hold of the lock for all): an L2 tier holding
         it, the tier it left, a lapsed store, another name under its hash."""
+        records, by_hash = self._records, self._by_hash
+        out: list[Whereabouts] = []
         with self._lock:
-            return [self._whereabouts(key) for key in keys]
-
-    def _whereabouts(self, key: ChunkKey) -> Whereabouts:
-        record = self._records.get(key)
-        others = self._by_hash.get(key.chunk_hash, ())
-        other_name = any(name != key for name in others)
-        if record is None:
-            return Whereabouts("", "", False, False, other_name)
-        held = next((t for t in sorted(record.tiers) if t != L1_TIER), "")
-        left = record.left or (L1_TIER if L1_TIER in record.tiers else "")
-        return Whereabouts(held, left, record.cleared, record.lapsed, other_name)
+            for key in keys:
+                record = records.get(key)
+                others = by_hash.get(key.chunk_hash)
+                other = others is not None and (len(others) > 1 or key not in others)
+                if record is None:
+                    out.append(_UNKNOWN_OTHER if other else _UNKNOWN)
+                    continue
+                held = ""
+                for tier in record.tiers:  # one or two
+                    if tier != L1_TIER:
+                        held = tier
+                        break
+                left = record.left or (L1_TIER if L1_TIER in record.tiers else "")
+                out.append(Whereabouts(held, left, record.cleared, record.lapsed, other))
+        return out
 
     # -- internals -----------------------------------------------------------------------------
 

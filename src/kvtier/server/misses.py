@@ -77,6 +77,8 @@ def explain_misses(
     found: list[tuple[str, str] | None] = []
     asked: list[int] = []
     absent: list[bool] = []  # per chunk asked: the load found no shard of it
+    ready_shards = l1.ready_shards
+    statuses = outcome.statuses if outcome is not None else []
     for i in range(hit, len(keys)):
         if i < resumable:
             found.append((MissReason.TENANT_SHARE, L1_TIER))
@@ -85,17 +87,21 @@ def explain_misses(
             found.append((MissReason.NOT_RESUMABLE, L1_TIER))
             continue
         j = i - job_start
-        status = (
-            outcome.statuses[j] if outcome is not None and 0 <= j < len(outcome.statuses) else None
-        )
-        tier = outcome.tiers[j] if outcome is not None and status is not None else ""
-        reason = _from_l1_or_load(keys[i], status, tier, l1)
-        if reason is _ASK:
+        status = statuses[j] if 0 <= j < len(statuses) else None
+        if status is not None and status in _FROM_LOAD:
+            assert outcome is not None
+            found.append((_FROM_LOAD[status], outcome.tiers[j]))
+            continue
+        key = keys[i]
+        ready = ready_shards(key)
+        if ready == key.world_size or status is LoadStatus.LOADED or status is LoadStatus.BEHIND:
+            found.append(None)  # complete somewhere, after a gap: the reason before it
+        elif ready:
+            found.append((MissReason.INCOMPLETE, L1_TIER))
+        else:
             asked.append(len(found))
             absent.append(status is LoadStatus.ABSENT)
             found.append(None)
-        else:
-            found.append(reason)
     if asked:
         seen = memory.whereabouts([keys[hit + n] for n in asked])
         stale: dict[str, list[ChunkKey]] = {}
@@ -109,30 +115,11 @@ def explain_misses(
             memory.removed(left, tier, Removal.EVICTED)
     previous: tuple[str, str] = (MissReason.NOT_LOADED, "")
     for reason in found:
-        reason = previous if reason is None else reason
+        if reason is None:
+            reason = previous
         tally[reason] = tally.get(reason, 0) + chunk_size
         previous = reason
     return tally
-
-
-_ASK = ("", "")  # the chunk's reason is the memory's to tell
-
-
-def _from_l1_or_load(
-    key: ChunkKey, status: LoadStatus | None, tier: str, l1: L1Store
-) -> tuple[str, str] | None:
-    """One chunk's reason from L1 and its load; None when the chunk is complete somewhere
-    (after a gap: it takes the reason before it); `_ASK` when only the memory can tell."""
-    if status is not None and status in _FROM_LOAD:
-        return _FROM_LOAD[status], tier
-    ready = l1.ready_shards(key)
-    if ready == key.world_size:
-        return None
-    if ready:
-        return MissReason.INCOMPLETE, L1_TIER
-    if status is LoadStatus.LOADED or status is LoadStatus.BEHIND:
-        return None
-    return _ASK
 
 
 def _from_memory(seen: Whereabouts) -> tuple[str, str]:
