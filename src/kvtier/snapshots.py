@@ -217,8 +217,6 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     sessions: SessionCounts
     fencing: FencingStats
     lookup: LookupTotals
-    misses: list[MissCount]  # missed tokens by reason, most first
-    load_rates: list[LoadRate]  # each L2 tier's measured load speed, in read order
     models: list[ModelLookup]
     hit_rate_history: list[HitRatePoint]
     traffic: Traffic
@@ -226,3 +224,7 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     prefetch: PrefetchStats
     lock_hold: dict[str, HoldStats]  # per operation: how long it held the engine lock
     recent_errors: list[ErrorRecord]
+    #: missed tokens by reason, most first
+    misses: list[MissCount] = msgspec.field(default_factory=list)
+    #: each L2 tier's measured load speed, in read order
+    load_rates: list[LoadRate] = msgspec.field(default_factory=list)
