@@ -248,8 +248,17 @@ class EventPublisher:
         reports = []
         for _ in range(min(_BATCH_REPORTS, len(self._reports))):
             reports.append(self._reports.popleft())
+        merged: list[tuple[Any, ...]] = []
+        for report in reports:  # one commit reports chunk by chunk: its chain is one event
+            last = merged[-1] if merged else None
+            if last is not None and report[0] == last[0] == "stored" and report[2] == last[2]:
+                last[1].extend(report[1])
+            else:
+                merged.append(
+                    (report[0], list(report[1]), *report[2:]) if report[0] != "cleared" else report
+                )
         by_topic: dict[str, list[Event]] = {}
-        for report in reports:
+        for report in merged:
             for model, event in self._events(report):
                 by_topic.setdefault(self._topic + shown(model), []).append(event)
         now = time.time()
