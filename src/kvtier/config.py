@@ -258,6 +258,12 @@ class ServerConfig:
         example="--kv-events-topic kvtier",
         metavar="TEXT",
     )
+    kv_events_int_hashes: bool = _opt(
+        True,
+        "Publish block hashes as vLLM does by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): "
+        "the chunk name's last 8 bytes as an unsigned integer; --no-kv-events-int-hashes "
+        "publishes the whole name as bytes (vLLM with that variable set to 0)",
+    )
     kv_events_buffer: int = _opt(
         10_000,
         "Event batches kept for replay (the oldest are dropped first)",

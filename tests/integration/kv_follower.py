@@ -33,6 +33,7 @@ except ImportError as exc:  # a missing part fails the test, saying how to get i
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Follower"]
 
 Place = tuple[str, str | None, str | None]  # topic, medium, locality
+Hash = bytes | int  # vLLM's ExternalBlockHash
 
 
 class Follower:
@@ -47,7 +48,7 @@ class Follower:
         self._topic = topic.encode()
         self._replay_endpoint = replay_endpoint
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.held: dict[Place, set[bytes]] = defaultdict(set)
+        self.held: dict[Place, set[Hash]] = defaultdict(set)
         self.next_seq = 0
         self.newest_ts = 0.0
         self.gaps = 0
@@ -59,12 +60,12 @@ class Follower:
 
     # -- the view ---------------------------------------------------------------------------
 
-    def hashes(self, medium: str, locality: str) -> set[str]:
-        """Every block hash (hex) the view holds in `medium` at `locality`, over all topics."""
-        out: set[str] = set()
+    def hashes(self, medium: str, locality: str) -> set[Hash]:
+        """Every block hash the view holds in `medium` at `locality`, over all topics."""
+        out: set[Hash] = set()
         for (_, m, loc), hashes in self.held.items():
             if (m, loc) == (medium, locality):
-                out |= {h.hex() for h in hashes}
+                out |= hashes
         return out
 
     def _apply(self, topic: bytes, seq: int, batch: KVEventBatch) -> None:
@@ -73,9 +74,7 @@ class Follower:
         name = topic.decode()
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self.held[(name, event.medium, event.locality)].update(
-                    h for h in event.block_hashes if isinstance(h, bytes)
-                )
+                self.held[(name, event.medium, event.locality)].update(event.block_hashes)
                 self.stored.append((name, event))
             elif isinstance(event, BlockRemoved):
                 self.held[(name, event.medium, event.locality)].difference_update(

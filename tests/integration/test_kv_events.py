@@ -19,7 +19,7 @@ from kvtier.client import Client
 
 from ..conftest import ServerProcess, free_port
 from ..kv_servers import start_kv_server
-from .kv_follower import BlockStored, Follower
+from .kv_follower import BlockStored, Follower, Hash
 from .test_admin import changes
 from .test_serve import CS, SHAPE, kv_for, wait_for
 
@@ -28,7 +28,7 @@ TTL_S = 3
 CHUNKS = 8  # per prompt
 SEED = "0"  # --hash-seed: vLLM's PYTHONHASHSEED
 
-Places = dict[tuple[str, str], set[str]]
+Places = dict[tuple[str, str], set[Hash]]
 CPU, DISK, SHARED = ("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")
 
 
@@ -60,13 +60,21 @@ def held(server: ServerProcess, r: redis.Redis) -> Places:
     shared store by its keys (a Redis cannot be listed through kvtier)."""
     assert server.admin_url is not None
 
-    def listed(tier: str) -> set[str]:
+    def listed(tier: str) -> set[Hash]:
         reply = httpx.get(f"{server.admin_url}/chunks?tier={tier}&limit=100000", timeout=10)
         assert reply.status_code == 200, reply.text
-        return {c["chunk_hash"] for c in reply.json()["chunks"]}
+        return {external(c["chunk_hash"]) for c in reply.json()["chunks"]}
 
-    shared = {name.rsplit(b".", 1)[1].decode() for name in r.scan_iter(f"{PREFIX}:*")}
+    names = r.scan_iter(f"{PREFIX}:*")
+    shared = {external(name.rsplit(b".", 1)[1].decode()) for name in names}
     return {CPU: listed("l1"), DISK: listed("disk"), SHARED: shared}
+
+
+def external(chunk_hash_hex: str) -> Hash:
+    """A chunk name as vLLM publishes a block hash (its own conversion, default settings)."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    return maybe_convert_block_hash(BlockHash(bytes.fromhex(chunk_hash_hex)))
 
 
 def view(follower: Follower) -> Places:
@@ -83,9 +91,18 @@ def converges(follower: Follower, server: ServerProcess, r: redis.Redis) -> bool
     return wait_for(same, timeout=20)
 
 
-def vllm_hashes(tokens: list[int]) -> list[str]:
-    """vLLM's block hashes for `tokens`, from vLLM's own functions (sha256_cbor, a block size of
-    the chunk size, PYTHONHASHSEED=SEED, no extra keys)."""
+def differences(follower: Follower, server: ServerProcess, r: redis.Redis) -> dict[str, Any]:
+    """Per place: how many hashes the follower has that the server does not, and the reverse."""
+    seen, truth = view(follower), held(server, r)
+    return {
+        f"{place}": (len(seen[place] - truth[place]), len(truth[place] - seen[place]))
+        for place in seen
+    } | {"seq": follower.next_seq, "gaps": follower.gaps, "restarts": follower.restarts}
+
+
+def vllm_hashes(tokens: list[int]) -> list[Hash]:
+    """vLLM's block hashes for `tokens` as it publishes them, from vLLM's own functions
+    (sha256_cbor, a block size of the chunk size, PYTHONHASHSEED=SEED, no extra keys)."""
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils
 
@@ -104,7 +121,7 @@ def vllm_hashes(tokens: list[int]) -> list[str]:
         parent = kv_cache_utils.hash_block_tokens(
             sha256_cbor, parent, tokens[start : start + CS], None
         )
-        out.append(bytes(parent).hex())
+        out.append(kv_cache_utils.maybe_convert_block_hash(parent))
     return out
 
 
@@ -112,21 +129,20 @@ def stored_events(follower: Follower, place: tuple[str, str]) -> list[BlockStore
     return [e for _, e in follower.stored if (e.medium, e.locality) == place]
 
 
-Block = tuple[str | None, list[int], Any]  # parent (hex), tokens, extra keys
+Block = tuple[Hash | None, list[int], Any]  # parent, tokens, extra keys
 
 
-def per_block(events: list[BlockStored]) -> dict[str, Block]:
+def per_block(events: list[BlockStored]) -> dict[Hash, Block]:
     """Each stored block's parent, tokens and extra keys, read as a router reads an event that
     covers several blocks (a chain from `parent_block_hash`, `block_size` tokens each)."""
-    out: dict[str, Block] = {}
+    out: dict[Hash, Block] = {}
     for e in events:
         assert e.block_size == CS
         assert e.extra_keys is not None and len(e.extra_keys) == len(e.block_hashes)
-        parent = e.parent_block_hash.hex() if isinstance(e.parent_block_hash, bytes) else None
+        parent = e.parent_block_hash
         for i, h in enumerate(e.block_hashes):
-            assert isinstance(h, bytes)
-            out[h.hex()] = (parent, e.token_ids[i * CS : (i + 1) * CS], e.extra_keys[i])
-            parent = h.hex()
+            out[h] = (parent, e.token_ids[i * CS : (i + 1) * CS], e.extra_keys[i])
+            parent = h
     return out
 
 
@@ -156,7 +172,7 @@ def test_a_follower_rebuilds_what_the_server_holds(
         store(server, 0, salt="tenant-salt")
         for i in range(1, 5):
             store(server, i)
-        assert converges(early, server, r), (view(early), held(server, r))
+        assert converges(early, server, r), differences(early, server, r)
         seen = view(early)
         assert len(seen[DISK]) == 5 * CHUNKS
         assert 0 < len(seen[CPU]) < 5 * CHUNKS  # the L1 evicted; the disk tier kept them all
@@ -169,7 +185,7 @@ def test_a_follower_rebuilds_what_the_server_holds(
         # the hashes are vLLM's; tokens, parent, block size and extra keys as vLLM fills them
         blocks = per_block(stored_events(early, CPU))
         tokens = prompt(1)
-        parent = None
+        parent: Hash | None = None
         for i, h in enumerate(vllm_hashes(tokens)):
             assert blocks[h] == (parent, tokens[i * CS : (i + 1) * CS], None), i
             parent = h
@@ -178,30 +194,30 @@ def test_a_follower_rebuilds_what_the_server_holds(
 
         # the shared store's TTL runs out: the server's expiry events reach the follower
         assert wait_for(lambda: not list(r.scan_iter(f"{PREFIX}:*")), timeout=20)
-        assert converges(early, server, r)
+        assert converges(early, server, r), differences(early, server, r)
         assert view(early)[SHARED] == set()
 
         # a subscriber that joins late rebuilds the same view from the replay buffer
         late = Follower(pub, rep, "kvtier/")
         assert late.replay(0) >= 1
-        assert converges(late, server, r)
+        assert converges(late, server, r), differences(late, server, r)
         assert view(late) == view(early)
 
         # a clear empties every place
         assert server.admin_url is not None
         reply = httpx.post(server.admin_url + "/clear", headers=changes(server), json={})
         assert reply.status_code == 200
-        assert converges(early, server, r)
+        assert converges(early, server, r), differences(early, server, r)
         assert view(early) == {CPU: set(), DISK: set(), SHARED: set()}
 
         # a restart: the disk tier's chunks survive, and the stream says so
         store(server, 5)
         store(server, 6)
-        assert converges(early, server, r)
+        assert converges(early, server, r), differences(early, server, r)
         assert server.stop() == 0
         server = server_factory(*args)
         store(server, 7)  # the follower learns of the restart from the next batch
-        assert converges(early, server, r), (view(early), held(server, r))
+        assert converges(early, server, r), differences(early, server, r)
         assert early.restarts == 1
         assert len(view(early)[DISK]) == 3 * CHUNKS
         assert len(view(early)[CPU]) == CHUNKS

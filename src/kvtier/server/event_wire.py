@@ -23,6 +23,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "KVEventBatch",
+    "external_hash",
     "seq_bytes",
 ]
 
@@ -35,6 +36,18 @@ REMOTE = "REMOTE"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+#: a block hash on the wire: vLLM's `ExternalBlockHash`
+ExternalHash = bytes | int
+
+
+def external_hash(chunk_hash: bytes, *, as_int: bool) -> ExternalHash:
+    """A chunk name as vLLM publishes a block hash (`maybe_convert_block_hash`): by default its
+    last 8 bytes as an unsigned big-endian integer, else the bytes themselves."""
+    if not as_int:
+        return chunk_hash
+    return int.from_bytes(chunk_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def seq_bytes(seq: int) -> bytes:
     """A sequence number as its frame."""
     return seq.to_bytes(8, "big")
@@ -43,8 +56,8 @@ def seq_bytes(seq: int) -> bytes:
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Chunks that became complete in a tier, in chain order (a chunk is one vLLM block)."""
 
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[ExternalHash]
+    parent_block_hash: ExternalHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -62,7 +75,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Chunks that left a tier."""
 
-    block_hashes: list[bytes]
+    block_hashes: list[ExternalHash]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None

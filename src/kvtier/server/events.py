@@ -7,11 +7,12 @@ shared-memory L1 is `CPU`/`LOCAL`, the disk tier `STORAGE`/`LOCAL`, a shared sto
 Valkey, Mooncake) `STORAGE`/`REMOTE`. A chunk is one vLLM block: `block_hashes` are kvtier's
 chunk names and `block_size` the chunk size, so with `--hash-algorithm sha256_cbor` they equal
 vLLM's block hashes for a block size of the chunk size (requests without a cache salt or extra
-key). `parent_block_hash`, `token_ids` and `extra_keys` (the cache salt on a prompt's first
-chunk, as vLLM puts it) come from the store that named the chunk (`ChunkNotes`); a chunk
-stored by name, or one whose note is gone (an L2 write long after its store, a chunk that
-survived a restart), is published alone, without tokens or parent. A batch's topic is
-`--kv-events-topic` followed by its chunks' model.
+key), sent as vLLM sends them (by default the last 8 bytes as an integer, see
+`--kv-events-int-hashes`). `parent_block_hash`, `token_ids` and `extra_keys` (the cache salt
+on a prompt's first chunk, as vLLM puts it) come from the store that named the chunk
+(`ChunkNotes`); a chunk stored by name, or one whose note is gone (an L2 write long after
+its store, a chunk that survived a restart), is published alone, without tokens or parent. A
+batch's topic is `--kv-events-topic` followed by its chunks' model.
 
 Delivery is vLLM's: one sequence number per batch, monotonic from 0 at each start (a consumer
 that sees it go back knows the server restarted; each topic's first batch of a run begins with
@@ -54,6 +55,7 @@ from .event_wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    external_hash,
     seq_bytes,
 )
 
@@ -153,12 +155,14 @@ class EventPublisher:
         chunk_size: int,
         places: Mapping[str, Place],
         notes: ChunkNotes,
+        int_hashes: bool = True,
         hwm: int = 100_000,
     ) -> None:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self._topic = topic
         self._chunk_size = chunk_size
+        self._int_hashes = int_hashes
         self._places = {L1_TIER: L1_PLACE, **places}
         self.notes = notes
         self._reports: deque[tuple[Any, ...]] = deque()
@@ -301,7 +305,9 @@ class EventPublisher:
                 yield (
                     model,
                     BlockRemoved(
-                        [k.chunk_hash for k in model_keys], place.medium, locality=place.locality
+                        [self._hash(k.chunk_hash) for k in model_keys],
+                        place.medium,
+                        locality=place.locality,
                     ),
                 )
             else:
@@ -343,8 +349,8 @@ class EventPublisher:
         else:
             tokens, parent, extra = [], None, [None]
         return BlockStored(
-            block_hashes=[k.chunk_hash for k in keys],
-            parent_block_hash=parent,
+            block_hashes=[self._hash(k.chunk_hash) for k in keys],
+            parent_block_hash=None if parent is None else self._hash(parent),
             token_ids=tokens,
             block_size=self._chunk_size,
             lora_id=None,
@@ -353,6 +359,9 @@ class EventPublisher:
             extra_keys=extra,
             locality=place.locality,
         )
+
+    def _hash(self, chunk_hash: bytes) -> bytes | int:
+        return external_hash(chunk_hash, as_int=self._int_hashes)
 
     def _serve_replay(self) -> None:
         """Answer one replay request: the buffered batches from its sequence number on, then
@@ -423,6 +432,7 @@ def open_events(config: ServerConfig, tiers: Sequence[L2Tier]) -> EventPublisher
             chunk_size=config.chunk_size,
             places={tier.name: place_of(tier) for tier in tiers},
             notes=ChunkNotes(config.kv_events_token_chunks),
+            int_hashes=config.kv_events_int_hashes,
         )
     except zmq.ZMQError as exc:
         raise ConfigError(
