@@ -6,6 +6,7 @@ subscriber that joins late and replays; and the block hashes are vLLM's own."""
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -226,3 +227,97 @@ def test_a_follower_rebuilds_what_the_server_holds(
         early.close()
         if late is not None:
             late.close()
+
+
+# -- a router consuming the events: Dynamo's standalone KV indexer ------------------------------
+
+DYNAMO_HINT = (
+    "Dynamo's KV indexer runs from its own venv: `make install-test` makes it "
+    "({venv}/dynamo: python -m venv, then pip install ai-dynamo-runtime==1.6.1), or point "
+    "KVTIER_DYNAMO_PYTHON at a python that can run `python -m dynamo.indexer`"
+)
+
+
+def dynamo_python() -> str:
+    """The python of the venv Dynamo's runtime is installed in; fails saying how to get it."""
+    venv = Path(__file__).resolve().parents[2] / ".venv"
+    python = os.environ.get("KVTIER_DYNAMO_PYTHON") or str(venv / "dynamo" / "bin" / "python")
+    probe = (
+        subprocess.run(
+            [python, "-c", "import dynamo.llm"], capture_output=True, text=True, timeout=120
+        )
+        if Path(python).exists()
+        else None
+    )
+    if probe is None or probe.returncode != 0:
+        pytest.fail(DYNAMO_HINT.format(venv=venv), pytrace=False)
+    return python
+
+
+def indexer_query(port: int, tokens: list[int]) -> dict[str, int]:
+    """Dynamo's answer to "which worker holds the longest prefix of these tokens": tokens
+    matched per worker id."""
+    reply = httpx.post(
+        f"http://127.0.0.1:{port}/query", json={"token_ids": tokens, "model_name": "m"}, timeout=10
+    )
+    assert reply.status_code == 200, reply.text
+    return {w: info["longest_matched"] for w, info in reply.json()["instances"].items()}
+
+
+def test_dynamos_kv_indexer_routes_on_kvtiers_events(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    python = dynamo_python()
+    ports = [free_port(), free_port()]
+    args = ("--chunk-size", str(CS), "--hash-algorithm", "sha256_cbor", "--hash-seed", SEED)
+    servers = [server_factory(*args, "--kv-events-endpoint", f"tcp://*:{port}") for port in ports]
+    http = free_port()
+    workers = ",".join(f"{i + 1}=tcp://127.0.0.1:{port}" for i, port in enumerate(ports))
+    indexer = subprocess.Popen(
+        [python, "-m", "dynamo.indexer", "--port", str(http), "--block-size", str(CS),
+         "--workers", workers, "--model-name", "m", "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: _healthy(http)), "Dynamo's indexer did not start"
+        # Dynamo's listener connects when it starts: store until it has seen the first server
+        assert wait_for(lambda: _stored_and_seen(servers[0], 1, http, "1"), timeout=30)
+        store(servers[1], 2)
+        assert wait_for(lambda: indexer_query(http, prompt(2)).get("2") == CHUNKS * CS)
+        # each prompt routes to the server that holds it; a shared prefix counts as far as it goes
+        assert best(indexer_query(http, prompt(1))) == "1"
+        assert best(indexer_query(http, prompt(2))) == "2"
+        half = prompt(1)[: 3 * CS] + prompt(3)[3 * CS :]
+        assert indexer_query(http, half).get("1") == 3 * CS
+        assert not any(indexer_query(http, prompt(3)).values())
+        # a clear reaches the router: the prompt routes nowhere any more
+        assert servers[0].admin_url is not None
+        httpx.post(servers[0].admin_url + "/clear", headers=changes(servers[0]), json={})
+        assert wait_for(lambda: not indexer_query(http, prompt(1)).get("1"))
+    finally:
+        indexer.kill()
+        indexer.wait()
+
+
+def best(matched: dict[str, int]) -> str:
+    """The worker a prefix-aware router sends the request to: the longest match."""
+    return max(matched.items(), key=lambda item: item[1])[0]
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stored_and_seen(server: ServerProcess, i: int, port: int, worker: str) -> bool:
+    """Store prompt `i` (again: a store of stored chunks publishes nothing new, so each try
+    uses a fresh request id's session) and say whether the indexer has it."""
+    store(server, i)
+    if indexer_query(port, prompt(i)).get(worker) == CHUNKS * CS:
+        return True
+    # the listener was not connected yet: clear and store again, so the events go out anew
+    assert server.admin_url is not None
+    httpx.post(server.admin_url + "/clear", headers=changes(server), json={})
+    return False
