@@ -11,9 +11,11 @@ it, so the same bytes decode in both. vLLM is not imported: the server does not 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 __all__ = [
     "END_SEQ",
@@ -25,6 +27,8 @@ __all__ = [
     "KVEventBatch",
     "external_hash",
     "seq_bytes",
+    "token_array",
+    "token_items",
 ]
 
 MEDIUM_CPU = "CPU"
@@ -48,6 +52,27 @@ def external_hash(chunk_hash: bytes, *, as_int: bool) -> ExternalHash:
     return int.from_bytes(chunk_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
+_ITEM = np.dtype([("tag", "u1"), ("value", ">u4")])  # a msgpack uint32: 0xce, 4 bytes
+
+
+def token_items(tokens: bytes) -> bytes:
+    """Packed uint32 token ids as the items of a msgpack array, built without a Python int per
+    token: each id in msgpack's 32-bit unsigned form (5 bytes), which every decoder reads as the
+    same integer as its shortest form. `token_array` puts a header in front."""
+    ids = np.frombuffer(tokens, "<u4")
+    items = np.empty(len(ids), _ITEM)
+    items["tag"] = 0xCE
+    items["value"] = ids
+    return items.tobytes()
+
+
+def token_array(n: int, items: Sequence[bytes]) -> msgspec.Raw:
+    """The msgpack array of `n` token ids whose items `token_items` built, in pieces (joined
+    here once: these are the publisher's biggest copies)."""
+    head = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(b"".join([head, *items]))
+
+
 def seq_bytes(seq: int) -> bytes:
     """A sequence number as its frame."""
     return seq.to_bytes(8, "big")
@@ -58,7 +83,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
     block_hashes: list[ExternalHash]
     parent_block_hash: ExternalHash | None
-    token_ids: list[int]
+    token_ids: list[int] | msgspec.Raw  # Raw: `token_array`, as the publisher sends them
     block_size: int
     lora_id: int | None
     medium: str | None

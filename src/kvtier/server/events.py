@@ -37,7 +37,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
-import numpy as np
 import zmq
 
 from kvtier.config import ConfigError, ServerConfig
@@ -57,14 +56,16 @@ from .event_wire import (
     KVEventBatch,
     external_hash,
     seq_bytes,
+    token_array,
+    token_items,
 )
 
 __all__ = ["ChunkNotes", "EventPublisher", "EventStats", "Place", "open_events", "place_of"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 5
-_BATCH_REPORTS = 512  # reports turned into one round of batches
+_POLL_MS = 5  # a publishing round at most this often (a batch's added latency)
+_BATCH_REPORTS = 4096  # reports turned into one set of batches
 _MAX_REPORTS = 1 << 20  # reports waiting for the thread; past it they are dropped (a seq gap)
 _SHUTDOWN_S = 2.0
 
@@ -88,7 +89,7 @@ def place_of(tier: L2Tier) -> Place:
 
 class Note(NamedTuple):
     parent: bytes | None
-    tokens: bytes  # packed uint32
+    tokens: bytes  # the chunk's token ids as msgpack array items (`event_wire.token_items`)
 
 
 class ChunkNotes:
@@ -108,9 +109,12 @@ class ChunkNotes:
     ) -> None:
         """`keys` name consecutive chunks of `tokens` (packed uint32, starting at the first
         key's chunk), after the chunk named `parent` (None: they start the prompt)."""
-        step = 4 * chunk_size
+        # Encoded here, once per store and vectorized, so that publishing a chain only joins
+        # bytes: the publisher thread shares the GIL with the request threads.
+        items = token_items(tokens[: 4 * chunk_size * len(keys)])
+        step = 5 * chunk_size
         notes = [
-            Note(parent if i == 0 else keys[i - 1].chunk_hash, tokens[i * step : (i + 1) * step])
+            Note(parent if i == 0 else keys[i - 1].chunk_hash, items[i * step : (i + 1) * step])
             for i in range(len(keys))
         ]
         with self._lock:
@@ -124,9 +128,10 @@ class ChunkNotes:
         """Whether notes are kept at all (a server without KV events keeps none)."""
         return self._capacity > 0
 
-    def get(self, key: ChunkKey) -> Note | None:
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[Note | None]:
+        get = self._notes.get
         with self._lock:
-            return self._notes.get(key)
+            return [get(key) for key in keys]
 
 
 class EventStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,6 +142,7 @@ class EventStats(msgspec.Struct, frozen=True, kw_only=True):
     next_seq: int
     batches: int
     events: int
+    blocks: int  # block hashes in those events (a chain of stored chunks is one event)
     dropped_reports: int
     replays: int
     buffered: int
@@ -191,7 +197,7 @@ class EventPublisher:
         self._reported = itertools.count(1)  # next() is atomic: reports come from many threads
         self._num_reported = 0
         self._num_published = 0  # reports turned into sent batches (the thread's own count)
-        self._n = dict.fromkeys(("batches", "events", "dropped_reports", "replays"), 0)
+        self._n = dict.fromkeys(("batches", "events", "blocks", "dropped_reports", "replays"), 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-kv-events", daemon=True)
 
@@ -229,6 +235,9 @@ class EventPublisher:
     # -- the publishing thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        # One round every _POLL_MS (sooner only for a replay request): what was reported
+        # meanwhile goes out together. Draining each report as it came would make this thread
+        # take the GIL from the request threads once per chunk, which halved store throughput.
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
@@ -238,7 +247,7 @@ class EventPublisher:
                 if self._replay is not None:
                     if dict(poller.poll(_POLL_MS)):
                         self._serve_replay()
-                elif not self._reports:
+                else:
                     self._stop.wait(_POLL_MS / 1000)
                 while self._reports:
                     self._publish_reports()
@@ -284,6 +293,7 @@ class EventPublisher:
             self._pub.send_multipart((topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
         self._n["batches"] += 1
         self._n["events"] += len(events)
+        self._n["blocks"] += sum(len(getattr(e, "block_hashes", ())) for e in events)
 
     def _events(self, report: tuple[Any, ...]) -> Iterable[tuple[str, Event]]:
         """(model, event) pairs for one report."""
@@ -322,8 +332,7 @@ class EventPublisher:
         publishes a request's newly full blocks), each chunk without a note alone."""
         run: list[ChunkKey] = []
         notes: list[Note] = []
-        for key in keys:
-            note = self.notes.get(key)
+        for key, note in zip(keys, self.notes.get_many(keys), strict=True):
             if note is None:
                 if run:
                     yield self._block_stored(run, notes, place)
@@ -341,7 +350,9 @@ class EventPublisher:
     def _block_stored(self, keys: list[ChunkKey], notes: list[Note], place: Place) -> BlockStored:
         salt = _client_salt(keys[0].cache_salt)
         if notes:
-            tokens: list[int] = np.frombuffer(b"".join(n.tokens for n in notes), "<u4").tolist()
+            tokens: list[int] | msgspec.Raw = token_array(
+                len(notes) * self._chunk_size, [n.tokens for n in notes]
+            )
             parent = notes[0].parent
             extra: list[tuple[Any, ...] | None] = [
                 (salt,) if salt and i == 0 and parent is None else None for i in range(len(keys))
