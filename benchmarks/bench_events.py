@@ -23,7 +23,7 @@ from benchmarks.common import start_server, stop_server, table
 
 CHUNK = 256  # tokens per chunk, the server's default
 LOOKUPS_PER_ROUND = 200
-ROUNDS = 4
+ROUNDS = 8
 REPORTS = 100_000  # for the publishing rate
 
 
@@ -59,7 +59,7 @@ def _subscriber(endpoint: str, ready: Any, stop: Any, queue: Any) -> None:
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     ready.set()
     batches = events = 0
-    while not stop.is_set():
+    while not stop.is_set() or sub.poll(500):  # once stopped, read what is still queued
         if sub.poll(50):
             _, _, payload = sub.recv_multipart()
             batches += 1

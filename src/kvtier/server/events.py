@@ -163,6 +163,7 @@ class EventPublisher:
         notes: ChunkNotes,
         int_hashes: bool = True,
         hwm: int = 100_000,
+        max_reports: int = _MAX_REPORTS,
     ) -> None:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -172,6 +173,7 @@ class EventPublisher:
         self._places = {L1_TIER: L1_PLACE, **places}
         self.notes = notes
         self._reports: deque[tuple[Any, ...]] = deque()
+        self._max_reports = max_reports
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_batches)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -216,7 +218,7 @@ class EventPublisher:
     # -- what storage reports (any thread, maybe under the engine lock: append only) ---------
 
     def _report(self, report: tuple[Any, ...]) -> None:
-        if len(self._reports) >= _MAX_REPORTS:
+        if len(self._reports) >= self._max_reports:
             self._n["dropped_reports"] += 1
             self._gap = True
             return
@@ -306,16 +308,20 @@ class EventPublisher:
             return
         _, keys, tier = report
         place = self._places.get(tier, Place(MEDIUM_STORAGE, REMOTE))
-        by_model: dict[str, list[ChunkKey]] = {}
-        for key in keys:
-            self._seen_models.add(key.model)
-            by_model.setdefault(key.model, []).append(key)
+        model = keys[0].model
+        if all(key.model == model for key in keys):  # the usual case: one request's chunks
+            by_model = {model: keys}
+        else:
+            by_model = {}
+            for key in keys:
+                by_model.setdefault(key.model, []).append(key)
+        self._seen_models.update(by_model)
         for model, model_keys in by_model.items():
             if kind == "removed":
                 yield (
                     model,
                     BlockRemoved(
-                        [self._hash(k.chunk_hash) for k in model_keys],
+                        self._hashes(model_keys),
                         place.medium,
                         locality=place.locality,
                     ),
@@ -360,7 +366,7 @@ class EventPublisher:
         else:
             tokens, parent, extra = [], None, [None]
         return BlockStored(
-            block_hashes=[self._hash(k.chunk_hash) for k in keys],
+            block_hashes=self._hashes(keys),
             parent_block_hash=None if parent is None else self._hash(parent),
             token_ids=tokens,
             block_size=self._chunk_size,
@@ -373,6 +379,12 @@ class EventPublisher:
 
     def _hash(self, chunk_hash: bytes) -> bytes | int:
         return external_hash(chunk_hash, as_int=self._int_hashes)
+
+    def _hashes(self, keys: Sequence[ChunkKey]) -> list[bytes | int]:
+        if not self._int_hashes:
+            return [k.chunk_hash for k in keys]
+        from_bytes = int.from_bytes
+        return [from_bytes(k.chunk_hash[-8:], "big") for k in keys]
 
     def _serve_replay(self) -> None:
         """Answer one replay request: the buffered batches from its sequence number on, then
