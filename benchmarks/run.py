@@ -26,6 +26,7 @@ MODULES = [
     "benchmarks.bench_concurrency",
     "benchmarks.bench_copy",
     "benchmarks.bench_tiers",
+    "benchmarks.bench_events",
     "benchmarks.bench_cluster",
     "benchmarks.bench_mooncake",
     "benchmarks.bench_transformers",

@@ -19,6 +19,7 @@ from kvtier.storage.tiers.base import TierStats
 __all__ = [
     "ClientInfo",
     "ErrorRecord",
+    "HeldChunk",
     "HitRatePoint",
     "L1Stats",
     "L2Summary",
@@ -32,6 +33,7 @@ __all__ = [
     "SessionCounts",
     "SessionInfo",
     "TenantUsage",
+    "TierChunks",
     "Traffic",
 ]
 
@@ -199,6 +201,24 @@ class ErrorRecord(msgspec.Struct, frozen=True, kw_only=True):
     operation: str
     code: str
     message: str
+
+
+class HeldChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """One complete chunk group a tier holds: its model and salt as people read them
+    (`keys.shown`), its rank count and its name (hex: the block hash its KV events carry)."""
+
+    model: str
+    cache_salt: str
+    world_size: int
+    chunk_hash: str
+
+
+class TierChunks(msgspec.Struct, frozen=True, kw_only=True):
+    """What `GET /chunks` returns: the first `limit` complete groups of one tier, of `total`."""
+
+    tier: str
+    total: int
+    chunks: list[HeldChunk]
 
 
 class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):

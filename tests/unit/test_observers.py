@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import redis
 
 from kvtier.keys import ChunkKey
 from kvtier.storage.arena import PAGE_SIZE
@@ -13,6 +16,10 @@ from kvtier.storage.manager import TierManager
 from kvtier.storage.observers import L1_TIER, Observers, Removal
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.disk import DiskTier
+from kvtier.storage.tiers.redis import RedisTier
+
+from ..conftest import free_port
+from ..kv_servers import start_kv_server
 
 LAYOUT = "uint8[4096]"
 
@@ -141,3 +148,56 @@ def test_disk_tier_reports_groups_written_evicted_corrupt_cleared_and_survivors(
         assert seen.take() == [("removed", "disk", (two, key(3)), "cleared")]
     finally:
         again.close()
+
+
+def wait_for(
+    seen: Record, n: int, timeout: float = 10.0
+) -> list[tuple[str, str, tuple[ChunkKey, ...], str]]:
+    deadline = time.monotonic() + timeout
+    while len(seen.reports) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen.take()
+
+
+def test_redis_tier_reports_the_servers_expiries_and_its_corrupt_deletes() -> None:
+    port = free_port()
+    server = start_kv_server("redis", port, "--notify-keyspace-events", "Exe")
+    seen = Record()
+    tier = RedisTier(f"redis://127.0.0.1:{port}/0", prefix="obs", ttl=1)
+    other = RedisTier(f"redis://127.0.0.1:{port}/0", prefix="other", ttl=1)
+    tiers = TierManager([tier], observer=Observers(seen))
+    tiers.start()
+    try:
+        assert tier.watch is not None and tier.watch.checked.wait(10)
+        assert tier.stats().extra["removals_watched"] == 1
+        tiers.submit(key(1).shard(0), piece(1), LAYOUT)
+        other.put(key(2).shard(0), piece(2), LAYOUT)  # another prefix: not this tier's
+        assert tiers.flush()
+        assert wait_for(seen, 1) == [("stored", "redis", (key(1),), "")]
+        assert wait_for(seen, 1) == [("removed", "redis", (key(1),), "expired")]
+        name = tier.redis_key(key(3).shard(0)).encode()
+        tier.put(key(3).shard(0), piece(3), LAYOUT)
+        redis.Redis(port=port).setrange(name, 200, b"\xff\xfe")  # damage the stored object
+        assert tier.get_into(key(3).shard(0), memoryview(bytearray(4096)), LAYOUT) is False
+        reports = wait_for(seen, 1)
+        assert reports[0] == ("removed", "redis", (key(3),), "corrupt")
+    finally:
+        tiers.close()
+        other.close()
+        server.kill()
+        server.wait()
+
+
+def test_redis_tier_without_notifications_says_removals_are_unseen() -> None:
+    port = free_port()
+    server = start_kv_server("redis", port)
+    tier = RedisTier(f"redis://127.0.0.1:{port}/0", prefix="obs", ttl=1)
+    tiers = TierManager([tier], observer=Observers(Record()))
+    tiers.start()
+    try:
+        assert tier.watch is not None and tier.watch.checked.wait(10)
+        assert tier.stats().extra["removals_watched"] == 0
+    finally:
+        tiers.close()
+        server.kill()
+        server.wait()

@@ -36,6 +36,7 @@ from kvtier.server.admin import AdminServer, start_admin_server
 from kvtier.server.auth import Authenticator, is_local_address
 from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.engine import Engine, EngineParts
+from kvtier.server.events import ChunkNotes, EventPublisher, open_events
 from kvtier.server.locking import TimedLock
 from kvtier.server.transport import Transport
 from kvtier.server.views import AdminViews
@@ -156,9 +157,11 @@ def build_engine(
     start_threads: bool = True,
     auth: Authenticator | None = None,
     memory: ChunkMemory | None = None,
+    notes: ChunkNotes | None = None,
 ) -> Engine:
     """Build every part of the engine and hand them over; `start_threads` False leaves out the
-    lease reaper and session expiry threads (tests drive `reap()` and expiry by hand).
+    lease reaper and session expiry threads (tests drive `reap()` and expiry by hand). `notes`
+    keeps the tokens of stored chunks for the KV events (none kept without it).
 
     The L2 writer runs in every engine this returns (started here unless `tiers` runs it
     already): a committed group stays unevictable until its write ends, so an engine whose
@@ -216,6 +219,7 @@ def build_engine(
             registry=registry,
             memory=memory,
             auth=auth if auth is not None else Authenticator.from_file(config.auth_tokens_file),
+            notes=notes if notes is not None else ChunkNotes(),
         )
         engine = Engine(config, parts, clock=clock)
     except BaseException:  # a server that fails at start leaves no segment in /dev/shm
@@ -271,16 +275,27 @@ class KVTierServer:
         self.token_file: Path | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         _check_shm_room(config.l1_size)
-        memory = ChunkMemory(config.miss_memory)  # what the misses are explained from
-        self.tiers = build_tiers(config, config.arena_name, observer=Observers(memory))
+        # Whoever follows what the tiers hold (the chunk memory behind the miss reasons, the KV
+        # events) is added before the tiers start, so that it hears what survived a restart.
+        memory = ChunkMemory(config.miss_memory)
+        observers = Observers(memory)
+        self.tiers = build_tiers(config, config.arena_name, observer=observers)
+        self.events: EventPublisher | None = None
         try:
+            if config.kv_events_endpoint is not None:
+                self.events = open_events(config, self.tiers.tiers)
+                observers.add(self.events)
+                self.events.start()
             self.tiers.start()
-            self.engine = build_engine(config, tiers=self.tiers, auth=auth, memory=memory)
+            notes = self.events.notes if self.events is not None else None
+            self.engine = build_engine(
+                config, tiers=self.tiers, auth=auth, notes=notes, memory=memory
+            )
         except OSError as exc:
-            self.tiers.close()
+            self._close_early()
             raise _arena_error(exc, config.l1_size) from None
         except BaseException:
-            self.tiers.close()
+            self._close_early()
             raise
         # The admin views (status, health, sessions, clear) over the engine; the tier watch
         # turns failing L2 tiers into degraded health, recent errors and a rate-limited log line.
@@ -309,6 +324,12 @@ class KVTierServer:
         except BaseException:
             self.close()
             raise
+
+    def _close_early(self) -> None:
+        """Close what a failed start opened before the engine existed."""
+        self.tiers.close()
+        if self.events is not None:
+            self.events.close()
 
     def _start_admin(self) -> AdminServer | None:
         """The admin API; a port already in use costs the API, never the cache service."""
@@ -350,6 +371,13 @@ class KVTierServer:
             f"{cfg.hash_algorithm}",
             flush=True,
         )
+        if self.events is not None:
+            replay = cfg.kv_events_replay_endpoint or "none"
+            print(
+                f"kv events: {cfg.kv_events_endpoint} (replay: {replay}; topic prefix "
+                f"{cfg.kv_events_topic!r})",
+                flush=True,
+            )
         if self.admin is not None:
             where = f" (token for changes: {self.token_file})" if self.token_file else ""
             print(f"admin: {self.admin.url}{where}", flush=True)
@@ -379,3 +407,5 @@ class KVTierServer:
                 self.token_file.unlink()
             self.token_file = None
         self.engine.close()
+        if self.events is not None:  # after the tiers, so their last reports are published
+            self.events.close()

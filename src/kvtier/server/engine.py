@@ -49,6 +49,7 @@ from kvtier.server import naming, tenants
 from kvtier.server.answers import Answer, Respond, offloaded
 from kvtier.server.auth import Authenticator
 from kvtier.server.chunkmemory import ChunkMemory
+from kvtier.server.events import ChunkNotes
 from kvtier.server.fencing import FencingStats
 from kvtier.server.handshake import Handshake
 from kvtier.server.layouts import LayoutRegistry
@@ -93,6 +94,8 @@ class EngineParts:
     memory: ChunkMemory
     #: the credentials Hello checks; empty (everyone anonymous) without --auth-tokens-file
     auth: Authenticator = field(default_factory=Authenticator)
+    #: the tokens of stored chunks the KV events publish; keeps none without them
+    notes: ChunkNotes = field(default_factory=ChunkNotes)
 
 
 class Engine:
@@ -165,6 +168,7 @@ class Engine:
             metrics=self.metrics,
             lock=self._lock,
             clock=clock,
+            notes=parts.notes,
         )
         self.retrieves = RetrieveBook(
             config,
@@ -280,8 +284,8 @@ class Engine:
                 self.layouts.check(
                     req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
                 )
-                keys = self.session_book.range_keys(req)
-                reply = self.stores.reserve(client_id, req, keys, client.watch)
+                keys, parent = self.session_book.range_chain(req)
+                reply = self.stores.reserve(client_id, req, keys, client.watch, parent)
             case p.Commit():
                 with self._lock.hold(op):
                     committed = self.stores.commit(client_id, req.reservation_id)

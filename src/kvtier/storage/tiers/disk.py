@@ -107,6 +107,8 @@ def _check_writable(folder: Path) -> None:
 class DiskTier:
     """An L2 tier of files under `path`, at most `capacity_bytes` in all (0 = unbounded)."""
 
+    kind = "disk"
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -630,7 +632,7 @@ class DiskTier:
             objects, used, effective = len(self._index), self._used, self._effective
         return self._counters.snapshot(
             name=self.name,
-            kind="disk",
+            kind=self.kind,
             url=f"disk://{self.root}",
             objects=objects,
             used_bytes=used,
