@@ -117,7 +117,7 @@ class ChunkMemory:
     def whereabouts(self, keys: Sequence[ChunkKey]) -> list[Whereabouts]:
         """What is known of each of `keys` (one hold of the lock for all): an L2 tier holding
         it, the tier it left, a lapsed store, another name under its hash."""
-        records, by_hash = self._records, self._by_hash
+        records, by_hash, make = self._records, self._by_hash, Whereabouts._make
         out: list[Whereabouts] = []
         with self._lock:
             for key in keys:
@@ -133,7 +133,7 @@ class ChunkMemory:
                         held = tier
                         break
                 left = record.left or (L1_TIER if L1_TIER in record.tiers else "")
-                out.append(Whereabouts(held, left, record.cleared, record.lapsed, other))
+                out.append(make((held, left, record.cleared, record.lapsed, other)))
         return out
 
     # -- internals -----------------------------------------------------------------------------

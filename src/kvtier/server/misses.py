@@ -75,32 +75,26 @@ def explain_misses(
         tally[MissReason.PARTIAL_CHUNK, ""] = tail
     # First what L1 and the load tell; the memory is asked once, about the chunks left.
     found: list[tuple[str, str] | None] = []
+    for i in range(hit, min(l1_hit, len(keys))):
+        found.append(_TENANT_SHARE if i < resumable else _NOT_RESUMABLE)
+    start = hit + len(found)
+    statuses = outcome.statuses if outcome is not None else []
+    tiers = outcome.tiers if outcome is not None else []
     asked: list[int] = []
     absent: list[bool] = []  # per chunk asked: the load found no shard of it
-    ready_shards = l1.ready_shards
-    statuses = outcome.statuses if outcome is not None else []
-    for i in range(hit, len(keys)):
-        if i < resumable:
-            found.append((MissReason.TENANT_SHARE, L1_TIER))
-            continue
-        if i < l1_hit:
-            found.append((MissReason.NOT_RESUMABLE, L1_TIER))
-            continue
+    for i, ready in enumerate(l1.ready_shards(keys[start:]), start):
         j = i - job_start
         status = statuses[j] if 0 <= j < len(statuses) else None
-        if status is not None and status in _FROM_LOAD:
-            assert outcome is not None
-            found.append((_FROM_LOAD[status], outcome.tiers[j]))
-            continue
-        key = keys[i]
-        ready = ready_shards(key)
-        if ready == key.world_size or status is LoadStatus.LOADED or status is LoadStatus.BEHIND:
+        from_load = _FROM_LOAD.get(status) if status is not None else None
+        if from_load is not None:
+            found.append((from_load, tiers[j]))
+        elif ready == keys[i].world_size or status is _LOADED or status is _BEHIND:
             found.append(None)  # complete somewhere, after a gap: the reason before it
         elif ready:
-            found.append((MissReason.INCOMPLETE, L1_TIER))
+            found.append(_INCOMPLETE)
         else:
             asked.append(len(found))
-            absent.append(status is LoadStatus.ABSENT)
+            absent.append(status is _ABSENT)
             found.append(None)
     if asked:
         seen = memory.whereabouts([keys[hit + n] for n in asked])
@@ -120,6 +114,12 @@ def explain_misses(
         tally[reason] = tally.get(reason, 0) + chunk_size
         previous = reason
     return tally
+
+
+_TENANT_SHARE = (MissReason.TENANT_SHARE, L1_TIER)
+_NOT_RESUMABLE = (MissReason.NOT_RESUMABLE, L1_TIER)
+_INCOMPLETE = (MissReason.INCOMPLETE, L1_TIER)
+_LOADED, _BEHIND, _ABSENT = LoadStatus.LOADED, LoadStatus.BEHIND, LoadStatus.ABSENT
 
 
 def _from_memory(seen: Whereabouts) -> tuple[str, str]:

@@ -419,12 +419,14 @@ class L1Store:
             n += 1
         return n
 
-    def ready_shards(self, key: ChunkKey) -> int:
-        """How many ranks' shards of the group are READY (0 when absent or cleared)."""
-        group = self._groups.get(key)
-        if group is None or group.doomed:
-            return 0
-        return key.world_size - group.missing
+    def ready_shards(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """How many ranks' shards of each group are READY (0 when absent or cleared)."""
+        get = self._groups.get
+        out = []
+        for key in keys:
+            group = get(key)
+            out.append(0 if group is None or group.doomed else key.world_size - group.missing)
+        return out
 
     def resume_prefix(self, keys: Sequence[ChunkKey], complete: int | None = None) -> int:
         """How many leading keys an engine can resume after: the leading complete groups
