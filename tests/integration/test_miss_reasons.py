@@ -70,6 +70,8 @@ def test_each_reason_of_a_miss_in_l1(server_factory: Callable[..., ServerProcess
         c.register(model="m", chunk_shape=SHAPE, dtype="float16")
         assert c.lookup("never", prompt(1, 3), model="m") == 0
         assert counted() == {("never_stored", ""): 3 * CS}
+        assert c.exists_keys(["page-a", "page-b"], model="m") == 0  # named chunks count too
+        assert counted() == {("never_stored", ""): 2 * CS}
 
         assert c.store("w2", prompt(2, 2), kv_for(2, 2), model="m") == 2 * CS
         assert c.lookup("tail", [*prompt(2, 2), 1, 2, 3, 4, 5], model="m") == 2 * CS
@@ -192,6 +194,15 @@ def test_a_slow_tier_is_not_reported_to_a_faster_prefill(
             (rate,) = status(reader)["load_rates"]
             assert rate["tier"] == "redis" and rate["reads"] == 1
             assert 0 < rate["bytes_per_s"] <= 1.5 * THROTTLE  # it sees the throttle
+            assert reader.admin_url is not None
+            metrics = httpx.get(reader.admin_url + "/metrics", timeout=5).text
+            (gauge,) = [
+                s.value
+                for family in text_string_to_metric_families(metrics)
+                for s in family.samples
+                if s.name == "kvtier_l2_load_bytes_per_second" and s.labels == {"tier": "redis"}
+            ]
+            assert gauge == pytest.approx(rate["bytes_per_s"])
             load_s = rate["latency_s"] + CHUNK_BYTES / rate["bytes_per_s"]  # one chunk
             even = CS / load_s  # the prefill speed at which loading and recomputing tie
             counted()
