@@ -225,6 +225,7 @@ class Harness:
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
+    finish_reasons: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -239,6 +240,7 @@ class Harness:
         extra: dict[str, Any] | None = None,
         max_num_batched_tokens: int = 4096,
         max_model_len: int = 4096,
+        kv_load_failure_policy: str = "recompute",
     ) -> Harness:
         import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -270,6 +272,7 @@ class Harness:
             extra=extra,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            kv_load_failure_policy=kv_load_failure_policy,
         )
         sched_config.cache_config.num_gpu_blocks = num_blocks
         scheduler = Scheduler(
@@ -392,6 +395,7 @@ class Harness:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
+                    self.finish_reasons[o.request_id] = o.finish_reason
         return out
 
     def _forward(self, out: Any, rank: int) -> None:
