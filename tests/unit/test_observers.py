@@ -178,7 +178,7 @@ def test_redis_tier_reports_the_servers_expiries_and_its_corrupt_deletes() -> No
         name = tier.redis_key(key(3).shard(0)).encode()
         tier.put(key(3).shard(0), piece(3), LAYOUT)
         redis.Redis(port=port).setrange(name, 200, b"\xff\xfe")  # damage the stored object
-        assert tier.get_into(key(3).shard(0), memoryview(bytearray(4096)), LAYOUT) is False
+        assert not tier.get_into(key(3).shard(0), memoryview(bytearray(4096)), LAYOUT)
         reports = wait_for(seen, 1)
         assert reports[0] == ("removed", "redis", (key(3),), "corrupt")
     finally:
