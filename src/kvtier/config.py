@@ -241,7 +241,8 @@ class ServerConfig:
     kv_events_endpoint: str | None = _opt(
         None,
         "ZMQ PUB address on which KV events (vLLM's format: BlockStored, BlockRemoved, "
-        "AllBlocksCleared) are published for routers; a '*' host binds, another connects",
+        "AllBlocksCleared) are published for routers; a '*' host binds, another connects. "
+        "They carry prompt tokens and have no credential: bind where only the router reaches",
         example="--kv-events-endpoint 'tcp://*:5557'",
         metavar="URL",
     )

@@ -57,6 +57,7 @@ class Follower:
         self.duplicates = 0
         self.stored: list[tuple[str, BlockStored]] = []  # every BlockStored applied, in order
         self.cleared = 0
+        self.payloads: list[bytes] = []  # every batch taken, as it came (replays included)
 
     # -- the view ---------------------------------------------------------------------------
 
@@ -89,6 +90,7 @@ class Follower:
     def _take(self, topic: bytes, seq: int, payload: bytes, *, live: bool) -> None:
         if not topic.startswith(self._topic):
             return
+        self.payloads.append(payload)
         batch = self._decoder.decode(payload)
         if seq < self.next_seq:
             if not (live and batch.ts > self.newest_ts):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -321,3 +322,63 @@ def _stored_and_seen(server: ServerProcess, i: int, port: int, worker: str) -> b
     assert server.admin_url is not None
     httpx.post(server.admin_url + "/clear", headers=changes(server), json={})
     return False
+
+
+# -- vLLM 0.33 reads the same bytes ----------------------------------------------------------------
+
+_DECODE_033 = """
+import sys, msgspec, vllm
+from vllm.distributed.kv_events import KVEventBatch
+assert vllm.__version__ == "0.33.0", vllm.__version__
+payloads = msgspec.msgpack.decode(open(sys.argv[1], "rb").read())
+decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+print(msgspec.json.encode([msgspec.to_builtins(decoder.decode(p)) for p in payloads]).decode())
+"""
+
+
+def test_vllm_033_decodes_the_batches_as_032_does(tmp_path: Path) -> None:
+    import msgspec
+
+    from kvtier.keys import ChunkKey, compose
+    from kvtier.server.events import ChunkNotes, EventPublisher, Place
+    from kvtier.storage.observers import Removal
+
+    from .kv_follower import KVEventBatch
+    from .test_vllm033 import FOLDER, HOW, _env
+
+    if not (FOLDER / "vllm" / "__init__.py").exists():
+        pytest.fail(HOW, pytrace=False)
+    tag = uuid.uuid4().hex[:8]
+    pub, rep = f"ipc:///tmp/kvtier-ev33-{tag}.pub", f"ipc:///tmp/kvtier-ev33-{tag}.rep"
+    notes = ChunkNotes(16)
+    publisher = EventPublisher(
+        pub, replay_endpoint=rep, topic="kvtier/", buffer_batches=16, chunk_size=CS,
+        places={"disk": Place("STORAGE", "LOCAL")}, notes=notes,
+    )  # fmt: skip
+    chain = [ChunkKey(compose("", "m"), compose("", "s"), 1, bytes([i]) * 32) for i in range(3)]
+    notes.note(chain, None, b"".join(t.to_bytes(4, "little") for t in prompt(9)[: 3 * CS]), CS)
+    follower = Follower(pub, rep, "kvtier/")
+    try:
+        publisher.start()
+        publisher.stored(chain, "l1")
+        publisher.stored(chain[:2], "disk")
+        publisher.removed(chain[:1], "l1", Removal.EVICTED)
+        publisher.cleared("redis", None, None)
+        assert publisher.flush()
+        assert follower.replay(0) >= 1
+        payloads = follower.payloads
+    finally:
+        follower.close()
+        publisher.close()
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    with_032 = [msgspec.to_builtins(decoder.decode(p)) for p in payloads]
+    assert any(e.get("type") == "BlockRemoved" for b in with_032 for e in b[1])
+    (tmp_path / "payloads").write_bytes(msgspec.msgpack.encode(payloads))
+    out = subprocess.run(
+        [sys.executable, "-c", _DECODE_033, str(tmp_path / "payloads")],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    # both through JSON, where a tuple and a list are one thing
+    with_033 = msgspec.json.decode(out.stdout.strip().splitlines()[-1])
+    assert with_033 == msgspec.json.decode(msgspec.json.encode(with_032))

@@ -111,6 +111,7 @@ class ChunkNotes:
         key's chunk), after the chunk named `parent` (None: they start the prompt)."""
         # Encoded here, once per store and vectorized, so that publishing a chain only joins
         # bytes: the publisher thread shares the GIL with the request threads.
+        keys = keys[: len(tokens) // (4 * chunk_size)]  # only chunks whose every token came
         items = token_items(tokens[: 4 * chunk_size * len(keys)])
         step = 5 * chunk_size
         notes = [
