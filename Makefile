@@ -50,7 +50,17 @@ $(VLLM033): $(ENGINES)
 
 engines: $(ENGINES) $(VLLM033)
 
-install-test: $(TEST_STAMP) $(ENGINES) $(VLLM033) system-packages ibverbs
+# Dynamo's standalone KV indexer, a router that consumes vLLM-format KV events
+# (tests/integration/test_kv_events.py routes with it): a venv of its own, as its runtime brings
+# its own pydantic and uvloop. The `ai-dynamo` package itself needs NVIDIA's index; the indexer
+# is in `ai-dynamo-runtime`.
+DYNAMO := $(VENV)/dynamo/.installed
+$(DYNAMO): | $(BIN)/python
+	$(PYTHON) -m venv $(VENV)/dynamo
+	$(VENV)/dynamo/bin/pip install -q ai-dynamo-runtime==1.6.1
+	touch $(DYNAMO)
+
+install-test: $(TEST_STAMP) $(ENGINES) $(VLLM033) $(DYNAMO) system-packages ibverbs
 
 # Debian packages the tests use: chromium (the status-page test drives a real headless browser;
 # no browser download), systemd (test_deploy.py runs `systemd-analyze verify` on the unit) and

@@ -21,10 +21,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 MODULES = [
     "benchmarks.bench_hashing",
     "benchmarks.bench_session",
+    "benchmarks.bench_misses",
     "benchmarks.bench_serve",
     "benchmarks.bench_concurrency",
     "benchmarks.bench_copy",
     "benchmarks.bench_tiers",
+    "benchmarks.bench_events",
     "benchmarks.bench_cluster",
     "benchmarks.bench_mooncake",
     "benchmarks.bench_transformers",

@@ -209,6 +209,19 @@ def render_status(status: ServerStatus) -> list[Table]:
         share = f"{100 * m.hit_tokens / m.requested_tokens:.1f}%" if m.requested_tokens else "n/a"
         models.add_row(m.model, str(m.lookups), share, f"{m.hit_tokens:,} / {m.requested_tokens:,}")
 
+    misses = Table(title="Why lookups missed (tokens since start)", title_justify="left")
+    for column in ("reason", "tokens", "share of misses"):
+        misses.add_column(column, justify="left" if column == "reason" else "right")
+    missed = sum(miss.tokens for miss in status.misses)
+    for miss in status.misses:
+        reason = f"{miss.reason} ({miss.tier})" if miss.tier else miss.reason
+        misses.add_row(reason, f"{miss.tokens:,}", f"{100 * miss.tokens / missed:.1f}%")
+    loads = []
+    for load in status.load_rates:
+        speed = f"{_bytes(load.bytes_per_s)}/s" if load.bytes_per_s else "not measured yet"
+        loads.append(f"{load.tier} loads at {speed}, round trip {1e3 * load.latency_s:.3g} ms")
+    misses.caption = "; ".join(loads) or None
+
     latency = Table(title="Request latency (server side)", title_justify="left")
     for column in ("operation", "requests", "mean", "p50 <=", "p99 <="):
         latency.add_column(column)
@@ -239,7 +252,7 @@ def render_status(status: ServerStatus) -> list[Table]:
         errors.add_column(column)
     for error in status.recent_errors[-10:]:
         errors.add_row(_clock_time(error.time), error.operation, error.code, error.message)
-    return [overview, l1_table, l2_table, models, latency, clients, errors]
+    return [overview, l1_table, l2_table, models, misses, latency, clients, errors]
 
 
 app = typer.Typer(help="Operator commands for a running kvtier server.", no_args_is_help=True)

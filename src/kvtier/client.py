@@ -560,6 +560,7 @@ class Client:
         extra_key: bytes = b"",
         wait: Literal[True] = True,
         readers: int = 0,
+        prefill_tokens_per_s: float = 0.0,
     ) -> int: ...
 
     @overload
@@ -574,6 +575,7 @@ class Client:
         extra_key: bytes = b"",
         wait: Literal[False],
         readers: int = 0,
+        prefill_tokens_per_s: float = 0.0,
     ) -> LookupHandle: ...
 
     def lookup(
@@ -587,6 +589,7 @@ class Client:
         extra_key: bytes = b"",
         wait: bool = True,
         readers: int = 0,
+        prefill_tokens_per_s: float = 0.0,
     ) -> int | LookupHandle:
         """Leading tokens whose chunks every rank has cached (pinned until retrieved).
 
@@ -594,9 +597,19 @@ class Client:
         returns at once a `LookupHandle` to poll while they do (a scheduler step is not held up).
         `readers`: how many ranks retrieve under the pin (0: world_size); the pin is released
         once each of readers 0..readers-1 retrieved (see `retrieve(reader=...)`).
+        With `prefill_tokens_per_s` (the engine's prefill speed) the server leaves out the L2
+        chunks it predicts load slower than they recompute; 0 (unknown) reports every one.
         """
         msg = p.Lookup(
-            request_id, _tokens(tokens), model, world_size, cache_salt, wait, extra_key, readers
+            request_id,
+            _tokens(tokens),
+            model,
+            world_size,
+            cache_salt,
+            wait,
+            extra_key,
+            readers,
+            prefill_tokens_per_s,
         )
         raw, _ = self._call(msg)
         reply = reply_as(raw, p.LookupReply, "Lookup")
@@ -785,10 +798,20 @@ class Client:
         world_size: int = 1,
         cache_salt: str = "",
         extra_key: bytes = b"",
+        prefill_tokens_per_s: float = 0.0,
     ) -> int:
-        """How many leading named chunks every rank has stored (L2 hits are loaded into L1)."""
+        """How many leading named chunks every rank has stored (L2 hits are loaded into L1;
+        with `prefill_tokens_per_s`, as for `lookup`, not those slower to load than recompute)."""
         names = check_names(names)
-        raw, _ = self._call(p.ExistsKeys(names, model, world_size, cache_salt, extra_key))
+        msg = p.ExistsKeys(
+            names,
+            model,
+            world_size,
+            cache_salt,
+            extra_key,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+        )
+        raw, _ = self._call(msg)
         return reply_as(raw, p.ExistsReply, "ExistsKeys").num_chunks
 
     def exists_each_key(

@@ -238,11 +238,61 @@ class ServerConfig:
         example="--l2-queue-policy drop",
         metavar="POLICY",
     )
+    kv_events_endpoint: str | None = _opt(
+        None,
+        "ZMQ PUB address on which KV events (vLLM's format: BlockStored, BlockRemoved, "
+        "AllBlocksCleared) are published for routers; a '*' host binds, another connects. "
+        "They carry prompt tokens and have no credential: bind where only the router reaches",
+        example="--kv-events-endpoint 'tcp://*:5557'",
+        metavar="URL",
+    )
+    kv_events_replay_endpoint: str | None = _opt(
+        None,
+        "ZMQ ROUTER address answering vLLM's replay request (a start sequence number) with "
+        "the buffered event batches and vLLM's end marker",
+        example="--kv-events-replay-endpoint 'tcp://*:5558'",
+        metavar="URL",
+    )
+    kv_events_topic: str = _opt(
+        "",
+        "Topic prefix of the KV events: each batch's topic is this prefix followed by its "
+        "chunks' model, so a router subscribes per model",
+        example="--kv-events-topic kvtier",
+        metavar="TEXT",
+    )
+    kv_events_int_hashes: bool = _opt(
+        True,
+        "Publish block hashes as vLLM does by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): "
+        "the chunk name's last 8 bytes as an unsigned integer; --no-kv-events-int-hashes "
+        "publishes the whole name as bytes (vLLM with that variable set to 0)",
+    )
+    kv_events_buffer: int = _opt(
+        10_000,
+        "Event batches kept for replay (the oldest are dropped first)",
+        example="--kv-events-buffer 10000",
+        metavar="BATCHES",
+    )
+    kv_events_token_chunks: int = _opt(
+        65_536,
+        "Chunks whose tokens and parent the KV events remember, most recently stored first: a "
+        "BlockStored of a chunk past them (a write to L2 long after its store, one that "
+        "survived a restart) carries no token_ids",
+        example="--kv-events-token-chunks 65536",
+        metavar="CHUNKS",
+    )
     max_prefetch_jobs: int = _opt(
         8,
         "Lookups loading from L2 at once; more are answered from L1 alone (like LMCache)",
         example="--max-prefetch-jobs 8",
         metavar="JOBS",
+    )
+    miss_memory: int = _opt(
+        65536,
+        "Chunk names remembered to say why a lookup missed (evicted from which tier, another "
+        "salt or model, a lapsed store): about 300 bytes each; a name forgotten counts as "
+        "never stored",
+        example="--miss-memory 65536",
+        metavar="NAMES",
     )
     handler_threads: int = _opt(
         4,
@@ -399,6 +449,8 @@ class ServerConfig:
         if self.handler_threads < 1:
             raise self.error("handler_threads", f"must be at least 1, got "
                              f"{self.handler_threads}")  # fmt: skip
+        if self.miss_memory < 1:
+            raise self.error("miss_memory", f"must be at least 1, got {self.miss_memory}")
         if self.max_prefetch_jobs < 1:
             raise self.error("max_prefetch_jobs", f"must be at least 1, got "
                              f"{self.max_prefetch_jobs}")  # fmt: skip
@@ -412,6 +464,17 @@ class ServerConfig:
                              f"{self.l2_queue_policy!r}")  # fmt: skip
         if self.l2_queue_size < 1:
             raise self.error("l2_queue_size", f"must be at least 1, got {self.l2_queue_size}")
+        for name in ("kv_events_buffer", "kv_events_token_chunks"):
+            if getattr(self, name) < 1:
+                raise self.error(name, f"must be at least 1, got {getattr(self, name)}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise self.error(name, f"{endpoint!r} is not a tcp://, ipc:// or inproc:// address")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise self.error(
+                "kv_events_replay_endpoint", "replays events, so it needs --kv-events-endpoint"
+            )
         if self.log_level.lower() not in LOG_LEVELS:
             raise self.error(
                 "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"

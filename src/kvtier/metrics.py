@@ -34,7 +34,14 @@ from prometheus_client.core import (
 
 from kvtier._version import __version__
 from kvtier.keys import shown
-from kvtier.snapshots import HitRatePoint, LatencySummary, ModelLookup, ServerStatus, Traffic
+from kvtier.snapshots import (
+    HitRatePoint,
+    LatencySummary,
+    MissCount,
+    ModelLookup,
+    ServerStatus,
+    Traffic,
+)
 from kvtier.storage.tiers.base import LATENCY_BOUNDS_S
 
 logger = logging.getLogger(__name__)
@@ -186,6 +193,13 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
+        self._miss_tokens = Counter(
+            "kvtier_lookup_miss_tokens",
+            "Tokens lookups did not hit, by why (reason) and, where it has one, the tier the "
+            "reason is about: evicted from it, its load failed or was slower than recomputing.",
+            ["reason", "tier"],
+            registry=self.registry,
+        )
         self._stored_bytes = Counter(
             "kvtier_stored_bytes", "KV bytes committed into L1 by clients.", registry=self.registry
         )
@@ -205,6 +219,8 @@ class Metrics:
         self._per_operation: dict[str, tuple[Counter, Histogram]] = {}
         self._per_model: dict[str, tuple[Counter, Counter, Counter]] = {}
         self._model_totals: dict[str, list[int]] = {}  # label -> [requested, hit, lookups]
+        # (reason, tier) -> (child, [tokens]); reasons are a fixed table, tiers configured
+        self._per_miss: dict[tuple[str, str], tuple[Counter, list[int]]] = {}
         self._stored = 0
         self._retrieved = 0
         self._state_collector: _StateCollector | None = None
@@ -262,6 +278,26 @@ class Metrics:
         totals[1] += hit_tokens
         totals[2] += 1
         self.history.add(requested_tokens, hit_tokens)
+
+    def observe_misses(self, tally: dict[tuple[str, str], int]) -> None:
+        """Count one lookup's missed tokens by (reason, tier) (see `server/misses.py`)."""
+        for labels, tokens in tally.items():
+            entry = self._per_miss.get(labels)
+            if entry is None:
+                with self._models_lock:
+                    entry = self._per_miss.get(labels)
+                    if entry is None:
+                        entry = self._per_miss[labels] = (self._miss_tokens.labels(*labels), [0])
+            entry[0].inc(tokens)
+            entry[1][0] += tokens
+
+    def misses(self) -> list[MissCount]:
+        """Missed tokens since start by (reason, tier), most first."""
+        rows = [
+            MissCount(reason=reason, tier=tier, tokens=entry[1][0])
+            for (reason, tier), entry in list(self._per_miss.items())
+        ]
+        return sorted(rows, key=lambda r: (-r.tokens, r.reason, r.tier))
 
     def add_stored_bytes(self, n: int) -> None:
         """Count `n` KV bytes stored by clients."""
@@ -485,6 +521,22 @@ def _state_families(status: ServerStatus | None) -> Iterator[Metric]:
                     buckets.append(("+Inf" if bound == math.inf else repr(bound), running))
                 latency.add_metric([tier.name, operation], buckets, lat.total_s)
     yield latency
+    throughput = GaugeMetricFamily(
+        "kvtier_l2_load_bytes_per_second",
+        "An L2 tier's measured read throughput (a moving estimate; 0 until it served a load): "
+        "what decides whether a load is faster than the engine's recompute.",
+        labels=["tier"],
+    )
+    round_trip = GaugeMetricFamily(
+        "kvtier_l2_load_latency_seconds",
+        "An L2 tier's measured round trip before a load moves bytes (a moving estimate).",
+        labels=["tier"],
+    )
+    for rate in [] if s is None else s.load_rates:
+        throughput.add_metric([rate.tier], rate.bytes_per_s)
+        round_trip.add_metric([rate.tier], rate.latency_s)
+    yield throughput
+    yield round_trip
 
     l2 = s.l2 if s is not None else None
     yield _gauge(

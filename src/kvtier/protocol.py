@@ -83,6 +83,9 @@ class Lookup(_Msg):
     # How many ranks retrieve under this lookup's pin (0: world_size). More than world_size
     # when ranks share a shard (MLA: one latent cache, stored once, read by every TP rank).
     readers: int = 0
+    #: how fast the engine computes a prefill, tokens per second (0 = unknown): L2 chunks whose
+    #: load the server predicts slower than recomputing them are not reported
+    prefill_tokens_per_s: float = 0.0
 
 
 class LookupPoll(_Msg):
@@ -216,6 +219,7 @@ class ExistsKeys(_Msg):
     cache_salt: str = ""
     extra_key: bytes = b""  # as in RangeRequest
     each: bool = False
+    prefill_tokens_per_s: float = 0.0  # as in Lookup
 
 
 class ReserveKeys(KeyRequest):

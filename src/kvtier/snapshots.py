@@ -13,16 +13,19 @@ import msgspec
 
 from kvtier.server.fencing import FencingStats
 from kvtier.server.locking import HoldStats
+from kvtier.storage.loadrate import LoadRate
 from kvtier.storage.tiers.base import TierStats
 
 __all__ = [
     "ClientInfo",
     "ErrorRecord",
+    "HeldChunk",
     "HitRatePoint",
     "L1Stats",
     "L2Summary",
     "LatencySummary",
     "LookupTotals",
+    "MissCount",
     "ModelLookup",
     "PrefetchStats",
     "Registration",
@@ -30,6 +33,7 @@ __all__ = [
     "SessionCounts",
     "SessionInfo",
     "TenantUsage",
+    "TierChunks",
     "Traffic",
 ]
 
@@ -135,6 +139,15 @@ class LookupTotals(msgspec.Struct, frozen=True, kw_only=True):
     hit_tokens: int
 
 
+class MissCount(msgspec.Struct, frozen=True, kw_only=True):
+    """Tokens lookups missed for one reason (and the tier it is about, "" for none), since
+    start; the reasons are `server.misses.MissReason`'s."""
+
+    reason: str
+    tier: str
+    tokens: int
+
+
 class ModelLookup(msgspec.Struct, frozen=True, kw_only=True):
     """Lookup totals of one model (models past the label bound are summed as "other")."""
 
@@ -190,6 +203,24 @@ class ErrorRecord(msgspec.Struct, frozen=True, kw_only=True):
     message: str
 
 
+class HeldChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """One complete chunk group a tier holds: its model and salt as people read them
+    (`keys.shown`), its rank count and its name (hex: the block hash its KV events carry)."""
+
+    model: str
+    cache_salt: str
+    world_size: int
+    chunk_hash: str
+
+
+class TierChunks(msgspec.Struct, frozen=True, kw_only=True):
+    """What `GET /chunks` returns: the first `limit` complete groups of one tier, of `total`."""
+
+    tier: str
+    total: int
+    chunks: list[HeldChunk]
+
+
 class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     """Everything `GET /status` returns."""
 
@@ -213,3 +244,7 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     prefetch: PrefetchStats
     lock_hold: dict[str, HoldStats]  # per operation: how long it held the engine lock
     recent_errors: list[ErrorRecord]
+    #: missed tokens by reason, most first
+    misses: list[MissCount] = msgspec.field(default_factory=list)
+    #: each L2 tier's measured load speed, in read order
+    load_rates: list[LoadRate] = msgspec.field(default_factory=list)

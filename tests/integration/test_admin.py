@@ -168,11 +168,21 @@ def test_openapi_describes_every_route(server: ServerProcess) -> None:
         "/threads",
         "/metrics",
         "/clear",
+        "/chunks",
         "/",
         "/login",
     }
     assert set(paths["/sessions/{request_id}"]) == {"get", "delete"}
     assert set(paths["/clear"]) == {"post"}
+
+
+def test_chunks_lists_a_tier_and_names_what_it_cannot_list(server: ServerProcess) -> None:
+    reply = get(server, "/chunks")
+    assert reply.status_code == 200
+    assert reply.json()["tier"] == "l1" and reply.json()["total"] >= 0
+    missing = get(server, "/chunks?tier=redis")
+    assert missing.status_code == 404 and "cannot list" in missing.json()["error"]
+    assert get(server, "/chunks?limit=-1").status_code == 400
 
 
 def test_status_page_and_assets(server: ServerProcess) -> None:

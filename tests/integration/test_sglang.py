@@ -326,6 +326,8 @@ def test_unknown_config_keys_are_refused_with_the_valid_ones(server: ServerProce
         make_backend(server.address, HostPoolStandIn(), adress="ipc:///tmp/elsewhere.sock")
     with pytest.raises(ValueError, match="not both"):
         make_backend(server.address, HostPoolStandIn(), token="x", token_file="/etc/hostname")
+    with pytest.raises(ValueError, match="prefill_tokens_per_s='fast' must be"):
+        make_backend(server.address, HostPoolStandIn(), prefill_tokens_per_s="fast")
 
 
 TOKEN = "sglang-credential-0123456789"

@@ -157,6 +157,8 @@ def test_status_page_shows_live_numbers(server: tuple[str, str], browser: Any) -
         assert "page-model" in text_of(page, "models") and "50.0 %" in text_of(page, "models")
         latency = text_of(page, "latency")
         assert "lookup" in latency and "store" in latency and "Reserve" not in latency
+        misses = text_of(page, "misses")  # chunks 2 and 3 of the lookup: never stored
+        assert "never_stored" in misses and f"{2 * chunk:,}" in misses and "100.0 %" in misses
 
         # A second round moves every number again: 2 full hits out of 2 more chunks.
         assert client.lookup("page-reader-2", tokens[: 2 * chunk], model="page-model") == 2 * chunk

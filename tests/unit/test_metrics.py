@@ -23,6 +23,7 @@ from kvtier.snapshots import (
     SessionCounts,
     Traffic,
 )
+from kvtier.storage.loadrate import LoadRate
 from kvtier.storage.tiers.base import Latency, TierStats
 
 
@@ -91,6 +92,10 @@ STATUS = ServerStatus(
     sessions=SessionCounts(active=4, created=20, expired=3, orphaned=1, tokens=900, shed=2),
     fencing=FencingStats(lapsed=1, fenced_slots=2, fenced_bytes=8192, lease_expired=5),
     lookup=LookupTotals(requested_tokens=1024, hit_tokens=512),
+    misses=[],
+    load_rates=[
+        LoadRate(tier="disk", bytes_per_s=2e9, latency_s=1e-5, reads=3, bytes_read=1 << 20),
+    ],
     models=[],
     hit_rate_history=[],
     traffic=Traffic(stored_bytes=0, retrieved_bytes=0),
@@ -190,6 +195,25 @@ def test_model_labels_are_bounded() -> None:
     assert len(set(re.findall(r'model="([^"]+)"', text))) == 4
 
 
+def test_missed_tokens_by_reason_and_tier() -> None:
+    m = Metrics()
+    m.observe_misses({("evicted", "l1"): 32, ("partial_chunk", ""): 5})
+    m.observe_misses({("evicted", "l1"): 16, ("slower_than_recompute", "redis"): 64})
+    got = samples(m)
+    miss = lambda reason, tier: (  # noqa: E731
+        "kvtier_lookup_miss_tokens_total",
+        (("reason", reason), ("tier", tier)),
+    )
+    assert got[miss("evicted", "l1")] == 48
+    assert got[miss("partial_chunk", "")] == 5
+    assert got[miss("slower_than_recompute", "redis")] == 64
+    assert [(r.reason, r.tier, r.tokens) for r in m.misses()] == [
+        ("slower_than_recompute", "redis", 64),
+        ("evicted", "l1", 48),
+        ("partial_chunk", "", 5),
+    ]
+
+
 def test_lookup_refuses_impossible_counts() -> None:
     m = Metrics()
     with pytest.raises(ValueError, match="hit_tokens=600"):
@@ -253,6 +277,8 @@ def test_state_collector_exports_status_at_scrape_time() -> None:
     assert got[("kvtier_l2_capacity_bytes", tier("disk"))] == 50 << 30
     assert got[("kvtier_l2_used_bytes", tier("redis"))] == 1 << 20
     assert got[("kvtier_l2_misses_total", tier("redis"))] == 8
+    assert got[("kvtier_l2_load_bytes_per_second", tier("disk"))] == 2e9
+    assert got[("kvtier_l2_load_latency_seconds", tier("disk"))] == 1e-5
     assert got[("kvtier_l2_errors_total", tier("redis"))] == 3
     assert got[("kvtier_l2_corrupt_total", tier("redis"))] == 1
     assert got[("kvtier_l2_failing", tier("redis"))] == 1

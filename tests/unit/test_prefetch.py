@@ -17,7 +17,7 @@ from kvtier.storage import prefetch as prefetch_mod
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
-from kvtier.storage.prefetch import Prefetcher
+from kvtier.storage.prefetch import LoadOutcome, Prefetcher
 from kvtier.storage.tiers.disk import DiskTier
 
 NBYTES = 4096
@@ -40,12 +40,13 @@ def run_job(l1: L1Store, arena: Arena, tiers: TierManager, chain: list[ChunkKey]
     done = threading.Event()
     seen: list[ChunkKey] = []
 
-    def on_done(loaded: list[ChunkKey]) -> None:
+    def on_done(outcome: LoadOutcome) -> None:
+        loaded = outcome.loaded
         seen.extend(loaded)
         assert l1.count_prefix(loaded) == len(loaded)  # complete while the caller pins them
         done.set()
 
-    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5)
+    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5, chunk_size=16)
     assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
     assert done.wait(10)
     prefetcher.close()
@@ -90,7 +91,7 @@ def test_at_most_max_jobs_run_at_once(arena: Arena, tmp_path: Path) -> None:
     tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
     lock = threading.RLock()
     l1 = L1Store(arena.size)
-    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5)
+    prefetcher = Prefetcher(l1, arena, tiers, lambda: lock, max_jobs=2, lease_s=5, chunk_size=16)
     finished = threading.Semaphore(0)
     with lock:  # the jobs cannot end while the test holds the lock
         assert prefetcher.submit(
@@ -130,15 +131,72 @@ def test_tier_reads_run_at_a_lower_cpu_priority_and_the_lock_work_does_not(
         tiers.tiers[0].put(key.shard(0), bytes(NBYTES), LAYOUT)
     done = threading.Event()
 
-    def on_done(loaded: list[ChunkKey]) -> None:
+    def on_done(outcome: LoadOutcome) -> None:
         seen["on_done"] = nice()
         done.set()
 
     lock = threading.RLock()
-    prefetcher = Prefetcher(L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5)
+    prefetcher = Prefetcher(
+        L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5, chunk_size=16
+    )
     assert prefetcher.submit(chain, nbytes=NBYTES, layout=LAYOUT, on_done=on_done)
     assert done.wait(10)
     prefetcher.close()
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert seen == {"read": min(19, base + prefetch_mod._READ_NICE), "on_done": base}
+    tiers.close()
+
+
+def outcome_of(
+    tiers: TierManager, arena: Arena, chain: list[ChunkKey], prefill_tokens_per_s: float = 0.0
+) -> LoadOutcome:
+    lock = threading.RLock()
+    done = threading.Event()
+    seen: list[LoadOutcome] = []
+
+    def on_done(outcome: LoadOutcome) -> None:
+        seen.append(outcome)
+        done.set()
+
+    prefetcher = Prefetcher(
+        L1Store(arena.size), arena, tiers, lambda: lock, max_jobs=1, lease_s=5, chunk_size=16
+    )
+    assert prefetcher.submit(
+        chain,
+        nbytes=NBYTES,
+        layout=LAYOUT,
+        on_done=on_done,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+    )
+    assert done.wait(10)
+    prefetcher.close()
+    return seen[0]
+
+
+def test_the_outcome_says_what_became_of_each_chunk(arena: Arena, tmp_path: Path) -> None:
+    tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
+    chain = keys(5)
+    for i, key in enumerate(chain):
+        for rank in range(2):
+            if i != 3 and (i, rank) != (2, 1):  # 2: rank 0 only; 3: nothing
+                tiers.tiers[0].put(key.shard(rank), bytes(NBYTES), LAYOUT)
+    S = prefetch_mod.LoadStatus
+    got = outcome_of(tiers, arena, chain)
+    assert got.loaded == chain[:2]
+    assert got.statuses == [S.LOADED, S.LOADED, S.PARTIAL, S.ABSENT, S.BEHIND]
+    assert got.tiers == ["disk", "disk", "disk", "", "disk"]
+    tiers.close()
+
+
+def test_a_load_slower_than_the_stated_prefill_is_left_out(arena: Arena, tmp_path: Path) -> None:
+    tiers = TierManager([DiskTier(tmp_path, 1 << 30)])
+    chain = keys(3, ws=1)
+    for key in chain:
+        tiers.tiers[0].put(key.shard(0), bytes(NBYTES), LAYOUT)
+    tiers.rates.observe_read("disk", NBYTES, 1.0)  # measured: 4 KiB a second
+    S = prefetch_mod.LoadStatus
+    got = outcome_of(tiers, arena, chain, prefill_tokens_per_s=1000.0)  # 16 ms a chunk
+    assert got.loaded == [] and got.statuses == [S.SLOW] * 3
+    got = outcome_of(tiers, arena, chain, prefill_tokens_per_s=1.0)  # 16 s a chunk
+    assert got.loaded == chain and got.statuses == [S.LOADED] * 3
     tiers.close()

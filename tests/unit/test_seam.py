@@ -16,6 +16,7 @@ from kvtier.integrations.seam import (
     check_chunk_blocks,
     common_resume_points,
     head_range,
+    prefill_speed,
     resume_points,
 )
 
@@ -98,3 +99,13 @@ def test_lazy_client_fails_fast_then_retries(tmp_path: object) -> None:
     assert lazy.try_connect("test") is None  # within retry_s: no second attempt
     assert time.monotonic() - t1 < 0.1 < t1 - t0 + 0.1
     lazy.close()
+
+
+def test_a_stated_prefill_speed_is_a_finite_number_of_tokens_per_second() -> None:
+    assert prefill_speed({}, "cfg") == 0.0
+    assert prefill_speed({"prefill_tokens_per_s": "25000"}, "cfg") == 25000.0
+    for bad in (-1, "fast", float("inf"), float("nan"), None):
+        with pytest.raises(
+            InvalidArgumentError, match=r"cfg: prefill_tokens_per_s=.* must be >= 0"
+        ):
+            prefill_speed({"prefill_tokens_per_s": bad}, "cfg")

@@ -10,6 +10,7 @@ the rules live once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "common_resume_points",
     "credential",
     "head_range",
+    "prefill_speed",
     "refuse_unknown_keys",
     "resume_points",
 ]
@@ -115,6 +117,29 @@ CREDENTIAL_KEYS = {
     "token": "the credential for a server started with --auth-tokens-file",
     "token_file": "a file holding that credential (its first line; instead of `token`)",
 }
+
+
+#: the key an engine states its prefill speed under, and what it means
+PREFILL_KEY = {
+    "prefill_tokens_per_s": "this engine's prefill speed in tokens per second: kvtier then "
+    "reports no chunk whose load from an L2 tier would take longer than recomputing it "
+    "(default 0: unknown, every cached chunk is reported)",
+}
+
+
+def prefill_speed(settings: Mapping[str, object], what: str) -> float:
+    """The engine's stated prefill speed (`prefill_tokens_per_s`; 0 when not given), sent with
+    each lookup so the server leaves out loads slower than recomputing."""
+    raw = settings.get("prefill_tokens_per_s", 0.0)
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgumentError(
+            f"{what}: prefill_tokens_per_s={raw!r} must be >= 0 tokens per second (0: unknown)"
+        )
+    return value
 
 
 def credential(settings: Mapping[str, object], what: str) -> str:

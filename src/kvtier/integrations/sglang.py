@@ -61,8 +61,10 @@ from kvtier.errors import BadArrayError, InvalidArgumentError, KVTierError, Layo
 from kvtier.integrations.fingerprint import model_identity
 from kvtier.integrations.seam import (
     CREDENTIAL_KEYS,
+    PREFILL_KEY,
     common_resume_points,
     credential,
+    prefill_speed,
     refuse_unknown_keys,
     resume_points,
 )
@@ -100,6 +102,7 @@ EXTRA_CONFIG_KEYS = {
     "timeout": "seconds per request (default 5)",
     "retry_interval": "seconds between connection attempts while the server is away (default 5)",
     "transfer": "auto | shm | inline (default auto)",
+    **PREFILL_KEY,
     **CREDENTIAL_KEYS,
     # SGLang's own keys; it removes them before the backend is built, this is in case not
     "prefetch_threshold": "read by SGLang",
@@ -125,6 +128,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
         try:
             self.token = credential(settings, "--hicache-storage-backend-extra-config")
+            self.prefill_tokens_per_s = prefill_speed(
+                settings, "--hicache-storage-backend-extra-config"
+            )
         except InvalidArgumentError as exc:
             raise ValueError(str(exc)) from None
         if storage_config.should_split_heads or storage_config.dcp_size > 1:
@@ -326,7 +332,11 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _count(self, client: Client, geometry: PageGeometry, keys: list[str]) -> int:
         return client.exists_keys(
-            keys, model=geometry.model, world_size=geometry.world_size, cache_salt=self.cache_salt
+            keys,
+            model=geometry.model,
+            world_size=geometry.world_size,
+            cache_salt=self.cache_salt,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         )
 
     def exists(self, key: str) -> bool:

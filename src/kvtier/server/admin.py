@@ -53,7 +53,7 @@ from kvtier.config import ADMIN_TOKEN_ENV
 from kvtier.metrics import Metrics
 from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.server.views import Health
-from kvtier.snapshots import ServerStatus, SessionInfo
+from kvtier.snapshots import ServerStatus, SessionInfo, TierChunks
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 COOKIE = "kvtier_admin"
 DEFAULT_SESSIONS_LIMIT = 50
 MAX_SESSIONS_LIMIT = 1000
+DEFAULT_CHUNKS_LIMIT = 10_000
+MAX_CHUNKS_LIMIT = 1_000_000
 #: the largest admin request body read (the bodies are a few small JSON fields)
 MAX_BODY_BYTES = 64 << 10
 
@@ -96,6 +98,10 @@ class AdminBackend(Protocol):
         self, *, model: str | None = None, cache_salt: str | None = None, tenant: str = ""
     ) -> int:
         """Drop cached chunks matching the filters (None = any) from L1 and L2; how many."""
+        ...
+
+    def chunks(self, tier: str, limit: int) -> TierChunks | None:
+        """The complete chunk groups `tier` holds (None: no such tier, or it cannot list)."""
         ...
 
 
@@ -214,6 +220,18 @@ class _Handlers:
             return _json_error(404, f"no session with request_id {request_id!r}")
         return JSONResponse({"ended": request_id})
 
+    async def chunks(self, request: Request) -> Response:
+        tier = request.query_params.get("tier", "l1")
+        limit = _query_int(request, "limit", DEFAULT_CHUNKS_LIMIT, 0, MAX_CHUNKS_LIMIT)
+        held = await self._call(self.backend.chunks, tier, limit)
+        if held is None:
+            return _json_error(
+                404,
+                f"tier {tier!r} cannot list its chunks: give tier=l1 or the name of a disk tier "
+                "(see /status, l2.tiers)",
+            )
+        return _struct_response(held)
+
     async def threads(self, request: Request) -> Response:
         threads = [thread.to_dict() for thread in self.registry.get_all()]
         return JSONResponse({"threads": threads, "health": await self._call(self.registry.health)})
@@ -319,6 +337,26 @@ def _endpoints(h: _Handlers) -> list[_Endpoint]:
             "End a session and release its pins.",
             {"200": "Ended.", "404": "No such session."},
             parameters=session_id,
+        ),
+        _Endpoint(
+            "/chunks",
+            "GET",
+            h.chunks,
+            "The complete chunk groups one tier holds: the L1 (`tier=l1`, the default) or a "
+            "tier that lists what it holds (a disk tier, by its name).",
+            {
+                "200": "{tier, total, chunks: [{model, cache_salt, world_size, chunk_hash}]}.",
+                "400": "Bad limit.",
+                "404": "No such tier, or a shared store (it cannot list its chunks).",
+            },
+            parameters=[
+                {"name": "tier", "in": "query", "schema": {"type": "string"}},
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 0, "maximum": MAX_CHUNKS_LIMIT},
+                },
+            ],
         ),
         _Endpoint(
             "/threads",

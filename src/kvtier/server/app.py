@@ -34,7 +34,9 @@ from kvtier.periodic import (
 from kvtier.redaction import redact
 from kvtier.server.admin import AdminServer, start_admin_server
 from kvtier.server.auth import Authenticator, is_local_address
+from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.engine import Engine, EngineParts
+from kvtier.server.events import ChunkNotes, EventPublisher, open_events
 from kvtier.server.locking import TimedLock
 from kvtier.server.transport import Transport
 from kvtier.server.views import AdminViews
@@ -43,6 +45,7 @@ from kvtier.session import SessionManager
 from kvtier.storage.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
+from kvtier.storage.observers import NO_OBSERVER, Observers, StorageObserver
 from kvtier.storage.prefetch import Prefetcher
 from kvtier.storage.tiers.base import L2Tier, RegistersMemory, open_tier
 
@@ -124,8 +127,11 @@ def _arena_error(exc: OSError, size: int) -> ConfigError:
     )
 
 
-def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
-    """The L2 tiers of the config behind one TierManager (empty with no L2), not started.
+def build_tiers(
+    config: ServerConfig, arena_name: str, *, observer: StorageObserver = NO_OBSERVER
+) -> TierManager:
+    """The L2 tiers of the config behind one TierManager (empty with no L2), not started;
+    `observer` follows what the tiers, and the L1 built on them, hold.
 
     A tier that cannot be opened (a folder it cannot create or write) is a ConfigError naming
     --l2 and the folder.
@@ -138,6 +144,7 @@ def build_tiers(config: ServerConfig, arena_name: str) -> TierManager:
         tiers,
         queue_size=config.l2_queue_size,
         policy="block" if config.l2_queue_policy == "block" else "drop",
+        observer=observer,
     )
 
 
@@ -149,9 +156,12 @@ def build_engine(
     registry: PeriodicThreadRegistry | None = None,
     start_threads: bool = True,
     auth: Authenticator | None = None,
+    memory: ChunkMemory | None = None,
+    notes: ChunkNotes | None = None,
 ) -> Engine:
     """Build every part of the engine and hand them over; `start_threads` False leaves out the
-    lease reaper and session expiry threads (tests drive `reap()` and expiry by hand).
+    lease reaper and session expiry threads (tests drive `reap()` and expiry by hand). `notes`
+    keeps the tokens of stored chunks for the KV events (none kept without it).
 
     The L2 writer runs in every engine this returns (started here unless `tiers` runs it
     already): a committed group stays unevictable until its write ends, so an engine whose
@@ -160,7 +170,10 @@ def build_engine(
     registry = registry or PeriodicThreadRegistry.get_instance()
     arena_name = config.arena_name or default_arena_name(config.address[0])
     built_tiers = tiers is None  # closed here when the build fails; else the caller's
-    tiers = tiers if tiers is not None else build_tiers(config, arena_name)
+    if memory is None:  # a given `tiers` feeds it only if its observer has it
+        memory = ChunkMemory(config.miss_memory)
+    if tiers is None:
+        tiers = build_tiers(config, arena_name, observer=Observers(memory))
     hasher = TokenHasher(config.chunk_size, config.hash_algorithm, seed=config.hash_seed)
     try:
         if not tiers.running:
@@ -174,7 +187,7 @@ def build_engine(
         for tier in tiers.tiers:  # Mooncake moves bytes in place between slots and its pool
             if isinstance(tier, RegistersMemory):
                 tier.register_memory(arena.buffer)
-        l1 = L1Store(arena.size, clock=clock)
+        l1 = L1Store(arena.size, clock=clock, observer=tiers.observer)
         lock = TimedLock()
         sessions = SessionManager(
             hasher,
@@ -196,6 +209,7 @@ def build_engine(
                 lambda: lock.hold("L2 prefetch"),
                 max_jobs=config.max_prefetch_jobs,
                 lease_s=config.staging_lease,
+                chunk_size=config.chunk_size,
             ),
             write_through=WriteThrough(tiers),
             handlers=ThreadPoolExecutor(
@@ -203,7 +217,9 @@ def build_engine(
             ),
             metrics=Metrics(),
             registry=registry,
+            memory=memory,
             auth=auth if auth is not None else Authenticator.from_file(config.auth_tokens_file),
+            notes=notes if notes is not None else ChunkNotes(),
         )
         engine = Engine(config, parts, clock=clock)
     except BaseException:  # a server that fails at start leaves no segment in /dev/shm
@@ -259,15 +275,27 @@ class KVTierServer:
         self.token_file: Path | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         _check_shm_room(config.l1_size)
-        self.tiers = build_tiers(config, config.arena_name)
+        # Whoever follows what the tiers hold (the chunk memory behind the miss reasons, the KV
+        # events) is added before the tiers start, so that it hears what survived a restart.
+        memory = ChunkMemory(config.miss_memory)
+        observers = Observers(memory)
+        self.tiers = build_tiers(config, config.arena_name, observer=observers)
+        self.events: EventPublisher | None = None
         try:
+            if config.kv_events_endpoint is not None:
+                self.events = open_events(config, self.tiers.tiers)
+                observers.add(self.events)
+                self.events.start()
             self.tiers.start()
-            self.engine = build_engine(config, tiers=self.tiers, auth=auth)
+            notes = self.events.notes if self.events is not None else None
+            self.engine = build_engine(
+                config, tiers=self.tiers, auth=auth, notes=notes, memory=memory
+            )
         except OSError as exc:
-            self.tiers.close()
+            self._close_early()
             raise _arena_error(exc, config.l1_size) from None
         except BaseException:
-            self.tiers.close()
+            self._close_early()
             raise
         # The admin views (status, health, sessions, clear) over the engine; the tier watch
         # turns failing L2 tiers into degraded health, recent errors and a rate-limited log line.
@@ -296,6 +324,12 @@ class KVTierServer:
         except BaseException:
             self.close()
             raise
+
+    def _close_early(self) -> None:
+        """Close what a failed start opened before the engine existed."""
+        self.tiers.close()
+        if self.events is not None:
+            self.events.close()
 
     def _start_admin(self) -> AdminServer | None:
         """The admin API; a port already in use costs the API, never the cache service."""
@@ -337,6 +371,13 @@ class KVTierServer:
             f"{cfg.hash_algorithm}",
             flush=True,
         )
+        if self.events is not None:
+            replay = cfg.kv_events_replay_endpoint or "none"
+            print(
+                f"kv events: {cfg.kv_events_endpoint} (replay: {replay}; topic prefix "
+                f"{cfg.kv_events_topic!r})",
+                flush=True,
+            )
         if self.admin is not None:
             where = f" (token for changes: {self.token_file})" if self.token_file else ""
             print(f"admin: {self.admin.url}{where}", flush=True)
@@ -366,3 +407,5 @@ class KVTierServer:
                 self.token_file.unlink()
             self.token_file = None
         self.engine.close()
+        if self.events is not None:  # after the tiers, so their last reports are published
+            self.events.close()

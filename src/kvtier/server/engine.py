@@ -48,6 +48,8 @@ from kvtier.redaction import redact
 from kvtier.server import naming, tenants
 from kvtier.server.answers import Answer, Respond, offloaded
 from kvtier.server.auth import Authenticator
+from kvtier.server.chunkmemory import ChunkMemory
+from kvtier.server.events import ChunkNotes
 from kvtier.server.fencing import FencingStats
 from kvtier.server.handshake import Handshake
 from kvtier.server.layouts import LayoutRegistry
@@ -88,8 +90,12 @@ class EngineParts:
     handlers: ThreadPoolExecutor
     metrics: Metrics
     registry: PeriodicThreadRegistry
+    #: what each tier holds and lost, by chunk name: what a lookup's misses are explained from
+    memory: ChunkMemory
     #: the credentials Hello checks; empty (everyone anonymous) without --auth-tokens-file
     auth: Authenticator = field(default_factory=Authenticator)
+    #: the tokens of stored chunks the KV events publish; keeps none without them
+    notes: ChunkNotes = field(default_factory=ChunkNotes)
 
 
 class Engine:
@@ -117,6 +123,7 @@ class Engine:
         self.prefetcher = parts.prefetcher
         self._write_through = parts.write_through
         self.auth = parts.auth
+        self.memory = parts.memory
         self.limits = Limits(
             chunk_size=config.chunk_size,
             max_request_tokens=config.max_request_tokens,
@@ -144,7 +151,9 @@ class Engine:
             max_watched_processes=config.max_watched_processes,
         )
         # The request families, each in its own module (see there what runs under the lock).
-        self.lookups = LookupBook(config, self.l1, self.tiers, self.prefetcher, self.metrics)
+        self.lookups = LookupBook(
+            config, self.l1, self.tiers, self.prefetcher, self.metrics, self.memory
+        )
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
         self.sessions.destroy_listeners.append(self.session_book.end)
         self.stores = StoreBook(
@@ -159,6 +168,7 @@ class Engine:
             metrics=self.metrics,
             lock=self._lock,
             clock=clock,
+            notes=parts.notes,
         )
         self.retrieves = RetrieveBook(
             config,
@@ -274,8 +284,8 @@ class Engine:
                 self.layouts.check(
                     req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
                 )
-                keys = self.session_book.range_keys(req)
-                reply = self.stores.reserve(client_id, req, keys, client.watch)
+                keys, parent = self.session_book.range_chain(req)
+                reply = self.stores.reserve(client_id, req, keys, client.watch, parent)
             case p.Commit():
                 with self._lock.hold(op):
                     committed = self.stores.commit(client_id, req.reservation_id)
@@ -365,7 +375,14 @@ class Engine:
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.exists(keys, layout, answer, tenant=tenant, each=req.each)
+            return self.lookups.exists(
+                keys,
+                layout,
+                answer,
+                tenant=tenant,
+                each=req.each,
+                prefill_tokens_per_s=req.prefill_tokens_per_s,
+            )
 
     # -- background -----------------------------------------------------------------------------
 
@@ -380,6 +397,8 @@ class Engine:
                 logger.info("client %s stopped heartbeating: reclaiming its leases", client_id)
             for res in expired.fenced:
                 self.stores.fence(res)
+            for res in (*expired.fenced, *expired.reservations):
+                self.memory.lapsed(res.reserved)  # what a later lookup misses, and why
             self._reclaim(expired)
             staging = len(expired.reservations) + len(expired.fenced)
             lapsed = self.l1.reclaim_pins(self._pin_owner_seen)

@@ -119,6 +119,14 @@ def _extra_key(value: bytes) -> None:
         )
 
 
+def _prefill_speed(value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgumentError(
+            f"prefill_tokens_per_s is {value!r}; give the engine's prefill speed in tokens per "
+            "second, or 0 when unknown (every cached chunk is then reported)"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """The bounds one server enforces; built from its ServerConfig."""
@@ -145,6 +153,7 @@ class Limits:
             case p.Lookup():
                 self._strings(req.request_id, req.model, req.cache_salt)
                 _extra_key(req.extra_key)
+                _prefill_speed(req.prefill_tokens_per_s)
                 self._world(req.world_size, 0)
                 self._readers(req.readers)
                 self._tokens(req.tokens)
@@ -168,6 +177,7 @@ class Limits:
             case p.ExistsKeys():
                 self._strings("", req.model, req.cache_salt)
                 _extra_key(req.extra_key)
+                _prefill_speed(req.prefill_tokens_per_s)
                 self._world(req.world_size, 0)
                 self._lookup_work(len(req.names), req.world_size)
             case p.Release() | p.EndSession():

@@ -13,6 +13,10 @@ past it a lookup is answered from L1 alone), a job's staging counts against its 
 and its pins hold at most `--tenant-pinned-share` of the L1 (a lookup reports as hit only the
 leading groups its pins could hold; past the share, a miss). Another tenant's lookups are not
 affected by either.
+
+Every lookup's missed tokens are counted by reason (`misses.py`), from the chunk memory and
+what its load found. A lookup that states its engine's prefill speed gets no L2 chunk whose
+load would take longer than recomputing it (`storage/loadrate.py`); L1 hits are always reported.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.server.answers import Answer
+from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.layouts import Layout
 from kvtier.server.limits import tenant_bounds, tenant_prefetch_jobs
+from kvtier.server.misses import explain_misses
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
-from kvtier.storage.prefetch import Prefetcher
+from kvtier.storage.prefetch import LoadOutcome, Prefetcher
 
 __all__ = ["LookupBook"]
 
@@ -48,6 +54,7 @@ class _LookupJob:
     readers: int  # ranks that retrieve under its pin
     tenant: str
     owner: str  # the client that looked up: its pin lives while it does
+    start: int  # the chunks it loads are keys[start:] (the L1 hit when it began)
     done: bool = False
     hit_tokens: int = 0
     waiters: list[Answer] = field(default_factory=list)
@@ -68,6 +75,7 @@ class LookupBook:
         tiers: TierManager,
         prefetcher: Prefetcher,
         metrics: Metrics,
+        memory: ChunkMemory,
     ) -> None:
         self._config = config
         self._chunk_size = config.chunk_size
@@ -75,6 +83,7 @@ class LookupBook:
         self._tiers = tiers
         self._prefetcher = prefetcher
         self._metrics = metrics
+        self._memory = memory
         self._jobs: dict[str, _LookupJob] = {}
         self._bounds = tenant_bounds(config, l1.capacity_bytes)
         self._tenant_jobs = tenant_prefetch_jobs(config)
@@ -115,8 +124,15 @@ class LookupBook:
                 readers,
                 tenant,
                 owner,
+                hit,
             )
-            started = self._submit(keys[hit:], layout, tenant, lambda _loaded: self._loaded(job))
+            started = self._submit(
+                keys[hit:],
+                layout,
+                tenant,
+                lambda outcome: self._loaded(job, outcome),
+                prefill_tokens_per_s=req.prefill_tokens_per_s,
+            )
             if started:
                 self._jobs[req.request_id] = job
                 return self._wait_or_pending(job, req.wait, answer)
@@ -132,9 +148,10 @@ class LookupBook:
         keys: list[ChunkKey],
         layout: Layout,
         tenant: str,
-        on_done: Callable[[list[ChunkKey]], None],
+        on_done: Callable[[LoadOutcome], None],
         *,
         leading: bool = True,
+        prefill_tokens_per_s: float = 0.0,
     ) -> bool:
         return self._prefetcher.submit(
             keys,
@@ -145,6 +162,7 @@ class LookupBook:
             tenant_jobs=self._tenant_jobs,
             bounds=self._bounds,
             leading=leading,
+            prefill_tokens_per_s=prefill_tokens_per_s,
         )
 
     def exists(
@@ -155,37 +173,60 @@ class LookupBook:
         *,
         tenant: str = "",
         each: bool = False,
+        prefill_tokens_per_s: float = 0.0,
     ) -> p.ExistsReply | None:
         """Under the engine lock: the leading named chunks every rank has, up to the last
         resume point among them (with `each`, also which of all of them are complete); the ones
-        only L2 holds are loaded into L1 first (a prefetch
-        job; the answer comes when it ends, or at once from L1 when none can start).
+        only L2 holds are loaded into L1 first (a prefetch job; the answer comes when it ends,
+        or at once from L1 when none can start). The chunks after them count as misses, as a
+        lookup's do.
 
         Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
         chunk evicted before the caller's get is a miss there, never wrong bytes.
         """
 
-        def count() -> p.ExistsReply:  # under the lock
+        def count(outcome: LoadOutcome | None = None, start: int = 0) -> p.ExistsReply:
+            complete = self._l1.count_prefix(keys)  # under the lock
+            hit = self._l1.resume_prefix(keys, complete)
+            present = self._l1.complete_each(keys) if each else []
             if each:
-                present = self._l1.complete_each(keys)
                 self._l1.touch([key for key, ok in zip(keys, present, strict=True) if ok])
-                leading = present.index(False) if False in present else len(present)
-                return p.ExistsReply(self._l1.resume_prefix(keys, leading), present)
-            hit = self._l1.resume_prefix(keys)
-            self._l1.touch(keys[:hit])
-            return p.ExistsReply(hit)
+            else:
+                self._l1.touch(keys[:hit])
+            tally = explain_misses(
+                keys,
+                hit=hit,
+                resumable=hit,
+                l1_hit=complete,
+                num_tokens=len(keys) * self._chunk_size,
+                chunk_size=self._chunk_size,
+                l1=self._l1,
+                memory=self._memory,
+                outcome=outcome,
+                job_start=start,
+            )
+            if tally:
+                self._metrics.observe_misses(tally)
+            return p.ExistsReply(hit, present)
 
+        start = self._l1.count_prefix(keys)
         if each:
             flags = self._l1.complete_each(keys)
             missing = [key for key, ok in zip(keys, flags, strict=True) if not ok]
         else:
-            missing = keys[self._l1.count_prefix(keys) :]
+            missing = keys[start:]
         if (
             missing
             and layout is not None
             and self._tiers.tiers
             and self._submit(
-                missing, layout, tenant, lambda _loaded: answer.reply(count()), leading=not each
+                missing,
+                layout,
+                tenant,
+                # with `each` the job's outcome covers `missing` only, not keys[start:]
+                lambda outcome: answer.reply(count(None if each else outcome, start)),
+                leading=not each,
+                prefill_tokens_per_s=prefill_tokens_per_s,
             )
         ):
             return None
@@ -219,7 +260,7 @@ class LookupBook:
             return None
         return p.LookupReply(0, pending=True)
 
-    def _loaded(self, job: _LookupJob) -> None:
+    def _loaded(self, job: _LookupJob, outcome: LoadOutcome) -> None:
         """The job's loads ended (on its worker, under the lock, the loaded groups held)."""
         if self._jobs.get(job.request_id) is not job:
             return  # the session ended meanwhile: nothing is pinned for it
@@ -233,6 +274,8 @@ class LookupBook:
             job.readers,
             job.tenant,
             job.owner,
+            outcome,
+            job.start,
         )
         job.done = True
         if job.waiters:
@@ -254,11 +297,14 @@ class LookupBook:
         readers: int,
         tenant: str,
         owner: str,
+        outcome: LoadOutcome | None = None,
+        job_start: int = 0,
     ) -> int:
         """Pin the `hit` leading complete groups, up to the last resume point among them, for
-        the request's `readers` and count the lookup; its hit tokens: those its pins hold (at
-        most the tenant's pinned share)."""
-        hit = self._l1.resume_prefix(keys, hit)
+        the request's `readers` and count the lookup and its misses; its hit tokens: those its
+        pins hold (at most the tenant's pinned share)."""
+        l1_hit = hit
+        hit = resumable = self._l1.resume_prefix(keys, hit)
         if hit:
             hit = self._pin(request_id, keys[:hit], readers, tenant, owner)
         if hit:
@@ -269,6 +315,20 @@ class LookupBook:
         self.requested_tokens += num_tokens
         self.hit_tokens += hit_tokens
         self._metrics.observe_lookup(model, num_tokens, hit_tokens)
+        tally = explain_misses(
+            keys,
+            hit=hit,
+            resumable=resumable,
+            l1_hit=l1_hit,
+            num_tokens=num_tokens,
+            chunk_size=self._chunk_size,
+            l1=self._l1,
+            memory=self._memory,
+            outcome=outcome,
+            job_start=job_start,
+        )
+        if tally:
+            self._metrics.observe_misses(tally)
         return hit_tokens
 
     def _pin(

@@ -34,9 +34,9 @@ def session_hashes(
 
 def range_keys(
     sessions: SessionManager, chunk_size: int, req: p.RangeRequest
-) -> tuple[Session, list[ChunkKey]]:
-    """The session and the names of chunks [start, end) of a store or retrieve, after checking
-    the range."""
+) -> tuple[Session, list[ChunkKey], bytes | None]:
+    """The session, the names of chunks [start, end) of a store or retrieve, after checking
+    the range, and the name of the chunk before them (None when they start the prompt)."""
     cs = chunk_size
     if req.start % cs or req.end % cs or req.start < 0 or req.start > req.end:
         raise MisalignedRangeError(
@@ -52,7 +52,8 @@ def range_keys(
     keys = chunk_keys(
         session, hashes, req.model, req.cache_salt, req.world_size, extra_key=req.extra_key
     )
-    return session, keys[req.start // cs :]
+    first = req.start // cs
+    return session, keys[first:], keys[first - 1].chunk_hash if first else None
 
 
 def chunk_keys(

@@ -100,21 +100,29 @@ class SessionBook:
 
     def range_keys(self, req: p.RangeRequest | p.KeyRequest) -> list[ChunkKey]:
         """The chunk names of a store or retrieve: its names, or its session's token range."""
+        return self.range_chain(req)[0]
+
+    def range_chain(
+        self, req: p.RangeRequest | p.KeyRequest
+    ) -> tuple[list[ChunkKey], bytes | None]:
+        """`range_keys`, and the name of the chunk before them in their prompt (None when they
+        start it, or are named by the caller)."""
         if isinstance(req, p.KeyRequest):  # named by the caller: no session, no token range
             if req.num_chunks != len(req.names):
                 raise BadArrayError(
                     f"the array holds {req.num_chunks} chunks but {len(req.names)} names came"
                 )
-            return named_chunk_keys(
+            named = named_chunk_keys(
                 req.names,
                 model=req.model,
                 cache_salt=req.cache_salt,
                 world_size=req.world_size,
                 extra_key=req.extra_key,
             )
-        session, keys = naming.range_keys(self._sessions, self._chunk_size, req)
+            return named, None
+        session, keys, parent = naming.range_keys(self._sessions, self._chunk_size, req)
         self._account(session)
-        return keys
+        return keys, parent
 
     def exists(self, request_id: str) -> bool:
         """Whether the server holds a session of this id now (not a use of it)."""

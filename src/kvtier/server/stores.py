@@ -30,6 +30,7 @@ from kvtier.errors import BadArrayError, KVTierError, LeaseExpiredError, Unknown
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.server.answers import Answer
+from kvtier.server.events import ChunkNotes
 from kvtier.server.fencing import CopyGuard, Watch
 from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Reservation
@@ -69,8 +70,11 @@ class StoreBook:
         metrics: Metrics,
         lock: TimedLock,
         clock: Callable[[], float],
+        notes: ChunkNotes,
     ) -> None:
+        """`notes` keeps what the KV events publish of each stored chunk (its tokens)."""
         self._config = config
+        self._notes = notes
         self._arena = arena
         self._l1 = l1
         self._tiers = tiers
@@ -89,12 +93,17 @@ class StoreBook:
         req: p.RangeRequest | p.KeyRequest,
         keys: list[ChunkKey],
         watch: Watch | None,
+        parent: bytes | None = None,
     ) -> p.ReserveReply:
-        """Staging slots for `keys`; `watch` tells while whoever copies into them may still
-        touch them (the client's process, or the server's own inline copy)."""
+        """Staging slots for `keys` (after the chunk named `parent`, in a prompt's range);
+        `watch` tells while whoever copies into them may still touch them (the client's
+        process, or the server's own inline copy)."""
         layout = self._layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
+        if isinstance(req, p.RangeRequest) and self._notes:
+            cs = self._config.chunk_size
+            self._notes.note(keys, parent, req.tokens[4 * req.start : 4 * req.end], cs)
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
         flags = req.resumable if isinstance(req, p.Reserve | p.StoreInline) else []
@@ -246,11 +255,11 @@ class StoreBook:
                     f"chunk {i} carries {len(frame)} bytes; layout {layout.text} needs "
                     f"{layout.nbytes}"
                 )
-        keys = self._sessions.range_keys(req)
+        keys, parent = self._sessions.range_chain(req)
         # The server copies into the slots itself, outside the lock: the guard keeps them
         # fenced, should the lease lapse, until that copy is over.
         guard = CopyGuard()
-        reply = self.reserve(client_id, req, keys, guard)
+        reply = self.reserve(client_id, req, keys, guard, parent)
         try:
             for offset, frame in zip(reply.offsets, payloads, strict=True):
                 if offset >= 0:  # a remote client's bytes have to land in the arena somehow

@@ -16,20 +16,23 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtier._version import __version__
-from kvtier.keys import compose, decompose
+from kvtier.keys import compose, decompose, shown
 from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.server.engine import Engine
 from kvtier.session import Session
 from kvtier.snapshots import (
     ClientInfo,
     ErrorRecord,
+    HeldChunk,
     L2Summary,
     LookupTotals,
     PrefetchStats,
     ServerStatus,
     SessionCounts,
     SessionInfo,
+    TierChunks,
 )
+from kvtier.storage.observers import L1_TIER, ListsChunks
 
 __all__ = ["AdminViews", "Health", "TierWatch"]
 
@@ -225,6 +228,8 @@ class AdminViews:
             ),
             fencing=fencing,
             lookup=LookupTotals(requested_tokens=requested, hit_tokens=hit),
+            misses=self.metrics.misses(),
+            load_rates=e.tiers.rates.snapshot(),
             models=self.metrics.models(),
             hit_rate_history=self.metrics.history.points(),
             traffic=self.metrics.traffic(),
@@ -276,6 +281,34 @@ class AdminViews:
         """End the session named `session_id` (see `session_key`) and drop its pins; False if
         there was none."""
         return self.engine.end_session(session_key(session_id))
+
+    # -- what each tier holds ----------------------------------------------------------------
+
+    def chunks(self, tier: str, limit: int) -> TierChunks | None:
+        """The complete groups `tier` holds (the L1, or an L2 tier that lists what it holds,
+        as the disk tier does); None for a tier that does not exist or cannot list them."""
+        e = self.engine
+        if tier == L1_TIER:
+            with e.lock.hold("chunks"):
+                held = [k for k, ready, _ in e.l1.iter_groups() if ready == k.world_size]
+        else:
+            found = [t for t in e.tiers.tiers if t.name == tier]
+            if not found or not isinstance(found[0], ListsChunks):
+                return None
+            held = found[0].complete_chunks()
+        return TierChunks(
+            tier=tier,
+            total=len(held),
+            chunks=[
+                HeldChunk(
+                    model=shown(k.model),
+                    cache_salt=shown(k.cache_salt),
+                    world_size=k.world_size,
+                    chunk_hash=k.chunk_hash.hex(),
+                )
+                for k in held[:limit]
+            ],
+        )
 
     # -- clear -----------------------------------------------------------------------------
 

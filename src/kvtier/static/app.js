@@ -220,6 +220,26 @@ function renderStatus(status) {
     ]),
     4,
   );
+  const missed = status.misses.reduce((sum, m) => sum + m.tokens, 0);
+  fillRows(
+    "misses",
+    status.misses.map((m) => [
+      m.reason,
+      m.tier || "–",
+      formatCount(m.tokens),
+      formatRate(missed ? m.tokens / missed : null),
+    ]),
+    4,
+  );
+  fillRows(
+    "load-rates",
+    status.load_rates.map((r) => [
+      r.tier,
+      r.bytes_per_s ? formatBytes(r.bytes_per_s) + "/s" : "not measured yet",
+      formatSeconds(r.latency_s),
+    ]),
+    3,
+  );
   fillRows(
     "latency",
     status.latency.map((r) => [

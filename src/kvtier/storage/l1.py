@@ -24,6 +24,7 @@ from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.snapshots import L1Stats, TenantUsage
 from kvtier.storage.arena import Allocator
+from kvtier.storage.observers import L1_TIER, NO_OBSERVER, Removal, StorageObserver
 from kvtier.storage.shares import UNBOUNDED, TenantBounds, Usage, check_staging
 
 __all__ = ["UNBOUNDED", "L1Store", "OwnerSeen", "ShardState", "TenantBounds"]
@@ -155,13 +156,17 @@ class L1Store:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[ChunkKey, int], None] | None = None,
+        observer: StorageObserver = NO_OBSERVER,
     ) -> None:
-        """`on_evict(key, freed_bytes)` is called for each group evicted to make room."""
+        """`on_evict(key, freed_bytes)` is called for each group evicted to make room;
+        `observer` hears of every group that becomes complete or stops being one (under the
+        caller's lock: it must only record)."""
         if capacity <= 0:
             raise ValueError(f"L1 capacity must be positive, got {capacity} (see --l1-size)")
         self._alloc = Allocator(capacity)
         self._clock = clock
         self._on_evict = on_evict
+        self._observer = observer
         self._groups: dict[ChunkKey, _Group] = {}
         # Evictable groups only (no staging shard, no hold), least recently used first.
         self._lru: OrderedDict[ChunkKey, _Group] = OrderedDict()
@@ -367,6 +372,7 @@ class L1Store:
         complete = group.missing == 0 and not group.doomed
         if complete:
             self._ready_groups += 1
+            self._observer.stored((key,), L1_TIER)
         self._settle(group)
         return complete
 
@@ -443,6 +449,15 @@ class L1Store:
                 break
             n += 1
         return n
+
+    def ready_shards(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """How many ranks' shards of each group are READY (0 when absent or cleared)."""
+        get = self._groups.get
+        out = []
+        for key in keys:
+            group = get(key)
+            out.append(0 if group is None or group.doomed else key.world_size - group.missing)
+        return out
 
     def resume_prefix(self, keys: Sequence[ChunkKey], complete: int | None = None) -> int:
         """How many leading keys an engine can resume after: the leading complete groups
@@ -665,6 +680,8 @@ class L1Store:
         group = self._groups.get(key)
         if group is None or not self._lru_discard(group):
             return False
+        if group.missing == 0:
+            self._observer.removed((key,), L1_TIER, Removal.DELETED)
         self._remove(group)
         return True
 
@@ -680,6 +697,7 @@ class L1Store:
             and (model is None or key.model == model)
             and (cache_salt is None or key.cache_salt == cache_salt)
         ]
+        complete = [group.key for group in doomed if group.missing == 0]
         for group in doomed:
             if self._lru_discard(group):
                 self._remove(group)
@@ -687,6 +705,8 @@ class L1Store:
             if group.missing == 0:
                 self._ready_groups -= 1
             group.doomed = True
+        if complete:
+            self._observer.removed(complete, L1_TIER, Removal.CLEARED)
         return len(doomed)
 
     def iter_groups(self) -> Iterator[tuple[ChunkKey, int, bool]]:
@@ -804,6 +824,8 @@ class L1Store:
                 largest = self._remove(group)
                 self._evictions += 1
                 self._evicted_bytes += group.nbytes
+                if group.missing == 0:
+                    self._observer.removed((group.key,), L1_TIER, Removal.EVICTED)
                 if self._on_evict is not None:
                     self._on_evict(group.key, group.nbytes)
                 if largest >= nbytes:

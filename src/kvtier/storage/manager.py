@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, cast
 
@@ -22,6 +23,8 @@ import msgspec
 from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.snapshots import L2Summary
+from kvtier.storage.loadrate import LoadRates
+from kvtier.storage.observers import NO_OBSERVER, ListsChunks, ReportsRemovals, StorageObserver
 from kvtier.storage.tiers.base import L2Tier
 from kvtier.storage.tiers.format import Hit
 
@@ -73,7 +76,10 @@ class TierManager:
         batch_size: int = 16,
         policy: Policy = _DEFAULT_POLICY,
         block_timeout: float = 1.0,
+        observer: StorageObserver = NO_OBSERVER,
     ) -> None:
+        """`observer` hears, from the writer thread, of each group a write made complete in a
+        tier, and (through the tiers that see them) of removals; see `start`."""
         if queue_size < 1 or batch_size < 1:
             raise ValueError(
                 f"queue_size and batch_size must be >= 1, got {queue_size} and {batch_size}"
@@ -97,8 +103,16 @@ class TierManager:
             ("submitted", "written", "dropped", "write_errors", "read_errors", "batches"), 0
         )
         self._tier_writes = dict.fromkeys(names, 0)
+        #: each tier's load latency and throughput, measured by the reads below
+        self.rates = LoadRates(names)
+        self._observer = observer
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def observer(self) -> StorageObserver:
+        """Who follows what the tiers hold (the L1 of the same server reports to it too)."""
+        return self._observer
 
     @property
     def tiers(self) -> tuple[L2Tier, ...]:
@@ -116,6 +130,7 @@ class TierManager:
         """Start the background writer; raises RuntimeError when started before or closed."""
         if self._thread is not None or self._closed:
             raise RuntimeError("TierManager.start() called twice or after close()")
+        self._follow_tiers()
         self._thread = threading.Thread(target=self._run, name="kvtier-l2-writer", daemon=True)
         self._thread.start()
 
@@ -133,6 +148,19 @@ class TierManager:
                 tier.close()
             except Exception:
                 logger.exception("tier manager: closing tier %s failed", tier.name)
+
+    def _follow_tiers(self) -> None:
+        """Hand the observer to the tiers that see their own removals, and report what the
+        tiers that know their contents hold already (what survived a restart)."""
+        if not self._observer:
+            return
+        for tier in self._tiers:
+            if isinstance(tier, ReportsRemovals):
+                tier.observe(self._observer)
+            if isinstance(tier, ListsChunks):
+                held = tier.complete_chunks()
+                if held:
+                    self._observer.stored(held, tier.name)
 
     def _drop_leftovers(self) -> None:
         """Drop jobs queued after the writer stopped (or when it never started)."""
@@ -238,7 +266,26 @@ class TierManager:
             with self._cond:
                 self._tier_writes[tier.name] += written
                 self._n["write_errors"] += len(items) - written
+            if self._observer and written:
+                self._report_stored(tier, [j.key for j in batch], all_written=written == len(items))
         self._finish(batch, dropped=False)
+
+    def _report_stored(self, tier: L2Tier, written: list[ObjectKey], *, all_written: bool) -> None:
+        """Report the groups a batch made complete in `tier`. A group of one piece is complete
+        once written; for bigger groups, or when some writes failed, the tier is asked which
+        groups now hold every piece (one batched `contains_many`)."""
+        chunks = list(dict.fromkeys(key.chunk for key in written))
+        if not all_written or any(chunk.world_size > 1 for chunk in chunks):
+            pieces = [chunk.shard(w) for chunk in chunks for w in range(chunk.world_size)]
+            try:
+                flags = iter(tier.contains_many(pieces))
+            except Exception:
+                logger.exception("tier manager: tier %s failed contains_many", tier.name)
+                self._count_read_error()
+                return
+            chunks = [c for c in chunks if all([next(flags) for _ in range(c.world_size)])]
+        if chunks:
+            self._observer.stored(chunks, tier.name)
 
     def _finish(self, jobs: list[_Job], *, dropped: bool) -> None:
         for job in jobs:
@@ -258,21 +305,30 @@ class TierManager:
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is in any tier; a later tier is asked only about keys still missing."""
-        found = [False] * len(keys)
+        return [where >= 0 for where in self.locate_many(keys)]
+
+    def locate_many(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """The index of the first tier holding each key (the one a read gets it from), or -1;
+        a later tier is asked only about keys still missing. Each tier's check is timed: it is
+        that tier's latency sample (see `LoadRates`)."""
+        where = [-1] * len(keys)
         missing = list(range(len(keys)))
-        for tier in self._tiers:
+        for t, tier in enumerate(self._tiers):
             if not missing:
                 break
+            start = time.perf_counter()
             try:
                 flags = tier.contains_many([keys[i] for i in missing])
             except Exception:
                 logger.exception("tier manager: tier %s failed contains_many", tier.name)
                 self._count_read_error()
                 continue
+            self.rates.observe_probe(tier.name, time.perf_counter() - start)
             for i, flag in zip(missing, flags, strict=True):
-                found[i] = flag
-            missing = [i for i in missing if not found[i]]
-        return found
+                if flag:
+                    where[i] = t
+            missing = [i for i in missing if where[i] < 0]
+        return where
 
     def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> str | None:
         """Read `key` into `out` from the first tier that has it; that tier's name, or None."""
@@ -301,15 +357,20 @@ class TierManager:
         for tier in self._tiers:
             if not missing:
                 break
+            start = time.perf_counter()
             try:
                 flags = tier.get_many_into([items[i] for i in missing])
             except Exception:
                 logger.exception("tier manager: tier %s failed get_many_into", tier.name)
                 self._count_read_error()
                 continue
+            seconds = time.perf_counter() - start
+            nbytes = 0
             for i, flag in zip(missing, flags, strict=True):
                 if flag:
                     got[i] = Found(tier.name, flag != Hit.UNRESUMABLE)
+                    nbytes += items[i][1].nbytes
+            self.rates.observe_read(tier.name, nbytes, seconds)
             missing = [i for i in missing if got[i] is None]
         return got
 
@@ -352,5 +413,14 @@ class TierManager:
         )
 
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
-        """Clear matching objects in every tier; the total removed (writes still queued stay)."""
-        return sum(t.clear(model=model, cache_salt=cache_salt) for t in self._tiers)
+        """Clear matching objects in every tier; the total removed (writes still queued stay).
+
+        A tier that lists what it holds reports each group it cleared; of the others the
+        observer hears that everything matching the filters left them.
+        """
+        removed = 0
+        for tier in self._tiers:
+            removed += tier.clear(model=model, cache_salt=cache_salt)
+            if not isinstance(tier, ListsChunks):
+                self._observer.cleared(tier.name, model, cache_salt)
+        return removed

@@ -25,6 +25,11 @@ starved (nicing the workers themselves was measured: holds of the lock grew to 9
 to 1.6-1.9x (nice 10 gave 1.6-1.95x), the loads' own p50 from 12 to 13-14 ms (the concurrency
 benchmark).
 
+A job loads only the L2 chunks whose load pays: given the prefill speed the lookup states, the
+leading run that saves the most time against recomputing (`loadrate.paying_prefix`, from the
+tiers' measured latency and throughput); the rest are left to be recomputed. It reports what
+became of every chunk it was given (`LoadOutcome`), so the lookup can say why each one missed.
+
 At most `max_jobs` jobs are in flight (LMCache bounds its async L2 prefetch the same way), and
 at most `tenant_jobs` of one tenant, so one tenant's lookups never take every slot; `submit`
 refuses more, and the caller then answers from L1 alone. A job's staging slots count against its
@@ -34,6 +39,7 @@ tenant's staging bounds (`TenantBounds`): a load stops where they would be passe
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import sys
@@ -41,15 +47,17 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import UNBOUNDED, L1Store, TenantBounds
+from kvtier.storage.loadrate import paying_prefix
 from kvtier.storage.manager import TierManager
 
-__all__ = ["Prefetcher"]
+__all__ = ["LoadOutcome", "LoadStatus", "Prefetcher"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +70,31 @@ _WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 _READ_NICE = 19  # added to the reader threads' nice value, which stops at 19 (the lowest)
 _OWNER = "kvtier:l2-prefetch"  # the staging owner of slots being filled from L2
 
-#: called under the lock with the groups just loaded, in chain order
-OnDone = Callable[[list[ChunkKey]], None]
+
+class LoadStatus(enum.Enum):
+    """What became of one chunk a job was given."""
+
+    LOADED = "loaded"  # complete in L1 now (held until on_done returns)
+    ABSENT = "absent"  # no shard in any tier
+    PARTIAL = "partial"  # some ranks' shards in the tiers, not all
+    SLOW = "slow"  # in the tiers, but loading it was predicted slower than recomputing it
+    NO_ROOM = "no_room"  # in the tiers, but no slot for it (L1 full, tenant bounds, in use)
+    FAILED = "failed"  # in the tiers, but a read failed or found it corrupt
+    BEHIND = "behind"  # in the tiers, not tried: a chunk before it ended the run
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    """A job's result: the groups loaded (in chain order), and per chunk given, its status and
+    the tier it is in ("" for none; a chunk spread over tiers names the last of them)."""
+
+    loaded: list[ChunkKey]
+    statuses: list[LoadStatus]
+    tiers: list[str]
+
+
+#: called under the lock with the job's outcome
+OnDone = Callable[[LoadOutcome], None]
 
 
 def _lower_priority() -> None:
@@ -90,7 +121,9 @@ class Prefetcher:
         *,
         max_jobs: int,
         lease_s: float,
+        chunk_size: int,
     ) -> None:
+        """`chunk_size` is the tokens of one chunk (what a skipped load costs to recompute)."""
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
         self._l1 = l1
@@ -98,6 +131,7 @@ class Prefetcher:
         self._tiers = tiers
         self._hold = hold
         self._lease_s = lease_s
+        self._chunk_size = chunk_size
         self.max_jobs = max_jobs
         workers = min(max_jobs, _WORKERS)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-prefetch")
@@ -122,12 +156,14 @@ class Prefetcher:
         tenant_jobs: int | None = None,
         bounds: TenantBounds = UNBOUNDED,
         leading: bool = True,
+        prefill_tokens_per_s: float = 0.0,
     ) -> bool:
         """Start loading the leading loadable groups of `keys` for `tenant` (with
-        `leading=False`, every loadable one, past those the tiers lack); False when
+        `leading=False`, every loadable one, past those the tiers lack), those whose load pays
+        against recomputing at `prefill_tokens_per_s` (0: unknown, load all); False when
         `max_jobs` jobs run, or `tenant_jobs` of this tenant's.
 
-        `on_done(loaded)` runs exactly once on a worker thread, under the lock, even when the
+        `on_done(outcome)` runs exactly once on a worker thread, under the lock, even when the
         job fails (then with what loaded before the failure).
         """
         with self._count_lock:
@@ -140,7 +176,15 @@ class Prefetcher:
             self.started += 1
         try:
             self._pool.submit(
-                self._run, list(keys), nbytes, layout, on_done, tenant, bounds, leading
+                self._run,
+                list(keys),
+                nbytes,
+                layout,
+                on_done,
+                tenant,
+                bounds,
+                leading,
+                prefill_tokens_per_s,
             )
         except RuntimeError:  # the pool is shut down: the server is closing
             self._job_ended(tenant, 0)
@@ -171,19 +215,16 @@ class Prefetcher:
         tenant: str,
         bounds: TenantBounds,
         leading: bool,
+        prefill_tokens_per_s: float,
     ) -> None:
         loaded: list[ChunkKey] = []
         reserved: list[tuple[ChunkKey, list[tuple[int, int]]]] = []
+        outcome = LoadOutcome(loaded, [LoadStatus.BEHIND] * len(keys), [""] * len(keys))
         try:
-            ws = keys[0].world_size if keys else 1
-            present = self._tiers.contains_many([k.shard(w) for k in keys for w in range(ws)])
-            whole = [all(present[i * ws : (i + 1) * ws]) for i in range(len(keys))]
-            if not leading:
-                keys = [key for key, ok in zip(keys, whole, strict=True) if ok]
-                whole = [True] * len(keys)
-            loadable = 0
-            while loadable < len(keys) and whole[loadable]:
-                loadable += 1
+            if not leading:  # every group the tiers hold whole, past the ones they lack
+                keys = self._whole_in_tiers(keys)
+                outcome = LoadOutcome(loaded, [LoadStatus.BEHIND] * len(keys), [""] * len(keys))
+            loadable = self._plan(keys, nbytes, prefill_tokens_per_s, outcome)
             for lo in range(0, loadable, _BATCH):  # short holds: a batch of groups each
                 with self._hold():
                     batch = self._reserve(
@@ -191,9 +232,12 @@ class Prefetcher:
                     )
                 reserved += batch
                 if len(batch) < min(_BATCH, loadable - lo):
+                    outcome.statuses[len(reserved)] = LoadStatus.NO_ROOM
                     break
             resumable = self._read(reserved, nbytes, layout)  # the I/O: no lock held
             good = len(resumable)
+            if good < len(reserved):
+                outcome.statuses[good] = LoadStatus.FAILED
             for lo in range(0, good, _BATCH):
                 with self._hold():
                     hi = min(good, lo + _BATCH)
@@ -201,21 +245,57 @@ class Prefetcher:
                 loaded += done
                 if len(done) < min(_BATCH, good - lo):
                     good = lo + len(done)
+                    outcome.statuses[good] = LoadStatus.NO_ROOM  # its staging lease lapsed
                     break
         except Exception:
             logger.exception("prefetch job failed")
             good = len(loaded)
         finally:
+            outcome.statuses[: len(loaded)] = [LoadStatus.LOADED] * len(loaded)
             with self._hold():  # report, then give back the holds and what was not loaded
                 for key, slots in reserved[good:]:
                     self._abort(key, slots)
                 try:
-                    on_done(loaded)
+                    on_done(outcome)
                 except Exception:
                     logger.exception("prefetch on_done failed")
                 for key in loaded:
                     self._l1.release(key)
             self._job_ended(tenant, len(loaded))
+
+    def _whole_in_tiers(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        """The groups of `keys` whose every shard some tier holds."""
+        ws = keys[0].world_size if keys else 1
+        present = self._tiers.contains_many([k.shard(w) for k in keys for w in range(ws)])
+        return [key for i, key in enumerate(keys) if all(present[i * ws : (i + 1) * ws])]
+
+    def _plan(
+        self, keys: list[ChunkKey], nbytes: int, prefill_tokens_per_s: float, outcome: LoadOutcome
+    ) -> int:
+        """Where each chunk's shards are; how many leading chunks to load: those every rank has
+        in some tier and whose load pays. Marks the others' statuses in `outcome`."""
+        ws = keys[0].world_size if keys else 1
+        where = self._tiers.locate_many([k.shard(w) for k in keys for w in range(ws)])
+        names = [tier.name for tier in self._tiers.tiers]
+        chunk_tiers: list[list[int]] = []
+        loadable = len(keys)
+        for i in range(len(keys)):
+            shards = where[i * ws : (i + 1) * ws]
+            found = [t for t in shards if t >= 0]
+            outcome.tiers[i] = names[max(found)] if found else ""
+            if len(found) < ws:
+                outcome.statuses[i] = LoadStatus.PARTIAL if found else LoadStatus.ABSENT
+                loadable = min(loadable, i)
+            chunk_tiers.append(found)
+        paying = paying_prefix(
+            chunk_tiers[:loadable],
+            self._tiers.rates.snapshot(),
+            shard_bytes=nbytes,
+            chunk_tokens=self._chunk_size,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+        )
+        outcome.statuses[paying:loadable] = [LoadStatus.SLOW] * (loadable - paying)
+        return paying
 
     def _reserve(
         self,

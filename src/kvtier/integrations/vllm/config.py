@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.integrations.fingerprint import model_identity
-from kvtier.integrations.seam import CREDENTIAL_KEYS, credential, refuse_unknown_keys
+from kvtier.integrations.seam import (
+    CREDENTIAL_KEYS,
+    PREFILL_KEY,
+    credential,
+    prefill_speed,
+    refuse_unknown_keys,
+)
 
 DEFAULT_ADDRESS = "ipc:///tmp/kvtier.sock"
 DEFAULT_TIMEOUT_S = 5.0
@@ -21,6 +27,7 @@ EXTRA_CONFIG_KEYS = {
     "its weights, dtypes, block size)",
     "timeout": f"seconds a kvtier call may take before it counts as failed (default "
     f"{DEFAULT_TIMEOUT_S:g})",
+    **PREFILL_KEY,
     **CREDENTIAL_KEYS,
 }
 
@@ -61,6 +68,7 @@ class ConnectorConfig:
     tp_size: int
     pp_size: int
     groups: tuple[CacheGroup, ...]  # vLLM's KV cache groups, in vLLM's order
+    prefill_tokens_per_s: float = 0.0  # stated to kvtier with each lookup (0 = unknown)
 
     @property
     def mla(self) -> bool:
@@ -115,6 +123,7 @@ class ConnectorConfig:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config timeout={extra['timeout']!r} must be > 0 seconds"
             )
+        prefill = prefill_speed(extra, "kv_connector_extra_config")
         return cls(
             address=str(extra.get("address", DEFAULT_ADDRESS)),
             model=str(model),
@@ -124,6 +133,7 @@ class ConnectorConfig:
             tp_size=int(parallel.tensor_parallel_size),
             pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
             groups=groups,
+            prefill_tokens_per_s=prefill,
         )
 
 

@@ -102,6 +102,7 @@ class SchedulerSide:
                 extra_key=state.extra_key or b"",
                 wait=False,
                 **self._readers,
+                prefill_tokens_per_s=self.config.prefill_tokens_per_s,
             )
             if not isinstance(handle, LookupHandle):
                 return 0, False

@@ -18,6 +18,10 @@ renameat2(RENAME_EXCHANGE) where Linux offers it and then unlinks the old file u
 name. A rewrite whose object is already stored intact (same header, payload digest checked) is
 skipped and counted as `unchanged`.
 
+What the tier loses on its own (an eviction, a corrupt file deleted on read), what it deletes
+or clears, and at start what its folder holds, it reports to the observer the tier manager
+hands it (`kvtier.storage.observers`).
+
 The index (key -> file size, in LRU order) lives in memory and is rebuilt from the folder at
 startup, ordered by file mtime; a read refreshes an mtime older than a second so the rebuilt
 order follows reads too. One lock guards the index; file data is read and written outside it.
@@ -48,7 +52,8 @@ from typing import NamedTuple
 import xxhash
 from typing_extensions import Buffer
 
-from kvtier.keys import ObjectKey
+from kvtier.keys import ChunkKey, ObjectKey
+from kvtier.storage.observers import NO_OBSERVER, Removal, StorageObserver
 from kvtier.storage.tiers import files
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
@@ -102,6 +107,8 @@ def _check_writable(folder: Path) -> None:
 class DiskTier:
     """An L2 tier of files under `path`, at most `capacity_bytes` in all (0 = unbounded)."""
 
+    kind = "disk"
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -127,7 +134,21 @@ class DiskTier:
         self._effective = capacity_bytes  # shrunk while the filesystem is full (0 = unbounded)
         self._free_checked = float("-inf")
         self._digest_pool: ThreadPoolExecutor | None = None
+        self._observer: StorageObserver = NO_OBSERVER
         self._rebuild()
+
+    def observe(self, observer: StorageObserver) -> None:
+        """Report evictions, corrupt reads, deletes and clears to `observer` from now on."""
+        self._observer = observer
+
+    def complete_chunks(self) -> list[ChunkKey]:
+        """The groups whose every piece is indexed (at start: what survived a restart)."""
+        with self._lock:
+            pieces: dict[ChunkKey, int] = {}
+            for key in self._index:
+                chunk = key.chunk
+                pieces[chunk] = pieces.get(chunk, 0) + 1
+        return [chunk for chunk, n in pieces.items() if n == chunk.world_size]
 
     @classmethod
     def from_url(cls, url: str) -> DiskTier:
@@ -234,6 +255,7 @@ class DiskTier:
             self._used -= old
             self._counters.add("evictions")
             self._unlink(key)
+            self._observer.removed((key.chunk,), self.name, Removal.EVICTED)
 
     def _follow_free_space(self) -> None:
         """Effective capacity = min(capacity, held + free space), checked at most once a second,
@@ -270,6 +292,7 @@ class DiskTier:
             self._used -= old
             self._counters.add("evictions")
             self._unlink(key)
+            self._observer.removed((key.chunk,), self.name, Removal.EVICTED)
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -565,6 +588,7 @@ class DiskTier:
         size = self._index.pop(key, None)
         if size is not None:
             self._used -= size
+            self._observer.removed((key.chunk,), self.name, Removal.CORRUPT)
 
     # -- index verbs ---------------------------------------------------------------------------
 
@@ -586,6 +610,7 @@ class DiskTier:
                 return False
             self._used -= size
             self._unlink(key)
+            self._observer.removed((key.chunk,), self.name, Removal.DELETED)
             return True
 
     def clear(self, *, model: str | None = None, cache_salt: str | None = None) -> int:
@@ -600,6 +625,9 @@ class DiskTier:
             for key in doomed:
                 self._used -= self._index.pop(key)
                 self._unlink(key)
+            if doomed:
+                chunks = list(dict.fromkeys(key.chunk for key in doomed))
+                self._observer.removed(chunks, self.name, Removal.CLEARED)
             return len(doomed)
 
     def _unlink(self, key: ObjectKey) -> None:
@@ -617,7 +645,7 @@ class DiskTier:
             objects, used, effective = len(self._index), self._used, self._effective
         return self._counters.snapshot(
             name=self.name,
-            kind="disk",
+            kind=self.kind,
             url=f"disk://{self.root}",
             objects=objects,
             used_bytes=used,

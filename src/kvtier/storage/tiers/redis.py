@@ -10,6 +10,10 @@ no copies of values); SCAN, UNLINK and INFO go through redis-py. The batch engin
 (`_batch`) groups names by node and follows cluster redirects; on a single server there is one
 node and a redirect is an error.
 
+Removals the tier makes itself (a corrupt object deleted on read) are reported to the observer
+the tier manager hands it; the server's own (TTL expiry, maxmemory eviction) are followed through
+its keyspace notifications by `redis_watch` (single server only: a cluster's are not followed).
+
 When Redis is unreachable every verb counts `errors` and behaves as a miss / no-op, then skips
 the node for `cooldown` seconds (counted as `skipped`) so a dead server does not stall every
 request; afterwards the connection pool reconnects by itself.
@@ -31,10 +35,12 @@ from typing_extensions import Buffer
 
 from kvtier.keys import ObjectKey
 from kvtier.redaction import redact
+from kvtier.storage.observers import NO_OBSERVER, Removal, StorageObserver
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
 from kvtier.storage.tiers.base import TierStats
 from kvtier.storage.tiers.options import PARSERS, parse_url
+from kvtier.storage.tiers.redis_watch import KeyEventWatch
 from kvtier.storage.tiers.resp import Node, Redirect, Wire, command, set_parts
 
 logger = logging.getLogger(__name__)
@@ -114,6 +120,7 @@ class RespTier:
     ttl: int | None
     _counters: TierCounters
     _executor: ThreadPoolExecutor | None
+    _observer: StorageObserver
 
     def _init_common(self, name: str, prefix: str, ttl: int | None) -> None:
         self.name = name
@@ -121,6 +128,11 @@ class RespTier:
         self.ttl = ttl
         self._counters = TierCounters(logger, _EXTRA)
         self._executor = None
+        self._observer = NO_OBSERVER
+
+    def observe(self, observer: StorageObserver) -> None:
+        """Report the corrupt objects this tier deletes to `observer` from now on."""
+        self._observer = observer
 
     def redis_key(self, key: ObjectKey) -> str:
         """The Redis key name of `key`."""
@@ -389,6 +401,7 @@ class RespTier:
             if verdict is fmt.Verdict.CORRUPT:
                 self._counters.warn("corrupt", f"{self.kind} tier: deleting corrupt {key}")
                 self._delete_names([self.redis_key(key).encode()])
+                self._observer.removed((key.chunk,), self.name, Removal.CORRUPT)
         return hits
 
     # -- index verbs ---------------------------------------------------------------------------
@@ -477,6 +490,47 @@ class RedisTier(RespTier):
         )
         kw = bulk.connection_kwargs
         self._node = Node(f"{kw.get('host', '')}:{kw.get('port', '')}", bulk, cooldown)
+        self._db = int(kw.get("db", 0) or 0)
+        self._connect_timeout = connect_timeout
+        self._watch: KeyEventWatch | None = None
+
+    @property
+    def watch(self) -> KeyEventWatch | None:
+        """The follower of the server's own removals (None until `observe`)."""
+        return self._watch
+
+    def observe(self, observer: StorageObserver) -> None:
+        """Report corrupt deletes, and the server's expiries and evictions of this prefix's
+        objects (see `redis_watch`), to `observer` from now on."""
+        super().observe(observer)
+        if self._watch is None:
+            self._watch = KeyEventWatch(
+                self.url,
+                self._db,
+                self.name,
+                self.object_key,
+                observer,
+                connect_timeout=self._connect_timeout,
+            )
+
+    def object_key(self, name: bytes) -> ObjectKey | None:
+        """The object a key name of this tier names (`redis_key`'s inverse); None for others."""
+        head = f"{self.prefix}:{{".encode()
+        if not name.startswith(head):
+            return None
+        try:
+            tag, _, rest = name[len(head) :].decode("ascii").partition("}:")
+            model, _, salt = tag.partition(".")
+            world_size, worker_id, chunk_hash = rest.split(".")
+            return ObjectKey(
+                bytes.fromhex(model).decode(),
+                bytes.fromhex(salt).decode(),
+                int(world_size),
+                int(worker_id),
+                bytes.fromhex(chunk_hash),
+            )
+        except (UnicodeDecodeError, ValueError):
+            return None
 
     @classmethod
     def from_url(cls, url: str) -> RedisTier:
@@ -534,11 +588,16 @@ class RedisTier(RespTier):
             used_bytes=figures[1],
             capacity_bytes=figures[2],
             healthy=self._node.available,
-            extra={"ttl": self.ttl or 0},
+            extra={
+                "ttl": self.ttl or 0,
+                "removals_watched": int(self._watch is not None and self._watch.watching),
+            },
         )
 
     def close(self) -> None:
-        """Close every pooled connection and the fan-out threads."""
+        """Close every pooled connection and the fan-out and watch threads."""
+        if self._watch is not None:
+            self._watch.close()
         self._shutdown()
         self._pool.disconnect()
         self._node.close()

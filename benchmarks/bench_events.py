@@ -1,0 +1,233 @@
+"""KV events: how many the publisher sends per second, and what publishing costs the server.
+
+- Publishing rate: `EventPublisher` alone, fed one-chunk store reports as fast as one thread
+  can (each chunk with its 256 tokens noted, as a store notes them), until the last is sent;
+  a subscriber in another process counts what arrives.
+- Cost: store and lookup throughput of two `kvtier serve` processes alike but for
+  `--kv-events-endpoint`, the one with events followed by a subscriber process, measured in
+  alternating rounds of the same run; the stores overflow the L1, so evictions are published
+  too. The figure that matters is on/off (goal: at least 0.95).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import time
+import uuid
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from benchmarks.common import start_server, stop_server, table
+
+CHUNK = 256  # tokens per chunk, the server's default
+LOOKUPS_PER_ROUND = 200
+ROUNDS = 8
+REPORTS = 100_000  # for the publishing rate
+
+
+class Workload(NamedTuple):
+    """One store/lookup mix; every one overflows its L1, so evictions are published too."""
+
+    name: str
+    shape: tuple[int, ...]  # one chunk, float16
+    chunks_per_store: int
+    stores_per_round: int
+    l1: str
+
+
+WORKLOADS = (
+    # 32 KiB chunks: the server's per-chunk work, publishing's included, is all there is
+    Workload("32 KiB chunks (worst case)", (2, 2, CHUNK, 2, 16), 32, 40, "64MiB"),
+    # 1 MiB chunks, still small for a real model's 256-token chunk (tens of MiB)
+    Workload("1 MiB chunks", (2, 2, CHUNK, 4, 128), 8, 20, "256MiB"),
+)
+
+
+def _subscriber(endpoint: str, ready: Any, stop: Any, queue: Any) -> None:
+    """Count the batches and the block hashes of their events that arrive until `stop`."""
+    import msgspec
+    import zmq
+
+    from kvtier.server.event_wire import KVEventBatch
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(endpoint)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ready.set()
+    batches = events = 0
+    while not stop.is_set() or sub.poll(500):  # once stopped, read what is still queued
+        if sub.poll(50):
+            _, _, payload = sub.recv_multipart()
+            batches += 1
+            batch = decoder.decode(payload)
+            events += sum(len(getattr(e, "block_hashes", ())) for e in batch.events)
+    queue.put((batches, events))
+    ctx.destroy(linger=0)
+
+
+class _Subscriber:
+    """A subscriber process for `endpoint`."""
+
+    def __init__(self, endpoint: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._ready, self._stop, self._queue = ctx.Event(), ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(
+            target=_subscriber, args=(endpoint, self._ready, self._stop, self._queue)
+        )
+        self._proc.start()
+        self._ready.wait(60)
+        time.sleep(0.5)  # the subscription reaches the publisher
+
+    def close(self) -> tuple[int, int]:
+        """Stop it; (batches, events) it received."""
+        self._stop.set()
+        got: tuple[int, int] = self._queue.get(timeout=30)
+        self._proc.join(10)
+        return got
+
+
+# -- the publishing rate ---------------------------------------------------------------------------
+
+
+def _publishing_rate() -> tuple[float, int, int, int]:
+    """(chunks per second published, chunks published, batches received, chunks received):
+    a chunk is one block hash in a BlockStored event."""
+    from kvtier.keys import ChunkKey, compose
+    from kvtier.server.events import ChunkNotes, EventPublisher
+
+    endpoint = f"ipc:///tmp/kvtier-bench-ev-{uuid.uuid4().hex[:8]}"
+    notes = ChunkNotes(REPORTS)
+    publisher = EventPublisher(
+        endpoint, replay_endpoint=None, topic="kvtier/", buffer_batches=10_000,
+        chunk_size=CHUNK, places={}, notes=notes,
+    )  # fmt: skip
+    publisher.start()
+    subscriber = _Subscriber(endpoint)
+    model, salt = compose("", "bench"), compose("", "")
+    keys = [
+        ChunkKey(model, salt, 1, hashlib.sha256(i.to_bytes(8, "big")).digest())
+        for i in range(REPORTS)
+    ]
+    tokens = np.arange(CHUNK, dtype="<u4").tobytes()
+    for i, key in enumerate(keys):
+        notes.note([key], keys[i - 1].chunk_hash if i else None, tokens, CHUNK)
+    try:
+        t0 = time.perf_counter()
+        for key in keys:
+            publisher.stored((key,), "l1")
+        assert publisher.flush(120)
+        elapsed = time.perf_counter() - t0
+        sent = publisher.stats().blocks
+    finally:
+        time.sleep(0.5)
+        publisher.close()
+        batches, received = subscriber.close()
+    return sent / elapsed, sent, batches, received
+
+
+# -- the cost to the server ------------------------------------------------------------------------
+
+
+def _round(address: str, w: Workload, r: int) -> tuple[float, float]:
+    """(chunks stored per second, lookups per second) of one round against one server."""
+    from kvtier.client import Client
+
+    kv = np.random.default_rng(r).standard_normal((w.chunks_per_store, *w.shape))
+    kv = kv.astype(np.float16)
+    base = r * w.stores_per_round
+    prompts = [
+        np.arange(b, b + w.chunks_per_store * CHUNK, dtype="<u4").tobytes()
+        for b in ((base + i) * 10_000_000 for i in range(w.stores_per_round))
+    ]
+    with Client(address) as c:
+        c.register(model="bench", chunk_shape=w.shape, dtype="float16")
+        t0 = time.perf_counter()
+        for i, tokens in enumerate(prompts):
+            c.store(f"s{r}-{i}", tokens, kv, model="bench")
+        t1 = time.perf_counter()
+        hits = 0
+        for n in range(LOOKUPS_PER_ROUND):
+            i = w.stores_per_round - 1 - n % 4  # the most recent prompts: L1 hits
+            hits += c.lookup(f"s{r}-{i}", prompts[i], model="bench")
+            c.release(f"s{r}-{i}")
+        t2 = time.perf_counter()
+        for i in range(w.stores_per_round):
+            c.end_session(f"s{r}-{i}")
+    assert hits == LOOKUPS_PER_ROUND * w.chunks_per_store * CHUNK, hits
+    stored = w.stores_per_round * w.chunks_per_store
+    return stored / (t1 - t0), LOOKUPS_PER_ROUND / (t2 - t1)
+
+
+def _cost(w: Workload) -> tuple[list[list[object]], tuple[int, int]]:
+    endpoint = f"ipc:///tmp/kvtier-bench-ev-{uuid.uuid4().hex[:8]}"
+    common = ("--l1-size", w.l1, "--chunk-size", str(CHUNK))
+    off, off_address = start_server(*common)
+    on, on_address = start_server(*common, "--kv-events-endpoint", endpoint)
+    subscriber = _Subscriber(endpoint)
+    best: dict[str, list[float]] = {"off": [0.0, 0.0], "on": [0.0, 0.0]}
+    try:
+        for r in range(ROUNDS):
+            # alternate which goes first, so neither always runs on a warmer machine
+            order = [("off", off_address), ("on", on_address)]
+            for name, address in order if r % 2 == 0 else order[::-1]:
+                stores, lookups = _round(address, w, r)
+                best[name] = [max(best[name][0], stores), max(best[name][1], lookups)]
+    finally:
+        stop_server(off)
+        stop_server(on)
+        received = subscriber.close()
+    rows: list[list[object]] = []
+    tokens = w.chunks_per_store * CHUNK
+    whats = ("chunks stored / s", f"lookups / s ({tokens}-token prompts, L1 hits)")
+    for i, what in enumerate(whats):
+        ratio = best["on"][i] / best["off"][i]
+        rows.append(
+            [w.name, what, f"{best['off'][i]:,.0f}", f"{best['on'][i]:,.0f}", f"{ratio:.2f}"]
+        )
+    return rows, received
+
+
+def run() -> str:
+    """Measure the publishing rate and the cost of publishing; return the markdown section."""
+    rate, sent, batches, received = _publishing_rate()
+    rows: list[list[object]] = []
+    delivered = []
+    for w in WORKLOADS:
+        w_rows, (w_batches, w_chunks) = _cost(w)
+        rows += w_rows
+        delivered.append(f"{w_batches:,} batches naming {w_chunks:,} chunks ({w.name})")
+    lines = [
+        "## KV events",
+        "",
+        "### Publishing rate",
+        "",
+        f"`EventPublisher` fed {REPORTS:,} one-chunk store reports (tokens noted) from one",
+        "thread, until the last batch was sent; a subscriber process counted what arrived. A",
+        "chunk is one block hash of a BlockStored event (a chain of chunks is one event).",
+        "",
+        table(
+            ["chunks published / s", "chunks published", "batches received", "chunks received"],
+            [[f"{rate:,.0f}", f"{sent:,}", f"{batches:,}", f"{received:,}"]],
+        ),
+        "",
+        "### Cost to the server",
+        "",
+        f"Two servers alike (chunk {CHUNK} tokens) but for `--kv-events-endpoint`, the one",
+        "with events followed by a subscriber process; best of",
+        f"{ROUNDS} alternating rounds of stores and {LOOKUPS_PER_ROUND} lookups each, from one",
+        "client. The stores overflow the L1, so evictions are published too. Goal: on/off",
+        ">= 0.95.",
+        "",
+        table(["workload", "", "events off", "events on", "on / off"], rows),
+        "",
+        "The subscriber received " + "; ".join(delivered) + " (stored and removed).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(run())

@@ -1,0 +1,185 @@
+"""Tests for kvtier.server.events: batches, chains, clears, gaps and replay over real sockets.
+
+Decoded here with kvtier's own wire classes; tests/integration/test_kv_events.py decodes a real
+server's stream with vLLM's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvtier.keys import ChunkKey, compose
+from kvtier.server.event_wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from kvtier.server.events import ChunkNotes, EventPublisher, Place
+from kvtier.storage.observers import Removal
+
+CS = 4
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+def key(i: int, *, model: str = "m", salt: str = "") -> ChunkKey:
+    return ChunkKey(compose("", model), compose("", salt), 1, hashlib.sha256(bytes([i])).digest())
+
+
+def low8(k: ChunkKey) -> int:
+    return int.from_bytes(k.chunk_hash[-8:], "big")
+
+
+class Replayer:
+    """A DEALER socket asking a publisher's replay socket for batches."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def replay(self, start: int) -> list[tuple[str, int, KVEventBatch]]:
+        self.sock.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        while True:
+            assert self.sock.poll(10_000), "no replay answer"
+            _, topic, seq, payload = self.sock.recv_multipart()
+            if seq == END_SEQ:
+                assert topic == payload == b""
+                return out
+            out.append((topic.decode(), int.from_bytes(seq, "big"), DECODER.decode(payload)))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def endpoints() -> Iterator[tuple[str, str]]:
+    tag = uuid.uuid4().hex[:8]
+    yield f"ipc:///tmp/kvtier-unit-ev-{tag}.pub", f"ipc:///tmp/kvtier-unit-ev-{tag}.rep"
+
+
+def publisher(endpoints: tuple[str, str], **kw: object) -> EventPublisher:
+    return EventPublisher(
+        endpoints[0],
+        replay_endpoint=endpoints[1],
+        topic="kv/",
+        buffer_batches=100,
+        chunk_size=CS,
+        places={"disk": Place("STORAGE", "LOCAL")},
+        notes=ChunkNotes(100),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_a_stored_chain_is_one_event_with_tokens_parent_and_salt(
+    endpoints: tuple[str, str],
+) -> None:
+    pub = publisher(endpoints)
+    replay = Replayer(endpoints[1])
+    try:
+        chain = [key(i, salt="s") for i in range(3)]
+        tokens = np.arange(3 * CS, dtype="<u4").tobytes()
+        pub.notes.note(chain, None, tokens, CS)
+        pub.start()
+        for k in chain:  # the L1 reports a commit chunk by chunk
+            pub.stored((k,), "l1")
+        pub.removed(chain[:1], "disk", Removal.EVICTED)
+        assert pub.flush()
+        ((topic, seq, batch),) = replay.replay(0)
+        assert (topic, seq) == ("kv/m", 0)
+        first, stored, removed = batch.events
+        assert isinstance(first, AllBlocksCleared)  # a topic's first batch of a run
+        assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+        assert stored.block_hashes == [low8(k) for k in chain]
+        assert stored.parent_block_hash is None and stored.block_size == CS
+        assert stored.token_ids == list(range(3 * CS))
+        assert stored.extra_keys == [("s",), None, None]
+        assert (stored.medium, stored.locality) == ("CPU", "LOCAL")
+        assert removed.block_hashes == [low8(chain[0])]
+        assert (removed.medium, removed.locality) == ("STORAGE", "LOCAL")
+    finally:
+        replay.close()
+        pub.close()
+
+
+def test_chunks_without_notes_are_published_alone_with_full_hashes_when_asked(
+    endpoints: tuple[str, str],
+) -> None:
+    pub = publisher(endpoints, int_hashes=False)
+    replay = Replayer(endpoints[1])
+    try:
+        pub.start()
+        pub.stored([key(1), key(2)], "disk")
+        assert pub.flush()
+        ((_, _, batch),) = replay.replay(0)
+        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        assert [e.block_hashes for e in stored] == [[key(1).chunk_hash], [key(2).chunk_hash]]
+        assert all(e.token_ids == [] and e.parent_block_hash is None for e in stored)
+    finally:
+        replay.close()
+        pub.close()
+
+
+def test_a_clear_of_a_model_empties_its_topic_and_a_clear_by_salt_lists_nothing(
+    endpoints: tuple[str, str],
+) -> None:
+    pub = publisher(endpoints)
+    replay = Replayer(endpoints[1])
+    try:
+        pub.start()
+        pub.stored([key(1, model="a")], "redis")
+        pub.stored([key(2, model="b")], "redis")
+        assert pub.flush()
+        pub.cleared("redis", compose("", "a"), compose("", "s"))  # by salt: cannot list
+        pub.cleared("redis", None, None)  # everything: every model seen
+        assert pub.flush()
+        later = replay.replay(2)
+        assert sorted(topic for topic, _, _ in later) == ["kv/a", "kv/b"]
+        assert all(b.events == [AllBlocksCleared()] for _, _, b in later)
+    finally:
+        replay.close()
+        pub.close()
+
+
+def test_dropped_reports_leave_a_gap_in_the_sequence(endpoints: tuple[str, str]) -> None:
+    pub = publisher(endpoints, max_reports=2)
+    replay = Replayer(endpoints[1])
+    try:
+        for i in range(3):  # the thread is not running: the third does not fit
+            pub.stored([key(i)], "l1")
+        assert pub.stats().dropped_reports == 1
+        pub.start()
+        assert pub.flush()
+        got = replay.replay(0)
+        assert [seq for _, seq, _ in got] == [1]  # 0 was skipped: the consumer sees the gap
+        assert pub.stats().next_seq == 2
+    finally:
+        replay.close()
+        pub.close()
+
+
+def test_a_malformed_replay_request_is_ignored_and_the_socket_keeps_answering(
+    endpoints: tuple[str, str],
+) -> None:
+    pub = publisher(endpoints)
+    replay = Replayer(endpoints[1])
+    try:
+        pub.start()
+        pub.stored([key(1)], "l1")
+        assert pub.flush()
+        replay.sock.send_multipart((b"", b"not 8 bytes"))
+        assert [seq for _, seq, _ in replay.replay(0)] == [0]
+    finally:
+        replay.close()
+        pub.close()
