@@ -5,6 +5,7 @@ subscriber that joins late and replays; and the block hashes are vLLM's own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -44,6 +45,17 @@ def notifying_redis() -> Iterator[redis.Redis]:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def ipc_pair() -> Iterator[tuple[str, str]]:
+    """A PUB and a replay ipc:// endpoint, their socket files removed afterwards."""
+    tag = uuid.uuid4().hex[:8]
+    paths = [f"/tmp/kvtier-ev-{tag}.pub", f"/tmp/kvtier-ev-{tag}.rep"]
+    yield f"ipc://{paths[0]}", f"ipc://{paths[1]}"
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def prompt(i: int) -> list[int]:
@@ -152,11 +164,11 @@ def test_a_follower_rebuilds_what_the_server_holds(
     server_factory: Callable[..., ServerProcess],
     notifying_redis: redis.Redis,
     tmp_path: Path,
+    ipc_pair: tuple[str, str],
 ) -> None:
     r = notifying_redis
     port = r.connection_pool.connection_kwargs["port"]
-    tag = uuid.uuid4().hex[:8]
-    pub, rep = f"ipc:///tmp/kvtier-ev-{tag}.pub", f"ipc:///tmp/kvtier-ev-{tag}.rep"
+    pub, rep = ipc_pair
     args: tuple[Any, ...] = (
         "--chunk-size", str(CS), "--l1-size", "128KiB",
         "--hash-algorithm", "sha256_cbor", "--hash-seed", SEED,
@@ -336,7 +348,9 @@ print(msgspec.json.encode([msgspec.to_builtins(decoder.decode(p)) for p in paylo
 """
 
 
-def test_vllm_033_decodes_the_batches_as_032_does(tmp_path: Path) -> None:
+def test_vllm_033_decodes_the_batches_as_032_does(
+    tmp_path: Path, ipc_pair: tuple[str, str]
+) -> None:
     import msgspec
 
     from kvtier.keys import ChunkKey, compose
@@ -348,8 +362,7 @@ def test_vllm_033_decodes_the_batches_as_032_does(tmp_path: Path) -> None:
 
     if not (FOLDER / "vllm" / "__init__.py").exists():
         pytest.fail(HOW, pytrace=False)
-    tag = uuid.uuid4().hex[:8]
-    pub, rep = f"ipc:///tmp/kvtier-ev33-{tag}.pub", f"ipc:///tmp/kvtier-ev33-{tag}.rep"
+    pub, rep = ipc_pair
     notes = ChunkNotes(16)
     publisher = EventPublisher(
         pub, replay_endpoint=rep, topic="kvtier/", buffer_batches=16, chunk_size=CS,

@@ -6,7 +6,9 @@ server's stream with vLLM's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -66,7 +68,11 @@ class Replayer:
 @pytest.fixture
 def endpoints() -> Iterator[tuple[str, str]]:
     tag = uuid.uuid4().hex[:8]
-    yield f"ipc:///tmp/kvtier-unit-ev-{tag}.pub", f"ipc:///tmp/kvtier-unit-ev-{tag}.rep"
+    paths = [f"/tmp/kvtier-unit-ev-{tag}.pub", f"/tmp/kvtier-unit-ev-{tag}.rep"]
+    yield f"ipc://{paths[0]}", f"ipc://{paths[1]}"
+    for path in paths:  # the socket files, should a socket not have removed its own
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def publisher(endpoints: tuple[str, str], **kw: object) -> EventPublisher:
