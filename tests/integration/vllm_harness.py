@@ -61,16 +61,161 @@ def write_tiny_llama(
         max_position_embeddings=max_positions,
         torch_dtype="float32",
     )
+    return _save_model(config, path, weights=weights, seed=seed)
+
+
+def _save_model(config: Any, path: Path, *, weights: bool, seed: int) -> Path:
+    """`config` with random weights (float32) when `weights`, else only config.json."""
     path.mkdir(parents=True, exist_ok=True)
     if weights:
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(path)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     else:
         config.save_pretrained(path)
     return path
+
+
+def _gemma3(hidden: int, layers: int, vocab: int, positions: int, window: int) -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=window,
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+        max_position_embeddings=positions,
+        dtype="float32",
+    )
+
+
+def _gpt_oss(hidden: int, layers: int, vocab: int, positions: int, window: int) -> Any:
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        max_position_embeddings=positions,
+        dtype="float32",
+    )
+
+
+def _deepseek_v2(hidden: int, layers: int, vocab: int, positions: int, window: int) -> Any:
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,  # the CPU MLA backend's latent width (512 + rope 64 = head size 576)
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        first_k_dense_replace=layers,  # every layer dense: no MoE
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden,
+        max_position_embeddings=positions,
+        dtype="float32",
+    )
+
+
+def _qwen3_next(hidden: int, layers: int, vocab: int, positions: int, window: int) -> Any:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden,
+        shared_expert_intermediate_size=hidden,
+        layer_types=["linear_attention"] * (layers - 1) + ["full_attention"],
+        max_position_embeddings=positions,
+        dtype="float32",
+    )
+
+
+def _nemotron_h(hidden: int, layers: int, vocab: int, positions: int, window: int) -> Any:
+    from transformers import NemotronHConfig
+
+    # Mamba2 and MLP layers, one attention layer: "M" Mamba2, "-" MLP, "*" attention
+    pattern = ("M-" * layers)[: layers - 1] + "*"
+    return NemotronHConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        hybrid_override_pattern=pattern,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=64,
+        n_groups=2,
+        chunk_size=64,
+        max_position_embeddings=positions,
+        dtype="float32",
+    )
+
+
+# family -> config builder(hidden, layers, vocab, max positions, sliding window)
+TINY_MODELS = {
+    "gemma3": _gemma3,
+    "gpt-oss": _gpt_oss,
+    "deepseek-v2": _deepseek_v2,
+    "qwen3-next": _qwen3_next,
+    "nemotron-h": _nemotron_h,
+}
+
+
+def write_tiny_model(
+    path: Path,
+    family: str,
+    *,
+    hidden: int = 256,
+    layers: int = 4,
+    vocab: int = 512,
+    max_positions: int = 4096,
+    window: int = 128,
+    weights: bool = True,
+    seed: int = 0,
+) -> Path:
+    """A random-weight model of one of `TINY_MODELS`' families (sliding window, MLA, hybrid
+    Mamba / linear attention) saved with `save_pretrained`. `window` is the sliding window of
+    the families that have one."""
+    config = TINY_MODELS[family](hidden, layers, vocab, max_positions, window)
+    return _save_model(config, path, weights=weights, seed=seed)
 
 
 def write_lora_adapter(
