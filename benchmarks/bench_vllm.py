@@ -64,6 +64,7 @@ def _paged_data_path() -> str:
 
     from kvtier.client import Client
     from kvtier.copying import copy_pairs
+    from kvtier.integrations.vllm.config import cache_groups
     from kvtier.integrations.vllm.paged import CpuCopier, PagedLayout
 
     num_blocks = PAGED_TOKENS // BLOCK + 1
@@ -80,9 +81,10 @@ def _paged_data_path() -> str:
     dst = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK])
     for t in src.values():
         t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
-    layout = PagedLayout.from_kv_caches(src, names, BLOCK, CHUNK)
+    groups = cache_groups(config)
+    layout = PagedLayout.from_kv_caches(src, groups, CHUNK)
     copier_src = CpuCopier(layout)
-    copier_dst = CpuCopier(PagedLayout.from_kv_caches(dst, names, BLOCK, CHUNK))
+    copier_dst = CpuCopier(PagedLayout.from_kv_caches(dst, groups, CHUNK))
     rng = np.random.default_rng(0)
     # a paged cache: a request's blocks are scattered over the pool
     blocks = [int(b) + 1 for b in rng.permutation(num_blocks - 1)[: PAGED_TOKENS // BLOCK]]
@@ -104,7 +106,7 @@ def _paged_data_path() -> str:
             t0 = time.perf_counter()
             with client.store_slots(uuid.uuid4().hex, prompt, end=PAGED_TOKENS, **kw) as slots:
                 for i, view in slots.targets():
-                    copier_src.save(view, blocks[i * per_chunk : (i + 1) * per_chunk])
+                    copier_src.save(view, 0, 0, blocks[i * per_chunk : (i + 1) * per_chunk])
                 copier_src.sync()
             store_times.append(time.perf_counter() - t0)
         prompt = prompts[-1]
@@ -114,7 +116,7 @@ def _paged_data_path() -> str:
             with client.retrieve_slots(rid, prompt, end=PAGED_TOKENS, **kw) as got:
                 assert got.num_chunks == PAGED_TOKENS // CHUNK
                 for k, view in enumerate(got.views):
-                    copier_dst.load(view, 0, blocks[k * per_chunk : (k + 1) * per_chunk])
+                    copier_dst.load(view, 0, 0, blocks[k * per_chunk : (k + 1) * per_chunk])
                 copier_dst.sync()
             client.end_session(rid)
 

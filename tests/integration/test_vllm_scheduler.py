@@ -102,7 +102,7 @@ def test_partial_local_prefix_hit_loads_only_the_missing_blocks(
     out = b.step()
     (load,) = out.kv_connector_metadata.loads
     assert (load.chunk_start, load.start, load.end) == (64, 96, 256)  # mid-chunk start
-    assert len(load.block_ids) == (256 - 96) // 32
+    assert len(load.block_ids[0]) == (256 - 96) // 32
     assert b.num_cached["b"] == 256
     _assert_exact(b, "b", prompt)
 

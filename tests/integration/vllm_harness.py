@@ -276,6 +276,8 @@ def vllm_config(
     max_model_len: int = 4096,
     extra: dict[str, Any] | None = None,
     kv_load_failure_policy: str = "recompute",
+    mamba_cache_mode: str = "none",
+    enable_prefix_caching: bool = True,
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -293,8 +295,9 @@ def vllm_config(
         max_model_len=max_model_len,
         enforce_eager=True,
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     cache_config.kv_cache_layout = "LBHNC"
+    cache_config.mamba_cache_mode = mamba_cache_mode
     scheduler_config = SchedulerConfig(
         max_num_seqs=16,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -349,6 +352,46 @@ def kv_cache_config(
     )
 
 
+def hybrid_kv_cache_config(vllm_cfg: Any, specs: dict[str, Any], num_blocks: int) -> Any:
+    """The KVCacheConfig vLLM builds for these per-layer specs (its hybrid KV cache manager's
+    grouping, shared buffer and block strides), sized to `num_blocks` blocks."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    vllm_cfg.cache_config.num_gpu_blocks_override = num_blocks
+    (config,) = get_kv_cache_configs(vllm_cfg, [specs], [1 << 34])
+    return config
+
+
+def state_bytes(tokens: Any, nbytes: int, layer: int) -> Any:
+    """A Mamba layer's "recurrent state" after `tokens`: bytes that depend on every token and
+    its position, so a state loaded for the wrong prefix shows."""
+    import hashlib
+
+    import numpy as np
+
+    seed = hashlib.blake2b(
+        np.asarray(tokens, dtype=np.int64).tobytes() + layer.to_bytes(4, "little"), digest_size=8
+    ).digest()
+    return np.random.default_rng(int.from_bytes(seed, "little")).integers(
+        -128, 128, nbytes, dtype=np.int8
+    )
+
+
+@dataclass
+class HGroup:
+    """One KV cache group as the fake forward pass writes it."""
+
+    index: int
+    kind: str  # "full", "sliding", "mla", "mamba"
+    names: list[str]
+    block_size: int
+    heads_total: int  # across TP ranks (MLA: 1, the same on every rank)
+    heads_per_rank: int
+    content: int
+    dtype: Any
+    window: int = 0
+
+
 def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any) -> Any:
     """The KV a "forward pass" writes: (T, layers, heads, content), a function of each token's
     id and position, so two prompts differ and a misplaced block shows."""
@@ -361,6 +404,24 @@ def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any) -> 
     head = torch.arange(heads)[None, None, :, None] * 37
     c = torch.arange(content)[None, None, None, :]
     return ((base + lay + head + c) % 65521).to(dtype)
+
+
+def _hgroup(index: int, group: Any, tp: int) -> HGroup:
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    spec = group.kv_cache_spec
+    names = list(group.layer_names)
+    if isinstance(spec, MambaSpec):
+        return HGroup(index, "mamba", names, spec.block_size, 1, 1, 0, None)
+    if isinstance(spec, MLAAttentionSpec):
+        return HGroup(index, "mla", names, spec.block_size, 1, 1, spec.head_size, spec.dtype)
+    kind = "sliding" if isinstance(spec, SlidingWindowSpec) else "full"
+    window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding" else 0
+    heads = spec.num_kv_heads
+    return HGroup(
+        index, kind, names, spec.block_size, heads * tp, heads, 2 * spec.head_size, spec.dtype,
+        window,
+    )  # fmt: skip
 
 
 @dataclass
@@ -376,6 +437,8 @@ class Harness:
     content: int
     dtype: Any
     eos: int = 2
+    groups: list[HGroup] = field(default_factory=list)
+    mamba_align: bool = False
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
@@ -393,7 +456,12 @@ class Harness:
         extra: dict[str, Any] | None = None,
         max_num_batched_tokens: int = 4096,
         max_model_len: int = 4096,
+        specs: Any = None,
+        mamba_cache_mode: str = "none",
+        enable_prefix_caching: bool = True,
     ) -> Harness:
+        """`specs`: rank -> {layer name: KVCacheSpec} for a model vLLM's hybrid KV cache
+        manager groups (sliding window, MLA, Mamba); None: the tiny Llama's one group."""
         import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -408,23 +476,29 @@ class Harness:
         head_size = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
         per_rank = kv_heads // tensor_parallel_size
-        kv_config = kv_cache_config(
-            layers=layers,
-            kv_heads=per_rank,
-            head_size=head_size,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            dtype=torch.float32,
-        )
-        sched_config = vllm_config(
-            model_dir,
-            address=address,
-            block_size=block_size,
-            tensor_parallel_size=tensor_parallel_size,
-            extra=extra,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        )
+        knobs: dict[str, Any] = {
+            "address": address,
+            "block_size": block_size,
+            "tensor_parallel_size": tensor_parallel_size,
+            "extra": extra,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max_model_len,
+            "mamba_cache_mode": mamba_cache_mode,
+            "enable_prefix_caching": enable_prefix_caching,
+        }
+        sched_config = vllm_config(model_dir, **knobs)
+        if specs is None:
+            kv_config = kv_cache_config(
+                layers=layers,
+                kv_heads=per_rank,
+                head_size=head_size,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                dtype=torch.float32,
+            )
+        else:
+            kv_config = hybrid_kv_cache_config(sched_config, specs(0), num_blocks)
+            num_blocks = kv_config.num_blocks
         sched_config.cache_config.num_gpu_blocks = num_blocks
         scheduler = Scheduler(
             vllm_config=sched_config,
@@ -433,33 +507,36 @@ class Harness:
             block_size=block_size,
         )
         workers, caches = [], []
+        kernel_blocks = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups]
+        if specs is None:
+            kernel_blocks = [block_size]
         for rank in range(tensor_parallel_size):
-            config = vllm_config(
-                model_dir,
-                address=address,
-                block_size=block_size,
-                tensor_parallel_size=tensor_parallel_size,
-                rank=rank,
-                extra=extra,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-            )
-            worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
+            config = vllm_config(model_dir, rank=rank, **knobs)
+            rank_config = kv_config
+            if specs is not None:
+                rank_config = hybrid_kv_cache_config(config, specs(rank), num_blocks)
+            worker = KVTierConnector(config, KVConnectorRole.WORKER, rank_config)
             kv = allocate_kv_cache(
-                kv_config, torch.device("cpu"), KVCacheLayout[layout], [block_size]
+                rank_config, torch.device("cpu"), KVCacheLayout[layout], kernel_blocks
             )
             worker.register_kv_caches(kv)
             workers.append(worker)
             caches.append(kv)
+        groups = [
+            _hgroup(i, g, tensor_parallel_size) for i, g in enumerate(kv_config.kv_cache_groups)
+        ]
+        attention = next(g for g in groups if g.kind != "mamba")
         return cls(
             scheduler=scheduler,
             workers=workers,
             caches=caches,
-            layer_names=list(kv_config.kv_cache_groups[0].layer_names),
-            block_size=block_size,
-            heads_per_rank=per_rank,
-            content=2 * head_size,
-            dtype=torch.float32,
+            layer_names=attention.names,
+            block_size=attention.block_size,
+            heads_per_rank=attention.heads_per_rank,
+            content=attention.content,
+            dtype=attention.dtype,
+            groups=groups,
+            mamba_align=mamba_cache_mode == "align",
         )
 
     def add(
@@ -549,51 +626,105 @@ class Harness:
         return out
 
     def _forward(self, out: Any, rank: int) -> None:
-        """Write `token_kv` for every token this step computes, in rank `rank`'s heads."""
-        import torch
-
-        cache = self.caches[rank]
+        """Write `token_kv` for every token this step computes into each attention group (not
+        into null blocks), and each Mamba layer's state after the step's last token into the
+        block vLLM keeps it in."""
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # schedule() advanced it past this step
             start = end - num_new
             tokens = request.all_token_ids[:end]
-            values = token_kv(
-                tokens,
-                len(self.layer_names),
-                self.heads_per_rank * len(self.workers),
-                self.content,
-                self.dtype,
-            )
-            heads = slice(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-            pos = torch.arange(start, end)
-            blocks = torch.tensor([block_ids[p // self.block_size] for p in range(start, end)])
-            offsets = pos % self.block_size
-            for layer, name in enumerate(self.layer_names):
-                cache[name][blocks, :, offsets] = values[start:end, layer, heads]
+            all_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for g in self.groups:
+                ids = all_ids[g.index]
+                if g.kind == "mamba":
+                    self._write_state(rank, g, ids, tokens, end)
+                else:
+                    self._write_kv(rank, g, ids, tokens, start, end)
 
-    def read_back(self, req_id: str, rank: int, end: int) -> Any:
-        """(end, layers, heads, content): what rank's cache holds for the request's tokens."""
+    def _write_kv(self, rank: int, g: HGroup, ids: Any, tokens: Any, start: int, end: int) -> None:
         import torch
 
         cache = self.caches[rank]
-        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-        pos = torch.arange(end)
-        blocks = torch.tensor([block_ids[p // self.block_size] for p in range(end)])
-        offsets = pos % self.block_size
-        return torch.stack([cache[n][blocks, :, offsets] for n in self.layer_names], dim=1)
+        values = token_kv(tokens, len(g.names), g.heads_total, g.content, g.dtype)
+        heads = self._heads(g, rank)
+        pos = [p for p in range(start, end) if ids[p // g.block_size] != 0]
+        if not pos:
+            return
+        blocks = torch.tensor([ids[p // g.block_size] for p in pos])
+        offsets = torch.tensor(pos) % g.block_size
+        for layer, name in enumerate(g.names):
+            cache[name][blocks, :, offsets] = values[pos, layer, heads]
 
-    def expected(self, tokens: list[int], rank: int) -> Any:
-        heads = slice(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
-        values = token_kv(
-            tokens,
-            len(self.layer_names),
-            self.heads_per_rank * len(self.workers),
-            self.content,
-            self.dtype,
-        )
-        return values[:, :, heads]
+    def state_block(self, g: HGroup, ids: Any, end: int) -> int:
+        """vLLM's block for a Mamba state after `end` tokens: in "align" mode block p holds
+        the state after (p + 1) * block_size tokens; in "none" mode the one running block."""
+        return int(ids[(end - 1) // g.block_size] if self.mamba_align else ids[0])
+
+    def _write_state(self, rank: int, g: HGroup, ids: Any, tokens: Any, end: int) -> None:
+        import torch
+
+        block = self.state_block(g, ids, end)
+        assert block != 0, "the fake forward pass would write vLLM's null block"
+        for layer, name in enumerate(g.names):
+            view = self.caches[rank][name]
+            nbytes = view[block].numel()
+            state = state_bytes([*tokens[:end], rank], nbytes, layer)
+            view[block].view(-1).copy_(torch.from_numpy(state))
+
+    def _heads(self, g: HGroup, rank: int) -> slice:
+        if g.kind == "mla":
+            return slice(0, 1)
+        return slice(rank * g.heads_per_rank, (rank + 1) * g.heads_per_rank)
+
+    def read_back(self, req_id: str, rank: int, end: int, group: int | None = None) -> Any:
+        """(end, layers, heads, content): what rank's cache holds for the request's tokens in
+        an attention group (default: the first), at positions whose block is not null."""
+        import torch
+
+        g = self._group(group)
+        cache = self.caches[rank]
+        ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
+        pos = self.held(req_id, end, g.index)
+        blocks = torch.tensor([ids[p // g.block_size] for p in pos])
+        offsets = torch.tensor(pos, dtype=torch.int64) % g.block_size
+        return torch.stack([cache[n][blocks, :, offsets] for n in g.names], dim=1)
+
+    def held(self, req_id: str, end: int, group: int) -> list[int]:
+        """Positions < end whose block the group holds (not vLLM's null block)."""
+        g = self.groups[group]
+        ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
+        return [p for p in range(end) if ids[p // g.block_size] != 0]
+
+    def expected(
+        self, tokens: list[int], rank: int, group: int | None = None, req_id: str | None = None
+    ) -> Any:
+        g = self._group(group)
+        values = token_kv(tokens, len(g.names), g.heads_total, g.content, g.dtype)
+        values = values[:, :, self._heads(g, rank)]
+        if req_id is not None:
+            values = values[self.held(req_id, len(tokens), g.index)]
+        return values
+
+    def read_state(self, req_id: str, rank: int, end: int, group: int) -> list[bytes]:
+        """Each layer's Mamba state bytes in the block vLLM reads the state at `end` from."""
+        g = self.groups[group]
+        ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
+        block = self.state_block(g, ids, end)
+        return [self.caches[rank][n][block].numpy().tobytes() for n in g.names]
+
+    def expected_state(self, tokens: list[int], rank: int, group: int) -> list[bytes]:
+        g = self.groups[group]
+        nbytes = self.caches[rank][g.names[0]][0].numel()
+        return [
+            state_bytes([*tokens, rank], nbytes, layer).tobytes()
+            for layer in range(len(g.names))
+        ]
+
+    def _group(self, group: int | None) -> HGroup:
+        if group is None:
+            return next(g for g in self.groups if g.kind != "mamba")
+        return self.groups[group]
 
     def run_until_done(self, request_ids: list[str], max_steps: int = 200) -> None:
         for _ in range(max_steps):

@@ -1,10 +1,11 @@
 """What the connector reads from vLLM's config: `kv_connector_extra_config`, the parallel
-layout, and the KV cache groups it can serve (one full-attention group, refused otherwise)."""
+layout, and the KV cache groups it serves (full attention, sliding window, MLA, Mamba / linear
+attention; anything else is refused at start, naming what to use instead)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.integrations.fingerprint import model_identity
@@ -23,6 +24,30 @@ EXTRA_CONFIG_KEYS = {
     **CREDENTIAL_KEYS,
 }
 
+GroupKind = Literal["full", "sliding", "mla", "mamba"]
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups, as the connector stores it."""
+
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    block_size: int  # tokens per vLLM block of this group (a Mamba block: one state)
+    index: int  # the group's index in vLLM's KV cache config (its block ids' list)
+    sliding_window: int = 0  # tokens, for kind "sliding"
+
+    def kept_blocks(self, chunk_size: int) -> int:
+        """The blocks of a chunk its piece holds: every block for full attention and MLA, the
+        trailing min(C/B, cdiv(W-1, B) + 1) for a sliding window (what a resume at the chunk's
+        end reads, as vLLM's SlidingWindowManager counts it), one state for Mamba."""
+        if self.kind == "mamba":
+            return 1
+        per_chunk = chunk_size // self.block_size
+        if self.kind == "sliding":
+            return min(per_chunk, -(-(self.sliding_window - 1) // self.block_size) + 1)
+        return per_chunk
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -32,9 +57,44 @@ class ConnectorConfig:
     model: str
     timeout: float
     token: str  # the credential for a server with --auth-tokens-file ("" for none)
-    block_size: int
-    world_size: int  # tensor-parallel size: the ranks a chunk is split over
-    layer_names: tuple[str, ...]  # the full-attention layers, in the model's order
+    block_size: int  # vLLM's scheduler block size (--block-size)
+    tp_size: int
+    pp_size: int
+    groups: tuple[CacheGroup, ...]  # vLLM's KV cache groups, in vLLM's order
+
+    @property
+    def mla(self) -> bool:
+        """An MLA model: the latent cache is the same on every TP rank, stored once."""
+        return all(g.kind == "mla" for g in self.groups)
+
+    @property
+    def plain(self) -> bool:
+        """One full-attention group: chunks keep the 5-d layout and names of such models."""
+        return len(self.groups) == 1 and self.groups[0].kind == "full"
+
+    @property
+    def hit_unit(self) -> int:
+        """What a hit is cut to: whole vLLM blocks for full attention and MLA; whole chunks
+        when a sliding window or a Mamba state must be read at the hit's end (0: chunk size)."""
+        return self.block_size if all(g.kind in ("full", "mla") for g in self.groups) else 0
+
+    @property
+    def world_size(self) -> int:
+        """The shards a chunk is split over: each pipeline stage its own layers, each TP rank
+        its heads; MLA stages store one shard, read by all their TP ranks."""
+        return self.pp_size if self.mla else self.tp_size * self.pp_size
+
+    @property
+    def readers(self) -> int:
+        """Ranks that retrieve under a lookup's pin (0: world_size, one per shard)."""
+        return self.tp_size * self.pp_size if self.mla and self.tp_size > 1 else 0
+
+    def worker_id(self, tp_rank: int, pp_rank: int) -> int:
+        return pp_rank if self.mla else pp_rank * self.tp_size + tp_rank
+
+    def stores(self, tp_rank: int) -> bool:
+        """Whether this rank writes its shard (MLA: TP rank 0 only; the others hold a copy)."""
+        return tp_rank == 0 or not self.mla
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> ConnectorConfig:
@@ -47,12 +107,7 @@ class ConnectorConfig:
         )
         token = credential(extra, "kv_connector_extra_config")
         parallel = vllm_config.parallel_config
-        if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
-            raise InvalidArgumentError(
-                f"KVTierConnector supports tensor parallelism only; pipeline_parallel_size="
-                f"{parallel.pipeline_parallel_size} (--pipeline-parallel-size) must be 1"
-            )
-        layer_names = check_kv_cache_groups(kv_cache_config)
+        groups = cache_groups(kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         model = extra.get("model") or default_model_name(vllm_config, block_size)
         timeout = float(extra.get("timeout", DEFAULT_TIMEOUT_S))
@@ -66,8 +121,9 @@ class ConnectorConfig:
             timeout=timeout,
             token=token,
             block_size=block_size,
-            world_size=int(parallel.tensor_parallel_size),
-            layer_names=layer_names,
+            tp_size=int(parallel.tensor_parallel_size),
+            pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
+            groups=groups,
         )
 
 
@@ -90,27 +146,77 @@ def default_model_name(vllm_config: Any, block_size: int) -> str:
     return f"vllm:{model_config.model}:{weights.label}:{dtype}{quant}:b{block_size}"
 
 
-def check_kv_cache_groups(kv_cache_config: Any) -> tuple[str, ...]:
-    """The layer names of the one full-attention KV group; refuses any other model."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
+    """The model's KV cache groups as the connector stores them; refuses the kinds it cannot
+    store, naming what to use instead."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    groups: list[CacheGroup] = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        names = tuple(group.layer_names)
+        kind: GroupKind
+        window = 0
+        what = f"KV cache group {index} ({type(spec).__name__}, layers {list(names[:2])})"
+        if type(spec) is MLAAttentionSpec:
+            kind = "mla"
+        elif type(spec) is FullAttentionSpec:
+            # a sliding window folded into a full-attention spec (HMA off) keeps every block
+            kind = "full"
+        elif type(spec) is SlidingWindowSpec:
+            kind, window = "sliding", int(spec.sliding_window)
+            if getattr(spec, "extra_retained_tokens", 0):
+                raise InvalidArgumentError(
+                    f"{what}: KVTierConnector does not store sliding windows that retain extra "
+                    "tokens; run this model without --kv-transfer-config"
+                )
+        elif type(spec) is MambaSpec:
+            kind = "mamba"
+            if spec.num_speculative_blocks:
+                raise InvalidArgumentError(
+                    f"{what}: KVTierConnector stores one Mamba state per chunk, not speculative "
+                    "decoding's extra state blocks; run without --speculative-config, or "
+                    "without --kv-transfer-config"
+                )
+        else:
+            raise InvalidArgumentError(
+                f"{what}: KVTierConnector stores full-attention, sliding-window, MLA and "
+                f"Mamba / linear-attention KV caches, not {type(spec).__name__}; run this "
+                "model without --kv-transfer-config"
+            )
+        if not getattr(group, "enable_kv_transfer", True):
+            continue  # a replica vLLM rebuilds from another group after a load
+        groups.append(CacheGroup(kind, names, int(spec.block_size), index, window))
+    if not groups:
         raise InvalidArgumentError(
-            f"KVTierConnector supports models with one full-attention KV cache group; this "
-            f"model has {len(groups)} ({', '.join(kinds)}: hybrid, sliding-window or "
-            "linear-attention layers). Run it without --kv-transfer-config."
+            "this model has no KV cache groups KVTierConnector can store (attention-free?): run "
+            "it without --kv-transfer-config"
         )
-    spec = groups[0].kv_cache_spec
-    if isinstance(spec, MLAAttentionSpec):
+    kinds = {g.kind for g in groups}
+    if "mla" in kinds and kinds != {"mla"}:
         raise InvalidArgumentError(
-            "KVTierConnector does not support MLA (latent) KV caches yet: run this model "
-            "without --kv-transfer-config"
+            f"KVTierConnector stores MLA models whose every group is MLA; this one mixes "
+            f"{sorted(kinds)}: run it without --kv-transfer-config"
         )
-    if type(spec) is not FullAttentionSpec or getattr(spec, "sliding_window", None):
-        raise InvalidArgumentError(
-            f"KVTierConnector supports full-attention KV caches only; this model's is "
-            f"{type(spec).__name__} (sliding_window={getattr(spec, 'sliding_window', None)})"
-        )
-    return tuple(groups[0].layer_names)
+    return tuple(groups)
+
+
+def check_group_blocks(config: ConnectorConfig, chunk_size: int) -> None:
+    """Every attention group's block must divide kvtier's chunk (a Mamba group's "block" is a
+    state: in vLLM's `align` mode its block is the attention block, and chunks must be whole
+    such blocks for a state to exist at a chunk's end)."""
+    for g in config.groups:
+        if g.kind == "mamba" and g.block_size > chunk_size:
+            continue  # mamba_cache_mode "none": one running state per request
+        if chunk_size % g.block_size:
+            raise InvalidArgumentError(
+                f"kvtier's chunk size ({chunk_size} tokens, `kvtier serve --chunk-size`) must be "
+                f"a multiple of every KV cache group's block ({g.kind} layers: {g.block_size} "
+                "tokens; vLLM's --block-size, or the attention block vLLM picks for hybrid "
+                "models): change one"
+            )

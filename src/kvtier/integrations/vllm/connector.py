@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvtier.integrations.vllm.config import ConnectorConfig
@@ -41,9 +42,24 @@ def tensor_parallel_rank(vllm_config: Any) -> int:
         return int(parallel.rank) % int(parallel.tensor_parallel_size)
 
 
-class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+def pipeline_parallel_rank(vllm_config: Any) -> int:
+    """This worker's pipeline stage: from vLLM's process groups once they exist, else from the
+    parallel config (a worker's global rank is pp_rank * tp_size + tp_rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
+    except (AssertionError, ImportError, RuntimeError, AttributeError):
+        parallel = vllm_config.parallel_config
+        return int(parallel.rank) // int(parallel.tensor_parallel_size)
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Reuses KV that kvtier holds for a prompt's leading chunks and stores the full chunks a
-    request computes. Every kvtier failure costs a recompute (see README "Use with vLLM")."""
+    request computes. Every kvtier failure costs a recompute (see README "Use with vLLM").
+
+    Declares `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and hands the connector
+    every KV cache group: full attention, sliding window, MLA, Mamba / linear attention."""
 
     def __init__(
         self,
@@ -58,7 +74,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.kvtier_config)
         else:
-            self._worker = WorkerSide(self.kvtier_config, tensor_parallel_rank(vllm_config))
+            self._worker = WorkerSide(
+                self.kvtier_config,
+                tensor_parallel_rank(vllm_config),
+                pipeline_parallel_rank(vllm_config),
+            )
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -143,4 +163,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, block_ids)
+        """vLLM with its hybrid KV cache manager off (one group)."""
+        return self.scheduler_side.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request)

@@ -1,10 +1,13 @@
 """What the scheduler-side connector tells the workers each step: which token ranges to load
 into which blocks, which full chunks to save from which blocks, which requests were preempted.
 
-Ranges are in tokens and block-aligned; `block_ids[i]` holds tokens
-`[start + i * block_size, start + (i + 1) * block_size)`. Loads and saves name whole kvtier
-chunks `[chunk_start, chunk_end)`; a load may skip the leading blocks of its first chunk that
-vLLM's own prefix cache already holds (`start > chunk_start`).
+Ranges are in tokens and block-aligned. `block_ids` has one tuple per KV cache group (in the
+connector config's group order): for an attention group `block_ids[g][i]` holds tokens
+`[start + i * B, start + (i + 1) * B)` at the group's block size B (a sliding-window group's
+list keeps its length, with vLLM's null block 0 for blocks outside the window); for a Mamba group
+it is the one block holding the recurrent state at `end`, or empty where no state exists there.
+Loads and saves name whole kvtier chunks `[chunk_start, chunk_end)`; a load may skip the leading
+blocks of its first chunk that vLLM's own prefix cache already holds (`start > chunk_start`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class Transfer:
     chunk_end: int  # end of the last chunk involved
     start: int  # first token copied (>= chunk_start)
     end: int  # end of the tokens copied (<= chunk_end)
-    block_ids: tuple[int, ...]  # vLLM blocks of tokens [start, end), in order
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group: blocks of [start, end)
 
 
 @dataclass

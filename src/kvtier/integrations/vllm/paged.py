@@ -1,19 +1,28 @@
 """Copies between vLLM's paged KV cache and kvtier chunk slots, with no contiguous staging copy.
 
 vLLM (0.32 and 0.33) hands each layer's KV to a connector as a logical view
-`[num_blocks, num_heads, block_size, content]`, where `content` is a token's K then V for one
-head, whatever the physical layout (strides) underneath. A kvtier chunk of `C` tokens is that
-view's pages for the chunk's blocks, layer by layer:
+`[num_blocks, heads, block, content]`: for attention layers `content` is a token's K then V for
+one head (MLA: one latent vector, heads 1), for Mamba / linear-attention layers the view is
+`[num_blocks, 1, 1, state bytes]` of int8, one padded state page per block. With vLLM's hybrid
+KV cache manager all groups share one buffer (a block id belongs to one group at a time), each
+group with its own block table.
 
-    chunk = (num_layers, C // block_size, num_heads, block_size, content)
+A worker packs every group's piece of a chunk into its one slot, group after group, each piece
+layer by layer, each layer's pages in token order:
 
-so on the head-major layout vLLM's CPU backend uses (LBHNC) each (layer, block) of a chunk is one
-contiguous page, and a copy is a memcpy of whole pages (runs of consecutive pages at once)
-straight between vLLM's blocks and the arena slot. Other layouts are copied
-through their strides.
+    piece = (num_layers, pages kept per chunk, heads, block, content)
 
-On a GPU the same copies go through the arena registered as pinned host memory, asynchronously
-on a side stream (see `GpuCopier`); the CPU path is `CpuCopier`.
+where a full-attention or MLA group keeps every page of the chunk, a sliding-window group its
+trailing window pages, a Mamba group the one state page at the chunk's end
+(`CacheGroup.kept_blocks`). The groups saved from blocks vLLM frees soon (sliding window,
+Mamba) come last, so their pieces are one contiguous tail a save stages while vLLM still holds
+the blocks. A plain full-attention model's chunk is that one piece, registered with its 5-d
+shape and dtype; any other model registers the packed bytes as a flat uint8 chunk.
+
+On vLLM's CPU layout every page is contiguous, so a copy is a memcpy of whole pages (runs of
+consecutive pages at once) straight between vLLM's blocks and the arena slot; other layouts are
+copied through their strides. On a GPU the same copies go through the arena registered as pinned
+host memory, asynchronously on a side stream (see `GpuCopier`); the CPU path is `CpuCopier`.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -29,98 +39,146 @@ import torch
 
 from kvtier.copying import copy_addresses
 from kvtier.errors import InvalidArgumentError
+from kvtier.integrations.vllm.config import CacheGroup
 
 Bytes = npt.NDArray[np.uint8]
+
+NULL_BLOCK = 0  # vLLM's null block: stands for blocks a group does not hold (outside a window)
+SKIP = -1  # a page index never copied (a null block's page)
+
+#: groups whose blocks vLLM frees soon after computing them: saved in the step that wrote them
+STAGED_KINDS = ("sliding", "mamba")
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One KV cache group's views and its piece of a chunk slot."""
+
+    group: CacheGroup
+    layers: tuple[torch.Tensor, ...]  # each [pages, heads, kernel block, content]
+    pages_per_block: int  # view pages per vLLM block (1 for Mamba)
+    kept_pages: int  # pages of a chunk the piece holds
+    offset: int  # byte offset of the piece in a chunk slot
+    chunk_blocks: int  # blocks of a whole chunk in the group's block table (1 for Mamba)
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return tuple(self.layers[0].shape[1:])
+
+    @property
+    def page_bytes(self) -> int:
+        first = self.layers[0]
+        return int(np.prod(first.shape[1:])) * int(first.element_size())
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.layers) * self.kept_pages * self.page_bytes
+
+    def pages(self, block_ids: Sequence[int]) -> list[int]:
+        """The views' page indices for vLLM blocks, in token order; a null block's pages are
+        SKIP (never read, never written)."""
+        r = self.pages_per_block
+        return [SKIP if b == NULL_BLOCK else b * r + i for b in block_ids for i in range(r)]
 
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """One worker's paged KV cache: its layers' logical views and a chunk's shape."""
+    """One worker's paged KV cache: every group's views and how a chunk slot packs them."""
 
-    layers: tuple[torch.Tensor, ...]  # each [num_blocks, heads, kernel_block_size, content]
-    block_size: int  # vLLM's block (the scheduler's unit)
-    kernel_block_size: int  # tokens per page of the views (divides block_size)
+    groups: tuple[GroupLayout, ...]  # in slot order: full attention and MLA, then the rest
     chunk_size: int
+    plain: bool  # one full-attention group: the 5-d chunk shape of such models
 
     @classmethod
     def from_kv_caches(
-        cls,
-        kv_caches: Mapping[str, torch.Tensor],
-        layer_names: Sequence[str],
-        block_size: int,
-        chunk_size: int,
+        cls, kv_caches: Mapping[str, torch.Tensor], groups: Sequence[CacheGroup], chunk_size: int
     ) -> PagedLayout:
-        """The layers of `kv_caches` in `layer_names` order; refuses views it cannot copy."""
-        missing = [n for n in layer_names if n not in kv_caches]
-        if missing:
-            raise InvalidArgumentError(
-                f"register_kv_caches got no KV for layers {missing[:3]}: KVTierConnector needs "
-                "every layer of the full-attention group"
-            )
-        layers = tuple(kv_caches[n] for n in layer_names)
-        first = layers[0]
-        if first.dim() != 4:
-            raise InvalidArgumentError(
-                f"KVTierConnector expects vLLM's logical per-layer KV view [blocks, heads, "
-                f"block_size, K+V] (vLLM >= 0.32); got shape {tuple(first.shape)}"
-            )
-        for name, t in zip(layer_names, layers, strict=True):
-            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+        """The layers of `groups` (config.cache_groups) in `kv_caches`; refuses views it cannot
+        copy."""
+        ordered = sorted(groups, key=lambda g: g.kind in STAGED_KINDS)
+        layouts: list[GroupLayout] = []
+        offset = 0
+        for group in ordered:
+            layers = _group_views(kv_caches, group)
+            kernel = int(layers[0].shape[2])
+            if group.kind == "mamba":
+                per_block = 1
+            elif group.block_size % kernel or chunk_size % group.block_size:
                 raise InvalidArgumentError(
-                    f"layer {name!r} KV is {tuple(t.shape)} {t.dtype} on {t.device}, unlike "
-                    f"{tuple(first.shape)} {first.dtype} on {first.device}: KVTierConnector "
-                    "needs every layer alike"
+                    f"block_size={group.block_size} must be a multiple of the kernel block "
+                    f"{kernel}, and kvtier's chunk size {chunk_size} a multiple of block_size"
                 )
-        kernel = int(first.shape[2])
-        if block_size % kernel or chunk_size % block_size:
-            raise InvalidArgumentError(
-                f"block_size={block_size} must be a multiple of the kernel block {kernel}, and "
-                f"kvtier's chunk size {chunk_size} a multiple of block_size"
-            )
-        return cls(layers, block_size, kernel, chunk_size)
+            else:
+                per_block = group.block_size // kernel
+            kept = group.kept_blocks(chunk_size) * per_block
+            blocks = 1 if group.kind == "mamba" else chunk_size // group.block_size
+            layout = GroupLayout(group, layers, per_block, kept, offset, blocks)
+            layouts.append(layout)
+            offset += layout.nbytes
+        plain = len(layouts) == 1 and layouts[0].group.kind == "full"
+        return cls(tuple(layouts), chunk_size, plain)
 
     @property
-    def pages_per_block(self) -> int:
-        return self.block_size // self.kernel_block_size
+    def chunk_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
 
     @property
-    def chunk_shape(self) -> tuple[int, int, int, int, int]:
-        _, heads, kernel, content = self.layers[0].shape
-        return (len(self.layers), self.chunk_size // kernel, heads, kernel, content)
+    def staged_offset(self) -> int:
+        """Where the pieces saved in the step that wrote them begin (chunk_bytes: none)."""
+        staged = [g.offset for g in self.groups if g.group.kind in STAGED_KINDS]
+        return min(staged, default=self.chunk_bytes)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.layers[0].dtype
+    def chunk_shape(self) -> tuple[int, ...]:
+        if not self.plain:
+            return (self.chunk_bytes,)
+        (g,) = self.groups
+        return (len(g.layers), g.kept_pages, *g.page_shape)
 
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        if not self.plain:
+            return "uint8"
+        return str(self.groups[0].layers[0].dtype).removeprefix("torch.")
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].device
-
-    def pages(self, block_ids: Sequence[int]) -> list[int]:
-        """The views' page indices for vLLM blocks, in token order."""
-        r = self.pages_per_block
-        if r == 1:
-            return list(block_ids)
-        return [b * r + i for b in block_ids for i in range(r)]
-
-    def chunk_view(self, slot: Bytes) -> torch.Tensor:
-        """A chunk slot's bytes as a tensor of `chunk_shape` (no copy)."""
-        with warnings.catch_warnings():  # retrieved views are read-only; loads only read them
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.from_numpy(slot)
-        return flat.view(self.dtype).view(self.chunk_shape)
+        return self.groups[0].layers[0].device
 
 
-def page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+def _group_views(kv_caches: Mapping[str, torch.Tensor], group: CacheGroup) -> tuple[Any, ...]:
+    missing = [n for n in group.layer_names if n not in kv_caches]
+    if missing:
+        raise InvalidArgumentError(
+            f"register_kv_caches got no KV for layers {missing[:3]}: KVTierConnector needs "
+            f"every layer of each KV cache group ({group.kind})"
+        )
+    layers = tuple(kv_caches[n] for n in group.layer_names)
+    first = layers[0]
+    if first.dim() != 4:
+        raise InvalidArgumentError(
+            f"KVTierConnector expects vLLM's logical per-layer KV view [blocks, heads, "
+            f"block_size, content] (vLLM >= 0.32); got shape {tuple(first.shape)}"
+        )
+    for name, t in zip(group.layer_names, layers, strict=True):
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise InvalidArgumentError(
+                f"layer {name!r} KV is {tuple(t.shape)} {t.dtype} on {t.device}, unlike "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}: KVTierConnector "
+                "needs every layer of a KV cache group alike"
+            )
+    return layers
+
+
+def page_runs(pages: Sequence[int], merge: bool = True) -> list[tuple[int, int, int]]:
     """(offset in `pages`, first page, count) for each run of consecutive page indices: a run
-    is copied as one slice (a fresh engine's blocks are mostly consecutive)."""
+    is copied as one slice (a fresh engine's blocks are mostly consecutive). SKIP pages are
+    left out; `merge=False` makes every page its own run."""
     runs: list[tuple[int, int, int]] = []
     for i, page in enumerate(pages):
-        if runs and runs[-1][1] + runs[-1][2] == page:
+        if page == SKIP:
+            continue
+        if merge and runs and runs[-1][1] + runs[-1][2] == page and runs[-1][0] + runs[-1][2] == i:
             offset, first, count = runs[-1]
             runs[-1] = (offset, first, count + 1)
         else:
@@ -132,80 +190,54 @@ class CpuCopier:
     """Page copies on the CPU: one memcpy per run of consecutive pages and layer, gathered by
     `save` / `load` as (dst, src, size) addresses and run by `sync` (kvtier.copying).
 
-    On vLLM's CPU layout every page is contiguous, so a copy is named by address arithmetic
+    On vLLM's CPU layouts every page is contiguous, so a copy is named by address arithmetic
     instead of numpy slices (a 16k-token transfer is thousands of page runs: slicing them cost
-    about a tenth of the copy time). Other layouts are copied through their strides at once.
-    `threads` > 1 splits the copies over a thread pool (ctypes releases the GIL); the default is
-    one, on the calling thread: on this machine's shared cores a second thread did not pay, and
-    the saver thread runs beside the forward pass. Torch's `index_select` / `index_copy_` are not
-    used: their OpenMP threads lose badly to a busy forward pass on the same cores."""
+    about a tenth of the copy time); consecutive pages merge into one run where the cache holds
+    them back to back (attention pages; Mamba state pages are padded, one run each). Other
+    layouts are copied through their strides at once. `threads` > 1 splits the copies over a
+    thread pool (ctypes releases the GIL); the default is one, on the calling thread: on this
+    machine's shared cores a second thread did not pay, and the saver thread runs beside the
+    forward pass. Torch's `index_select` / `index_copy_` are not used: their OpenMP threads lose
+    badly to a busy forward pass on the same cores."""
 
     def __init__(self, layout: PagedLayout, threads: int = 1) -> None:
         self.layout = layout
         self.threads = max(1, threads)
-        # each layer as bytes: [pages, heads, kernel_block_size, content bytes], any strides
-        self._layers = [kv.view(torch.uint8).numpy() for kv in layout.layers]
-        _, pages, heads, kernel, _ = layout.chunk_shape
-        first = self._layers[0]
-        self._chunk_shape = (len(self._layers), pages, heads, kernel, first.shape[-1])
-        self._num_pages = int(first.shape[0])
-        self._page_bytes = heads * kernel * int(first.shape[-1])
-        contiguous = all(
-            kv[0].flags.c_contiguous and kv.strides[0] == self._page_bytes for kv in self._layers
-        )
-        self._addresses = [int(kv.ctypes.data) for kv in self._layers] if contiguous else None
+        self._groups = [_CpuGroup(g) for g in layout.groups]
         self._local = threading.local()  # each thread's gathered copies (loads, the saver)
 
-    def save(self, slot: Bytes, pages: Sequence[int]) -> None:
-        """Copy a whole chunk's pages (in token order) into the arena slot (by `sync`)."""
-        self._check(slot, 0, pages)
-        if self._addresses is None:
-            chunk = slot.reshape(self._chunk_shape)
-            for layer, kv in enumerate(self._layers):
-                for offset, first, count in page_runs(pages):
-                    np.copyto(chunk[layer, offset : offset + count], kv[first : first + count])
-            return
-        pb, per_chunk = self._page_bytes, self._chunk_shape[1]
-        base, runs, pending = int(slot.ctypes.data), page_runs(pages), self._pending()
-        for layer, address in enumerate(self._addresses):
-            at = base + layer * per_chunk * pb
-            pending.extend((at + o * pb, address + f * pb, n * pb) for o, f, n in runs)
+    def mark(self) -> None:
+        """Nothing to order on the CPU: the forward pass has written the blocks on return."""
+        return None
 
-    def load(self, slot: Bytes, first_page: int, pages: Sequence[int]) -> None:
-        """Copy the chunk's pages [first_page, first_page + len(pages)) into vLLM's `pages`
-        (by `sync`)."""
-        self._check(slot, first_page, pages)
-        if self._addresses is None:
-            chunk = slot.reshape(self._chunk_shape)
-            for layer, kv in enumerate(self._layers):
-                for offset, first, count in page_runs(pages):
-                    at = first_page + offset
-                    np.copyto(kv[first : first + count], chunk[layer, at : at + count])
+    def save(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+        """Copy `pages` (SKIP: left as they are) of layout group `group` into its piece's pages
+        [first, first + len(pages)); `slot` holds a chunk's bytes from byte `at` on."""
+        g = self._groups[group]
+        base = g.check(slot, first, pages, at)
+        if g.addresses is None:
+            g.copy_strided(slot, first, pages, at, save=True)
             return
-        pb, per_chunk = self._page_bytes, self._chunk_shape[1]
-        base, runs, pending = int(slot.ctypes.data), page_runs(pages), self._pending()
-        for layer, address in enumerate(self._addresses):
-            at = base + (layer * per_chunk + first_page) * pb
-            pending.extend((address + f * pb, at + o * pb, n * pb) for o, f, n in runs)
+        pending, pb, pitch = self._pending(), g.page_bytes, g.pitch
+        for layer, address in enumerate(g.addresses):
+            dst = int(slot.ctypes.data) + base + (layer * g.kept + first) * pb
+            pending.extend((dst + o * pb, address + p * pitch, n * pb) for o, p, n in g.runs(pages))
 
-    def _check(self, slot: Bytes, first_page: int, pages: Sequence[int]) -> None:
-        """Raw addresses must stay inside the slot and the KV cache: check before copying."""
-        per_chunk = self._chunk_shape[1]
-        if slot.nbytes != len(self._layers) * per_chunk * self._page_bytes:
-            raise InvalidArgumentError(
-                f"a chunk slot of {slot.nbytes} bytes does not hold chunk_shape "
-                f"{self.layout.chunk_shape} of {self.layout.dtype_name}"
-            )
-        if not 0 <= first_page <= first_page + len(pages) <= per_chunk:
-            raise InvalidArgumentError(
-                f"pages [{first_page}, {first_page + len(pages)}) are outside a chunk of "
-                f"{per_chunk} pages"
-            )
-        if pages and not (min(pages) >= 0 and max(pages) < self._num_pages):
-            raise InvalidArgumentError(
-                f"block pages {min(pages)}..{max(pages)} are outside vLLM's KV cache of "
-                f"{self._num_pages} pages"
-            )
+    def load(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+        """Copy the piece's pages [first, first + len(pages)) into vLLM's `pages` (SKIP pages
+        are not written)."""
+        g = self._groups[group]
+        base = g.check(slot, first, pages, at)
+        if g.addresses is None:
+            g.copy_strided(slot, first, pages, at, save=False)
+            return
+        pending, pb, pitch = self._pending(), g.page_bytes, g.pitch
+        for layer, address in enumerate(g.addresses):
+            src = int(slot.ctypes.data) + base + (layer * g.kept + first) * pb
+            pending.extend((address + p * pitch, src + o * pb, n * pb) for o, p, n in g.runs(pages))
+
+    def wait(self, event: None) -> None:
+        return None
 
     def sync(self) -> None:
         """Run the gathered copies; they are done when this returns."""
@@ -220,11 +252,73 @@ class CpuCopier:
         return pending
 
 
+class _CpuGroup:
+    """One group's layers as bytes, and the checks that keep raw addresses in bounds."""
+
+    def __init__(self, layout: GroupLayout) -> None:
+        self.layout = layout
+        # each layer as bytes: [pages, heads, kernel block, content bytes], any strides
+        self.layers = [kv.view(torch.uint8).numpy() for kv in layout.layers]
+        self.kept = layout.kept_pages
+        self.page_bytes = layout.page_bytes
+        self.num_pages = int(self.layers[0].shape[0])
+        first = self.layers[0]
+        self.pitch = int(first.strides[0])
+        dense = all(kv[0].flags.c_contiguous and kv.strides[0] == self.pitch for kv in self.layers)
+        self.addresses = [int(kv.ctypes.data) for kv in self.layers] if dense else None
+        self.merge = self.pitch == self.page_bytes
+
+    def runs(self, pages: Sequence[int]) -> list[tuple[int, int, int]]:
+        return page_runs(pages, merge=self.merge)
+
+    def check(self, slot: Bytes, first: int, pages: Sequence[int], at: int) -> int:
+        """Raw addresses must stay inside the slot and the KV cache: check before copying.
+        Returns the piece's offset in `slot`."""
+        base = self.layout.offset - at
+        if base < 0 or slot.nbytes < base + self.layout.nbytes:
+            raise InvalidArgumentError(
+                f"a chunk slot of {slot.nbytes} bytes (from byte {at}) does not hold the "
+                f"{self.layout.group.kind} piece at bytes {self.layout.offset}.."
+                f"{self.layout.offset + self.layout.nbytes}"
+            )
+        if not 0 <= first <= first + len(pages) <= self.kept:
+            raise InvalidArgumentError(
+                f"pages [{first}, {first + len(pages)}) are outside a piece of {self.kept} pages"
+            )
+        real = [p for p in pages if p != SKIP]
+        if real and not (min(real) >= 0 and max(real) < self.num_pages):
+            raise InvalidArgumentError(
+                f"block pages {min(real)}..{max(real)} are outside vLLM's KV cache of "
+                f"{self.num_pages} pages"
+            )
+        return base
+
+    def copy_strided(
+        self, slot: Bytes, first: int, pages: Sequence[int], at: int, *, save: bool
+    ) -> None:
+        base = self.layout.offset - at
+        piece = slot[base : base + self.layout.nbytes].reshape(
+            (len(self.layers), self.kept, *self.layers[0].shape[1:])
+        )
+        for layer, kv in enumerate(self.layers):
+            for offset, p, count in page_runs(pages):
+                i = first + offset
+                if save:
+                    np.copyto(piece[layer, i : i + count], kv[p : p + count])
+                else:
+                    np.copyto(kv[p : p + count], piece[layer, i : i + count])
+
+
 class GpuCopier:
     """Page copies between GPU blocks and the arena, which is registered as pinned host memory
-    so the copies run asynchronously on a side stream; `sync()` waits for them.
+    so the copies run asynchronously on a side stream.
 
-    Not exercised by `make test` (there is no GPU there): the GPU check runs it.
+    Ordering, by construction: `mark()` records an event on the compute stream when vLLM's
+    `wait_for_save` runs (after the forward pass that wrote the blocks was queued); the saver's
+    `wait(event)` makes the copy stream wait on it before any save copy starts. Loads are
+    queued on the copy stream and `sync()` waits for them before `start_load_kv` returns, so
+    attention never reads a block a load is still writing. Not exercised by `make test` (there
+    is no GPU there): `make gpu-check` runs the connector tests on a CUDA machine.
     """
 
     def __init__(self, layout: PagedLayout, arena: Bytes | None) -> None:
@@ -233,24 +327,62 @@ class GpuCopier:
         if arena is not None:
             pin_host_memory(arena)
 
-    def save(self, slot: Bytes, pages: Sequence[int]) -> None:
-        chunk = self.layout.chunk_view(slot)
-        index = torch.tensor(pages, dtype=torch.int64, device=self.layout.device)
-        with torch.cuda.stream(self.stream):
-            for layer, kv in enumerate(self.layout.layers):
-                chunk[layer].copy_(torch.index_select(kv, 0, index), non_blocking=True)
+    def mark(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.layout.device))
+        return event
 
-    def load(self, slot: Bytes, first_page: int, pages: Sequence[int]) -> None:
-        chunk = self.layout.chunk_view(slot)
-        index = torch.tensor(pages, dtype=torch.int64, device=self.layout.device)
-        stop = first_page + len(pages)
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            self.stream.wait_event(event)
+
+    def _piece(self, slot: Bytes, group: GroupLayout, at: int) -> torch.Tensor:
+        base = group.offset - at
+        with warnings.catch_warnings():  # retrieved views are read-only; loads only read them
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(slot[base : base + group.nbytes])
+        return flat.view(len(group.layers), group.kept_pages, group.page_bytes)
+
+    def save(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+        """Queue device-to-pinned-host copies of `pages` into the piece (run by `sync`)."""
+        g = self.layout.groups[group]
+        piece = self._piece(slot, g, at)
+        device = g.layers[0].device
         with torch.cuda.stream(self.stream):
-            for layer, kv in enumerate(self.layout.layers):
-                src = chunk[layer, first_page:stop].to(kv.device, non_blocking=True)
-                kv.index_copy_(0, index, src)
+            for offset, count, index in _segments(pages, device):
+                rows = slice(first + offset, first + offset + count)
+                for layer, kv in enumerate(g.layers):
+                    got = torch.index_select(kv, 0, index).view(torch.uint8)
+                    piece[layer, rows].copy_(got.view(count, g.page_bytes), non_blocking=True)
+
+    def load(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+        """Queue pinned-host-to-device copies of the piece's pages into `pages` (by `sync`)."""
+        g = self.layout.groups[group]
+        piece = self._piece(slot, g, at)
+        device = g.layers[0].device
+        with torch.cuda.stream(self.stream):
+            for offset, count, index in _segments(pages, device):
+                rows = slice(first + offset, first + offset + count)
+                for layer, kv in enumerate(g.layers):
+                    src = piece[layer, rows].to(device, non_blocking=True)
+                    kv.index_copy_(0, index, src.view(kv.dtype).view(count, *g.page_shape))
 
     def sync(self) -> None:
         self.stream.synchronize()
+
+
+def _segments(pages: Sequence[int], device: torch.device) -> list[tuple[int, int, torch.Tensor]]:
+    """(offset in `pages`, count, page indices on `device`) for each stretch without SKIP."""
+    out: list[tuple[int, int, torch.Tensor]] = []
+    start = None
+    for i, page in enumerate([*pages, SKIP]):
+        if page != SKIP and start is None:
+            start = i
+        elif page == SKIP and start is not None:
+            index = torch.tensor(list(pages[start:i]), dtype=torch.int64, device=device)
+            out.append((start, i - start, index))
+            start = None
+    return out
 
 
 _PINNED: set[int] = set()

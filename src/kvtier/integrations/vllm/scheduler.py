@@ -14,7 +14,7 @@ from kvtier.client import Client, LookupHandle
 from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
-from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.config import ConnectorConfig, check_group_blocks
 from kvtier.integrations.vllm.inputs import AdapterFingerprints, request_extra_key
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
 
@@ -60,6 +60,7 @@ class SchedulerSide:
 
     def _check(self, client: Client) -> None:
         check_chunk_blocks(client.chunk_size, self.config.block_size, "vLLM's --block-size")
+        check_group_blocks(self.config, client.chunk_size)
         self.chunk_size = client.chunk_size
 
     # -- vLLM's scheduler-side hooks ------------------------------------------------------------
@@ -94,6 +95,7 @@ class SchedulerSide:
                 cache_salt=request.cache_salt or "",
                 extra_key=state.extra_key or b"",
                 wait=False,
+                **self._readers,
             )
             if not isinstance(handle, LookupHandle):
                 return 0, False
@@ -104,8 +106,10 @@ class SchedulerSide:
             if hit is None:
                 return None, False  # L2 loads still run on the server: ask again next step
             state.lookup = None
-            # keep the last token to compute (vLLM needs its logits); whole blocks only
-            usable = (request.num_tokens - 1) // self.config.block_size * self.config.block_size
+            # keep the last token to compute (vLLM needs its logits); whole blocks only, or
+            # whole chunks where a sliding window or a Mamba state is read at the hit's end
+            unit = self.config.hit_unit or self.chunk_size
+            usable = (request.num_tokens - 1) // unit * unit
             state.hit = min(int(hit), usable)
             state.saved_end = max(state.saved_end, int(hit))  # chunk-aligned: stored already
         return max(0, state.hit - num_computed_tokens), False
@@ -142,12 +146,17 @@ class SchedulerSide:
             computed = request.num_computed_tokens + num_new  # once this step has run
             end = min(computed, request.num_tokens) // self.chunk_size * self.chunk_size
             if end > state.saved_end:
-                meta.saves.append(self._transfer(state, state.saved_end, end, block_ids))
+                # a Mamba state exists at `end` only when this step ends there
+                meta.saves.append(
+                    self._transfer(
+                        state, state.saved_end, end, block_ids, state_at_end=computed == end
+                    )
+                )
                 state.saved_end = end
                 state.saves_planned = True
         return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Any) -> tuple[bool, None]:
         """True (blocks held) while the workers still save the request's chunks; else the
         kvtier session ends now."""
         state = self._requests.pop(request.request_id, None)
@@ -198,14 +207,40 @@ class SchedulerSide:
         others vLLM computes alone, never reading KV computed for other inputs."""
         return state.extra_key is not None
 
-    def _block_ids(self, req_id: str) -> list[int]:
-        assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+    @property
+    def _readers(self) -> dict[str, int]:
+        """MLA with several TP ranks: every rank retrieves the one shard under the pin."""
+        return {"readers": self.config.readers} if self.config.readers else {}
 
-    def _transfer(self, state: _Request, start: int, end: int, block_ids: list[int]) -> Transfer:
-        c, b = self.chunk_size, self.config.block_size
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's blocks, one list per KV cache group."""
+        assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        return tuple(list(ids) for ids in self.kv_cache_manager.get_block_ids(req_id))
+
+    def _transfer(
+        self,
+        state: _Request,
+        start: int,
+        end: int,
+        block_ids: tuple[list[int], ...],
+        *,
+        state_at_end: bool = True,
+    ) -> Transfer:
+        c = self.chunk_size
         chunk_start = start // c * c
         chunk_end = -(-end // c) * c
+        per_group: list[tuple[int, ...]] = []
+        for group in self.config.groups:
+            ids, b = block_ids[group.index], group.block_size
+            if group.kind != "mamba":
+                per_group.append(tuple(ids[start // b : end // b]))
+                continue
+            # vLLM's Mamba block for the state after `end` tokens: in "align" mode block p
+            # holds the state after (p + 1) * b tokens; in "none" mode (b past the model's
+            # length) the request's one block holds its running state
+            at = (end - 1) // b
+            ok = state_at_end and end > 0 and at < len(ids) and ids[at] != 0
+            per_group.append((ids[at],) if ok else ())
         return Transfer(
             request_id=state.request.request_id,
             kv_request_id=state.kv_request_id,
@@ -216,7 +251,7 @@ class SchedulerSide:
             chunk_end=chunk_end,
             start=start,
             end=end,
-            block_ids=tuple(block_ids[start // b : end // b]),
+            block_ids=tuple(per_group),
         )
 
     def _end(self, state: _Request) -> None:

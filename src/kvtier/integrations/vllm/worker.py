@@ -10,7 +10,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,34 +21,55 @@ from kvtier.client import Client
 from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
-from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.config import CacheGroup, ConnectorConfig, check_group_blocks
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
-from kvtier.integrations.vllm.paged import Copier, PagedLayout, copier_for
+from kvtier.integrations.vllm.paged import (
+    SKIP,
+    STAGED_KINDS,
+    Bytes,
+    Copier,
+    GroupLayout,
+    PagedLayout,
+    copier_for,
+)
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_FLUSH_S = 60.0  # how long a clean shutdown waits for saves in flight
 
 
-class WorkerSide:
-    """One tensor-parallel rank's loads and saves."""
+@dataclass
+class _SaveJob:
+    """One save for the saver thread: the transfer, the staged pieces, the ordering event."""
 
-    def __init__(self, config: ConnectorConfig, rank: int) -> None:
+    save: Transfer
+    staged: Bytes | None = None  # (chunks, tail bytes): pieces copied in wait_for_save
+    event: Any = None  # GPU: recorded on the compute stream after the forward pass
+    skip: bool = False  # nothing to store from this rank (only counted for get_finished)
+
+
+class WorkerSide:
+    """One rank's loads and saves: its tensor-parallel heads of its pipeline stage's layers (MLA:
+    the stage's latent cache, the same on every TP rank, stored by TP rank 0 only)."""
+
+    def __init__(self, config: ConnectorConfig, rank: int, pp_rank: int = 0) -> None:
         self.config = config
-        self.rank = rank
-        self.recompute = Recompute(f"KVTierConnector worker {rank}")
+        self.rank = rank  # tensor-parallel rank
+        self.worker_id = config.worker_id(rank, pp_rank)
+        self.reader = pp_rank * config.tp_size + rank  # this rank's mark on a lookup's pin
+        self.recompute = Recompute(f"KVTierConnector worker {self.worker_id}")
         self._kv_caches: Mapping[str, torch.Tensor] | None = None
         self.layout: PagedLayout | None = None
         self._copier: Copier | None = None
         self._load_errors: set[int] = set()
         # saves: one background thread; counts of queued saves per vLLM request id
-        self._jobs: queue.Queue[Transfer | None] = queue.Queue()
+        self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
         self._pending: dict[str, int] = {}
         self._finishing: set[str] = set()  # finished requests whose saves may still run
         self._saved_any: set[str] = set()  # requests this worker was told to save
         self._cond = threading.Condition()
         self._saver = threading.Thread(
-            target=self._save_loop, name=f"kvtier-vllm-saver-{rank}", daemon=True
+            target=self._save_loop, name=f"kvtier-vllm-saver-{self.worker_id}", daemon=True
         )
         self._saver.start()
         self._closed = False
@@ -60,33 +83,38 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Keep vLLM's per-layer KV views and register this rank's chunk layout with kvtier."""
         self._kv_caches = kv_caches
-        client = self.client.try_connect(f"KVTierConnector worker {self.rank}")
+        client = self.client.try_connect(f"KVTierConnector worker {self.worker_id}")
         if client is not None and self.layout is None:
             self._setup(client)
 
     def _setup(self, client: Client) -> None:
         """On each new connection: check the chunk size, build the layout, register it."""
         check_chunk_blocks(client.chunk_size, self.config.block_size, "vLLM's --block-size")
+        check_group_blocks(self.config, client.chunk_size)
         if self._kv_caches is None:
             return
         if self.layout is None:
             self.layout = PagedLayout.from_kv_caches(
-                self._kv_caches, self.config.layer_names, self.config.block_size, client.chunk_size
+                self._kv_caches, self.config.groups, client.chunk_size
             )
             self._copier = copier_for(self.layout, client.arena_bytes)  # pinned for GPU copies
         client.register(
             model=self.config.model,
             world_size=self.config.world_size,
-            worker_id=self.rank,
+            worker_id=self.worker_id,
             chunk_shape=self.layout.chunk_shape,
             dtype=self.layout.dtype_name,
         )
 
     def _ready(self) -> tuple[Client, PagedLayout, Copier] | None:
-        client = self.client.try_connect(f"KVTierConnector worker {self.rank}")
+        client = self.client.try_connect(f"KVTierConnector worker {self.worker_id}")
         if client is None or self.layout is None or self._copier is None:
             return None
         return client, self.layout, self._copier
+
+    def _group_index(self, group: CacheGroup) -> int:
+        """A group's position in the config (the index of its block ids in a Transfer)."""
+        return self.config.groups.index(group)
 
     # -- loads ------------------------------------------------------------------------------------
 
@@ -96,7 +124,7 @@ class WorkerSide:
             t0 = time.perf_counter()
             ok = self._load(load)
             if not ok:
-                self._load_errors.update(load.block_ids)
+                self._load_errors.update(b for ids in load.block_ids for b in ids if b)
             logger.info(
                 "kvtier load of %s: %d tokens %s in %.2f ms",
                 load.request_id,
@@ -110,14 +138,14 @@ class WorkerSide:
         if ready is None:
             return False
         client, layout, copier = ready
-        c, kb = layout.chunk_size, layout.kernel_block_size
-        pages = layout.pages(load.block_ids)
+        c = layout.chunk_size
+        reader = {"reader": self.reader} if self.config.readers else {}
         try:
             with client.retrieve_slots(
                 load.kv_request_id,
                 np.frombuffer(load.tokens, dtype=TOKEN_DTYPE),
                 model=self.config.model,
-                worker_id=self.rank,
+                worker_id=self.worker_id,
                 start=load.chunk_start,
                 end=load.chunk_end,
                 chunk_shape=layout.chunk_shape,
@@ -125,6 +153,7 @@ class WorkerSide:
                 cache_salt=load.cache_salt,
                 extra_key=load.extra_key,
                 world_size=self.config.world_size,
+                **reader,
             ) as got:
                 wanted = (load.chunk_end - load.chunk_start) // c
                 if got.num_chunks < wanted:
@@ -136,18 +165,55 @@ class WorkerSide:
                         load.request_id,
                     )
                     return False  # a load is all or nothing: its blocks are recomputed
-                for k in range(wanted):
-                    chunk0 = load.chunk_start + k * c
-                    t0, t1 = max(load.start, chunk0), min(load.end, chunk0 + c)
-                    copier.load(
-                        got.views[k],
-                        (t0 - chunk0) // kb,
-                        pages[(t0 - load.start) // kb : (t1 - load.start) // kb],
-                    )
+                for li, group in enumerate(layout.groups):
+                    ids = load.block_ids[self._group_index(group.group)]
+                    if not self._load_group(copier, got.views, li, group, load, ids):
+                        return False
                 copier.sync()
         except KVTierError as exc:  # a lapsed lease, the server gone: the bytes are not vouched
             self.recompute.fail(f"load of {load.request_id}", exc)
             return False
+        return True
+
+    def _load_group(
+        self,
+        copier: Copier,
+        views: list[Bytes],
+        li: int,
+        group: GroupLayout,
+        load: Transfer,
+        block_ids: Sequence[int],
+    ) -> bool:
+        """Queue one group's copies of a load; False where a block vLLM allocated has no
+        stored page (the load then fails, and vLLM recomputes)."""
+        c = self.layout.chunk_size if self.layout is not None else 0
+        if group.group.kind == "mamba":
+            if not block_ids:
+                logger.warning("no Mamba state block for the load of %s", load.request_id)
+                return False
+            copier.load(views[-1], li, 0, group.pages(block_ids[-1:]))  # the state at the end
+            return True
+        kb = group.group.block_size // group.pages_per_block
+        pages = group.pages(block_ids)
+        all_pages = group.chunk_blocks * group.pages_per_block
+        dropped = all_pages - group.kept_pages  # leading pages a sliding piece does not hold
+        for k, view in enumerate(views):
+            chunk0 = load.chunk_start + k * c
+            t0, t1 = max(load.start, chunk0), min(load.end, chunk0 + c)
+            if t1 <= t0:
+                continue
+            mine = pages[(t0 - load.start) // kb : (t1 - load.start) // kb]
+            first = (t0 - chunk0) // kb - dropped
+            if first < 0:  # pages before the piece: vLLM must not hold blocks there
+                if any(p != SKIP for p in mine[:-first]):
+                    logger.warning(
+                        "vLLM allocated %s blocks outside the stored window for %s",
+                        group.group.kind,
+                        load.request_id,
+                    )
+                    return False
+                mine, first = mine[-first:], 0
+            copier.load(view, li, first, mine)
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -158,13 +224,47 @@ class WorkerSide:
     # -- saves ------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
-        """Queue this step's saves; the saver thread copies them while the next steps run."""
+        """Queue this step's saves; the saver thread copies them while the next steps run. The
+        pieces of groups whose blocks vLLM frees soon (sliding window, Mamba state) are staged
+        here, before this returns: the next schedule may free or overwrite those blocks."""
         with self._cond:
             for save in meta.saves:
                 self._pending[save.request_id] = self._pending.get(save.request_id, 0) + 1
                 self._saved_any.add(save.request_id)
+        ready = self._ready() if meta.saves and self.config.stores(self.rank) else None
         for save in meta.saves:
-            self._jobs.put(save)
+            job = _SaveJob(save)
+            if ready is not None:
+                _, layout, copier = ready
+                job.event = copier.mark()
+                job.staged = self._stage(layout, copier, save, job.event)
+            else:
+                job.skip = True  # no server, or another TP rank stores this MLA shard
+            self._jobs.put(job)
+
+    def _stage(self, layout: PagedLayout, copier: Copier, save: Transfer, event: Any) -> Bytes:
+        """(chunks, tail bytes): each chunk's sliding-window and Mamba pieces, copied now.
+        Pages vLLM no longer holds (null blocks) stay zero."""
+        tail = layout.chunk_bytes - layout.staged_offset
+        num = (save.chunk_end - save.chunk_start) // layout.chunk_size
+        staged = np.zeros((num, tail), dtype=np.uint8)
+        if not tail:
+            return staged
+        copier.wait(event)
+        for li, group in enumerate(layout.groups):
+            if group.group.kind not in STAGED_KINDS:
+                continue
+            ids = save.block_ids[self._group_index(group.group)]
+            if group.group.kind == "mamba":
+                if ids:  # the state at the save's end: the last chunk's
+                    copier.save(staged[-1], li, 0, group.pages(ids), at=layout.staged_offset)
+                continue
+            pages, per = group.pages(ids), group.chunk_blocks * group.pages_per_block
+            for k in range(num):
+                kept = pages[k * per : (k + 1) * per][per - group.kept_pages :]
+                copier.save(staged[k], li, 0, kept, at=layout.staged_offset)
+        copier.sync()
+        return staged
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
         """Preempted requests' blocks are about to be reused: their saves finish first."""
@@ -184,31 +284,43 @@ class WorkerSide:
 
     def _save_loop(self) -> None:
         while True:
-            save = self._jobs.get()
-            if save is None:
+            job = self._jobs.get()
+            if job is None:
                 return
             try:
-                self._save(save)
+                if not job.skip:
+                    self._save(job)
             except Exception:  # a bug must not kill the saver: vLLM waits on get_finished
-                logger.exception("kvtier save of %s failed", save.request_id)
+                logger.exception("kvtier save of %s failed", job.save.request_id)
             finally:
                 with self._cond:
-                    self._pending[save.request_id] -= 1
+                    self._pending[job.save.request_id] -= 1
                     self._cond.notify_all()
 
-    def _save(self, save: Transfer) -> None:
+    def _resumable(self, save: Transfer, num: int) -> list[bool]:
+        """Which chunks of a save a request can resume from: all, unless a Mamba group's state
+        exists only at the save's end (and only when the step ended there)."""
+        mamba = [i for i, g in enumerate(self.config.groups) if g.kind == "mamba"]
+        if not mamba:
+            return [True] * num
+        last = all(save.block_ids[i] for i in mamba)
+        return [False] * (num - 1) + [last]
+
+    def _save(self, job: _SaveJob) -> None:
         ready = self._ready()
         if ready is None:
             return
         client, layout, copier = ready
-        per_chunk = layout.chunk_size // layout.kernel_block_size
-        pages = layout.pages(save.block_ids)
+        save, tail_at = job.save, layout.staged_offset
+        num = (save.chunk_end - save.chunk_start) // layout.chunk_size
+        flags = self._resumable(save, num)
+        resumable = {} if all(flags) else {"resumable": flags}
         try:
             with client.store_slots(
                 save.kv_request_id,
                 np.frombuffer(save.tokens, dtype=TOKEN_DTYPE),
                 model=self.config.model,
-                worker_id=self.rank,
+                worker_id=self.worker_id,
                 start=save.chunk_start,
                 end=save.chunk_end,
                 chunk_shape=layout.chunk_shape,
@@ -216,10 +328,20 @@ class WorkerSide:
                 cache_salt=save.cache_salt,
                 extra_key=save.extra_key,
                 world_size=self.config.world_size,
+                **resumable,
             ) as slots:
-                for i, view in slots.targets():
-                    copier.save(view, pages[i * per_chunk : (i + 1) * per_chunk])
+                copier.wait(job.event)
+                for li, group in enumerate(layout.groups):
+                    if group.group.kind in STAGED_KINDS:
+                        continue
+                    pages = group.pages(save.block_ids[self._group_index(group.group)])
+                    per = group.chunk_blocks * group.pages_per_block
+                    for i, view in slots.targets():
+                        copier.save(view, li, 0, pages[i * per : (i + 1) * per])
                 copier.sync()
+                if job.staged is not None and job.staged.shape[1]:
+                    for i, view in slots.targets():
+                        np.copyto(view[tail_at:], job.staged[i])
         except KVTierError as exc:
             self.recompute.fail(f"save of {save.request_id}", exc)
 
