@@ -12,9 +12,10 @@ prefix cache and kvtier's names, so it reports 0 cached tokens and computes ever
 saves a third engine process per family). The loaded request must give the same tokens as the
 salted one and as engine 1, with logprobs within `Family.tolerance`.
 
-Every engine prefills in steps of one chunk (max_num_batched_tokens = the chunk size), so the
-loaded request computes the same last step as the others do: the comparison isolates what was
-loaded. Chunk size rule: the server's --chunk-size must be a multiple of vLLM's block size for
+Every engine prefills in steps of one chunk (max_num_batched_tokens = the chunk size; vLLM's CPU
+build ignores it for MLA, see `FAMILIES`), so the loaded request computes the same last step as
+the others do: the comparison isolates what was loaded. The step size also makes a Mamba state
+exist at every chunk end (a state exists where a step ends). Chunk size rule: the server's --chunk-size must be a multiple of vLLM's block size for
 every KV cache group; 256 is, for each model here (see `FAMILIES`).
 """
 
@@ -51,8 +52,11 @@ FAMILIES = [
     Family("gemma3", ("--block-size", "32"), 1e-4),
     # sliding window 128, attention sinks; vLLM's block: 128
     Family("gpt-oss", (), 1e-4),
-    # one MLA group, head size 576; vLLM forces block 16 and, on CPU, its prefix caching off
-    Family("deepseek-v2", ("--no-prefix-caching",), 1e-4),
+    # one MLA group, head size 576, block 16. vLLM's CPU build turns prefix caching and
+    # chunked prefill off for MLA: the reference prefills all 600 tokens in one step while the
+    # loaded request attends to 512 loaded latents through MLA's context path, so float32
+    # rounding differs (3.5e-4 measured)
+    Family("deepseek-v2", ("--no-prefix-caching",), 1e-3),
     # gated delta net + full attention; CPU GDN needs bf16; vLLM raises the attention block to
     # 256 so an attention page holds a linear-attention state page (chunks: multiples of 256)
     Family("qwen3-next", ("--dtype", "bfloat16"), 1e-2),
