@@ -7,7 +7,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install install-test engines system-packages ibverbs run test lint typecheck pytest bench \
-	demo soak clean
+	demo soak gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,14 @@ demo: $(TEST_STAMP)
 # mounts a tmpfs (needs root), so not part of `make test`.
 soak: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.soak --duration 120 --compare --json soak.json
+
+# The vLLM connector's scheduler-level tests with vLLM's KV cache on a CUDA device, so they run
+# GpuCopier: save copies wait on an event recorded on the compute stream, loads finish before
+# start_load_kv returns. Needs a CUDA machine whose venv has CUDA builds of torch and vLLM
+# (`make test` runs the same tests on the CPU; there is no GPU there).
+gpu-check:
+	KVTIER_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  tests/integration/test_vllm_scheduler.py tests/integration/test_vllm_hybrid.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -558,6 +558,7 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         wait: Literal[True] = True,
+        readers: int = 0,
     ) -> int: ...
 
     @overload
@@ -571,6 +572,7 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         wait: Literal[False],
+        readers: int = 0,
     ) -> LookupHandle: ...
 
     def lookup(
@@ -583,13 +585,18 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         wait: bool = True,
+        readers: int = 0,
     ) -> int | LookupHandle:
         """Leading tokens whose chunks every rank has cached (pinned until retrieved).
 
         Chunks that must first load from an L2 tier load on the server; with `wait=False` this
         returns at once a `LookupHandle` to poll while they do (a scheduler step is not held up).
+        `readers`: how many ranks retrieve under the pin (0: world_size); the pin is released
+        once each of readers 0..readers-1 retrieved (see `retrieve(reader=...)`).
         """
-        msg = p.Lookup(request_id, _tokens(tokens), model, world_size, cache_salt, wait, extra_key)
+        msg = p.Lookup(
+            request_id, _tokens(tokens), model, world_size, cache_salt, wait, extra_key, readers
+        )
         raw, _ = self._call(msg)
         reply = reply_as(raw, p.LookupReply, "Lookup")
         if wait:
@@ -611,14 +618,19 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         world_size: int | None = None,
+        resumable: Sequence[bool] = (),
     ) -> StoreSlots:
-        """Slots to write this rank's chunks [start, end) into; commits on leaving `with`."""
+        """Slots to write this rank's chunks [start, end) into; commits on leaving `with`.
+
+        `resumable[i]`: whether chunk i is a point the engine can resume from (empty: every
+        chunk is); a lookup's hit ends at the last resume point of its leading stored chunks.
+        """
         num_chunks = max(0, (end - start) // self.chunk_size)
         fields = self._fields(
             request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
             cache_salt, extra_key, world_size,
         )  # fmt: skip
-        return StoreSlots(self, fields)
+        return StoreSlots(self, {**fields, "resumable": [bool(r) for r in resumable]})
 
     def retrieve_slots(
         self,
@@ -634,14 +646,16 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         world_size: int | None = None,
+        reader: int = -1,
     ) -> RetrievedSlots:
-        """Read-only views of this rank's leading cached chunks of [start, end)."""
+        """Read-only views of this rank's leading cached chunks of [start, end); `reader` is
+        the rank marked done on the lookup's pin (-1: worker_id)."""
         num_chunks = max(0, (end - start) // self.chunk_size)
         fields = self._fields(
             request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
             cache_salt, extra_key, world_size,
         )  # fmt: skip
-        return RetrievedSlots(self, fields)
+        return RetrievedSlots(self, {**fields, "reader": reader})
 
     def store(
         self,
@@ -656,15 +670,18 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         world_size: int | None = None,
+        resumable: Sequence[bool] = (),
     ) -> int:
         """Store chunks [start, end) of this rank from `kv` (num_chunks, *chunk_shape).
 
         `end` defaults to start + num_chunks * chunk_size. Returns the tokens now stored.
+        `resumable` as in `store_slots`.
         """
         rows, fields = self._range(
             request_id, tokens, kv, "kv", model, worker_id, start, end, cache_salt, extra_key,
             world_size,
         )  # fmt: skip
+        fields["resumable"] = [bool(r) for r in resumable]
         with StoreSlots(self, fields) as slots:
             copy_pairs([(view, rows[i]) for i, view in slots.targets()])
             return slots.commit()
@@ -682,17 +699,19 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         world_size: int | None = None,
+        reader: int = -1,
     ) -> int:
         """Copy this rank's shards of chunks [start, end) into `out` (num_chunks, *chunk_shape).
 
         Returns the tokens retrieved from `start`: it stops at the first chunk not cached.
         Raises LeaseExpiredError when the server's lease on the slots lapsed during the copy.
+        `reader`: the rank marked done on the lookup's pin (-1: worker_id).
         """
         rows, fields = self._range(
             request_id, tokens, out, "out", model, worker_id, start, end, cache_salt, extra_key,
             world_size,
         )  # fmt: skip
-        with RetrievedSlots(self, fields) as got:
+        with RetrievedSlots(self, {**fields, "reader": reader}) as got:
             copy_pairs([(rows[i], view) for i, view in enumerate(got.views)])
         return got.num_tokens
 

@@ -203,7 +203,8 @@ class ServerConfig:
     )
     pin_lease: float = _opt(
         60.0,
-        "Seconds a lookup's pins survive without the request using them again",
+        "Seconds a lookup's pins survive after the client that made the lookup was last seen "
+        "(its heartbeats keep them) and the request last used them",
         example="--pin-lease 60",
         metavar="SECONDS",
     )

@@ -82,6 +82,15 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "EndSession": ("end_session", "end_session"),
 }
 
+#: why a load could not deliver what a lookup reported: the `reason` label of
+#: kvtier_failed_loads_total (see docs/operations.md)
+FAILED_LOAD_REASONS: tuple[str, ...] = (
+    "short",  # a retrieve found fewer chunks than its session's pin holds (cleared, share)
+    "pin_lapsed",  # the session's pin lapsed first (its client was silent for --pin-lease)
+    "no_lookup",  # no lookup of the session on this server (it restarted since, or it ended)
+    "lease_expired",  # the retrieve's lease lapsed before the client said it had copied
+)
+
 #: models beyond this many distinct names share the label value "other"
 DEFAULT_MAX_MODELS = 32
 OTHER = "other"
@@ -183,6 +192,13 @@ class Metrics:
         self._retrieved_bytes = Counter(
             "kvtier_retrieved_bytes", "KV bytes handed out to clients.", registry=self.registry
         )
+        failed = Counter(
+            "kvtier_failed_loads",
+            "Retrieves that could not deliver what the lookup reported, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._failed_loads = {reason: failed.labels(reason) for reason in FAILED_LOAD_REASONS}
         self._state_lock = threading.Lock()
         self._models_lock = threading.Lock()
         # labelled children by label values (dict reads and writes are atomic under the GIL)
@@ -251,6 +267,10 @@ class Metrics:
         """Count `n` KV bytes stored by clients."""
         self._stored_bytes.inc(n)
         self._stored += n
+
+    def count_failed_load(self, reason: str) -> None:
+        """Count one load that fell short of its lookup's report (a FAILED_LOAD_REASONS value)."""
+        self._failed_loads[reason].inc()
 
     def add_retrieved_bytes(self, n: int) -> None:
         """Count `n` KV bytes retrieved by clients."""

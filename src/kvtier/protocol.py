@@ -80,6 +80,9 @@ class Lookup(_Msg):
     cache_salt: str = ""
     wait: bool = True
     extra_key: bytes = b""  # what else changes the KV of these tokens (see RangeRequest)
+    # How many ranks retrieve under this lookup's pin (0: world_size). More than world_size
+    # when ranks share a shard (MLA: one latent cache, stored once, read by every TP rank).
+    readers: int = 0
 
 
 class LookupPoll(_Msg):
@@ -115,7 +118,13 @@ class RangeRequest(_Msg):
 
 
 class Reserve(RangeRequest):
-    """Store, step 1 (shared memory): staging slots for the range."""
+    """Store, step 1 (shared memory): staging slots for the range.
+
+    `resumable[i]` says whether chunk i of the range is a point the engine can resume from
+    (a Mamba state exists only where the engine materialized it); empty: every chunk is.
+    """
+
+    resumable: list[bool] = []
 
 
 class Commit(_Msg):
@@ -131,13 +140,23 @@ class Abort(_Msg):
 
 
 class StoreInline(RangeRequest):
-    """Store for a client without the arena: one payload frame per chunk follows."""
+    """Store for a client without the arena: one payload frame per chunk follows.
+
+    `resumable` as in Reserve.
+    """
+
+    resumable: list[bool] = []
 
 
 class Retrieve(RangeRequest):
-    """Slots (or, `inline`, the bytes) of this rank's shards of the range."""
+    """Slots (or, `inline`, the bytes) of this rank's shards of the range.
+
+    `reader` is the rank marked done on the lookup's pin (-1: `worker_id`), in
+    range(Lookup.readers): several readers may retrieve one shard (MLA).
+    """
 
     inline: bool = False
+    reader: int = -1
 
 
 class RetrieveDone(_Msg):

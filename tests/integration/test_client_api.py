@@ -17,7 +17,7 @@ import pytest
 
 from kvtier import protocol as p
 from kvtier.client import Client, LookupHandle
-from kvtier.errors import InvalidArgumentError, LeaseExpiredError, NotConnectedError
+from kvtier.errors import BadArrayError, InvalidArgumentError, LeaseExpiredError, NotConnectedError
 from kvtier.integrations.seam import Recompute
 
 from ..conftest import ServerProcess, free_port, start_redis
@@ -264,3 +264,87 @@ def test_slots_that_rejoin_a_server_whose_arena_cannot_be_mapped_fail_typed(
             c.retrieve_slots("r", tokens, end=2 * CS, **common)  # type: ignore[arg-type]
         out = np.zeros_like(kv)
         assert c.retrieve("r", tokens, out, model="m") == 0  # inline again; nothing stored here
+
+
+def test_a_lookup_for_two_readers_of_one_shard_holds_its_pin_until_both_retrieved(
+    server: ServerProcess,
+) -> None:
+    # MLA: one shard per chunk (world_size 1), retrieved by every TP rank under one pin.
+    tokens = list(range(8000, 8000 + 3 * CS))
+    kv = kv_for(37, 3)
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("w", tokens, kv, model="m")
+        assert c.lookup("r", tokens, model="m", readers=2) == 3 * CS
+        assert status(server)["l1"]["pinned_groups"] == 3
+        for reader in (0, 1):
+            assert status(server)["l1"]["pinned_groups"] == 3  # still held for this reader
+            out = np.zeros_like(kv)
+            assert c.retrieve("r", tokens, out, model="m", reader=reader) == 3 * CS
+            assert np.array_equal(out, kv)
+        assert status(server)["l1"]["pinned_groups"] == 0  # both read: released
+        # the slot API names its reader the same way, and a repeated reader does not count twice
+        assert c.lookup("r", tokens, model="m", readers=2) == 3 * CS
+        common = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16", "end": 3 * CS}
+        for _ in range(2):
+            with c.retrieve_slots("r", tokens, reader=1, **common) as got:  # type: ignore[arg-type]
+                assert got.num_chunks == 3
+        assert status(server)["l1"]["pinned_groups"] == 3
+        with pytest.raises(InvalidArgumentError, match=r"outside range\(readers=2\)"):
+            c.retrieve("r", tokens, np.zeros_like(kv), model="m", reader=2)
+        with c.retrieve_slots("r", tokens, reader=0, **common) as got:  # type: ignore[arg-type]
+            assert got.num_chunks == 3
+        assert status(server)["l1"]["pinned_groups"] == 0
+        # without readers, world_size ranks: the one rank's retrieve releases the pin
+        assert c.lookup("r", tokens, model="m") == 3 * CS
+        c.retrieve("r", tokens, np.zeros_like(kv), model="m")
+        assert status(server)["l1"]["pinned_groups"] == 0
+        for bad in ({"readers": -1}, {"readers": 1 << 20}):
+            with pytest.raises(InvalidArgumentError, match="readers"):
+                c.lookup("r", tokens, model="m", **bad)  # type: ignore[call-overload]
+        for reader in (-2, 1 << 20):
+            with pytest.raises(InvalidArgumentError, match="reader"):
+                c.retrieve("r", tokens, np.zeros_like(kv), model="m", reader=reader)
+
+
+def test_a_hit_ends_at_the_last_resume_point_of_the_stored_chunks(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    # Two ranks; chunk 3 of rank 1 and chunk 4 of rank 0 are no resume points (a Mamba state
+    # the engine did not materialize there): the group is one only when every shard is.
+    disk = f"disk://{tmp_path}/l2?size=64MiB"
+    tokens = list(range(9000, 9000 + 6 * CS))
+    kv = kv_for(38, 6)
+    flags = {0: [True, True, True, True, False, True], 1: [True, True, True, False, True, True]}
+    first = server_factory("--chunk-size", str(CS), "--l2", disk)
+    with Client(first.address) as c:
+        for rank in (0, 1):
+            c.register(model="m", world_size=2, worker_id=rank, chunk_shape=SHAPE, dtype="float16")
+        c.store("w", tokens, kv, model="m", worker_id=0, resumable=flags[0])
+        assert c.lookup("r", tokens, model="m", world_size=2) == 0  # rank 1 stored nothing yet
+        # inline, as a client without the arena stores (StoreInline carries the same flags)
+        with Client(first.address, transfer="inline") as remote:
+            remote.register(
+                model="m", world_size=2, worker_id=1, chunk_shape=SHAPE, dtype="float16"
+            )
+            remote.store("w", tokens, kv, model="m", worker_id=1, resumable=flags[1])
+        # chunks 0..5 are complete; 3 and 4 are no resume points, 5 is: all six are a hit
+        assert c.lookup("r", tokens, model="m", world_size=2) == 6 * CS
+        # a prompt ending inside the chain ends its hit at the last resume point before it
+        assert c.lookup("r2", tokens[: 5 * CS], model="m", world_size=2) == 3 * CS
+        with pytest.raises(BadArrayError, match="resumable has 2 flags for 6 chunks"):
+            c.store("w", tokens, kv, model="m", worker_id=0, resumable=[True, False])
+        for r in ("r", "r2"):
+            c.end_session(r)
+        # the L2 holds the resume points only: shards that are not are kept in L1 alone
+        assert wait_for(lambda: written(first, 2 * 6 - 2))
+    first.stop()
+    second = server_factory("--chunk-size", str(CS), "--l2", disk)
+    with Client(second.address) as c:
+        for rank in (0, 1):
+            c.register(model="m", world_size=2, worker_id=rank, chunk_shape=SHAPE, dtype="float16")
+        # after a restart the hit ends before the first group the L2 lacks a shard of
+        assert c.lookup("r", tokens, model="m", world_size=2) == 3 * CS
+        out = np.zeros_like(kv)
+        assert c.retrieve("r", tokens, out, model="m", worker_id=0, end=3 * CS) == 3 * CS
+        assert np.array_equal(out[:3], kv[:3])

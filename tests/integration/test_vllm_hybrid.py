@@ -6,6 +6,8 @@ against what a recompute writes (vllm_harness.py)."""
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -226,3 +228,194 @@ def test_mamba_state_round_trip_is_byte_exact(
             assert b.read_state("b", 0, 256, i) == b.expected_state(prompt[:256], 0, i)
     b.run_until_done(["b"])
     assert not b.invalid_blocks_seen
+
+
+def test_mamba_chunks_without_a_state_at_their_end_are_not_resume_points(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    # one long step: vLLM's "align" split stops the prefill at 256 (the last block boundary
+    # before the prompt's last token), so of chunks 64..256 only the one ending at 256 has a
+    # state; the chunks before it are stored (their attention pages) but are no resume points
+    kw: dict[str, Any] = {"specs": mamba_specs, "block_size": CHUNK, "mamba_cache_mode": "align"}
+    prompt = _prompt(5, 300)
+    a = harness(server.address, **kw)
+    a.add("a", prompt)
+    out = a.step()
+    (save,) = out.kv_connector_metadata.saves
+    assert (save.chunk_start, save.chunk_end) == (0, 256)
+    a.run_until_done(["a"])
+    a.flush()
+    a.close()
+    b = harness(server.address, **kw)
+    b.add("b", prompt)
+    b.step()
+    assert b.num_cached["b"] == 256
+    for i, g in enumerate(b.groups):
+        if g.kind == "mamba":
+            assert b.read_state("b", 0, 256, i) == b.expected_state(prompt[:256], 0, i)
+    _assert_groups_exact(b, "b", prompt[:256])
+    # a prompt sharing the first 3 chunks: complete there, but no state to resume from
+    c = harness(server.address, **kw)
+    c.add("c", prompt[:192] + _prompt(6, 100))
+    c.step()
+    assert c.num_cached["c"] == 0
+    c.run_until_done(["c"])
+    assert not b.invalid_blocks_seen and not c.invalid_blocks_seen
+
+
+def test_mamba_without_prefix_caching_loads_the_running_state(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    # Nemotron-H on vLLM's CPU build: prefix caching off, mamba_cache_mode "none": one running
+    # state block per request; steps of one chunk leave a state at every chunk's end
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    def specs(rank: int) -> dict[str, Any]:
+        return {
+            "model.layers.0.mixer": MambaSpec(
+                block_size=1024,
+                shapes=((3, 256), (4, 16, 16)),
+                dtypes=(torch.float32, torch.float32),
+            ),
+            "model.layers.1.self_attn.attn": FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32
+            ),
+        }
+
+    kw: dict[str, Any] = {
+        "specs": specs,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": CHUNK,
+    }
+    prompt = _prompt(7, 300)
+    _store(harness, server.address, prompt, **kw)
+    b = harness(server.address, **kw)
+    b.add("b", prompt)
+    b.step(forward=False)  # the forward pass would advance the one state block past 256
+    assert b.num_cached["b"] == 256
+    assert not b.invalid_blocks_seen
+    mamba = next(i for i, g in enumerate(b.groups) if g.kind == "mamba")
+    assert b.read_state("b", 0, 256, mamba) == b.expected_state(prompt[:256], 0, mamba)
+    _assert_groups_exact(b, "b", prompt[:256])
+
+
+def test_sliding_window_request_preempted_resumes_from_kvtier(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    b = harness(
+        server.address,
+        specs=sliding_specs(),
+        num_blocks=30,
+        max_model_len=300,
+        max_num_batched_tokens=CHUNK,
+    )
+    x, y = _prompt(8, 150), _prompt(9, 130)
+    b.add("x", x, max_tokens=120)
+    b.add("y", y, max_tokens=50)
+    preempted: set[str] = set()
+    resumed = []
+    for _ in range(800):
+        if {"x", "y"} <= set(b.finished):
+            break
+        out = b.step()
+        preempted |= set(out.preempted_req_ids or ())
+        for load in out.kv_connector_metadata.loads:
+            if load.request_id in preempted:
+                resumed.append(load)
+                tokens = b.scheduler.requests[load.request_id].all_token_ids[: load.end]
+                _assert_groups_exact(b, load.request_id, list(tokens))
+    assert preempted, "no request was preempted: shrink num_blocks"
+    assert resumed and all(t.end % CHUNK == 0 for t in resumed)
+    assert {"x", "y"} <= set(b.finished)
+    assert not b.invalid_blocks_seen
+    _null_block_untouched(b)
+
+
+def test_sliding_window_request_aborted_while_its_save_runs(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    prompt = _prompt(10, 300)
+    a = harness(server.address, specs=sliding_specs())
+    a.add("a", prompt, max_tokens=50)
+    try:
+        # the server stalls after the lookup: the sliding-window pieces are staged in the
+        # step's wait_for_save, the store waits in the saver thread
+        a.step(after_schedule=lambda: server.proc.send_signal(signal.SIGSTOP))
+        a.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+        a.step()
+        assert "a" in a.scheduler.requests, "blocks were freed while their save still ran"
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    for _ in range(100):
+        a.step()
+        if "a" not in a.scheduler.requests:
+            break
+        time.sleep(0.05)
+    assert "a" not in a.scheduler.requests, "the save finished but vLLM never got the blocks back"
+    b = harness(server.address, specs=sliding_specs())
+    b.add("b", prompt)
+    b.step()
+    assert b.num_cached["b"] == 256
+    _assert_groups_exact(b, "b", prompt[:256])
+    _null_block_untouched(b)
+
+
+def test_what_cannot_be_stored_is_refused_at_start(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvtier.errors import InvalidArgumentError
+
+    def specs(rank: int) -> dict[str, Any]:
+        return {
+            "model.layers.0.mixer": MambaSpec(
+                block_size=CHUNK,
+                shapes=((3, 256),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="align",
+                num_speculative_blocks=1,
+            ),
+            "model.layers.1.self_attn.attn": FullAttentionSpec(
+                block_size=CHUNK, num_kv_heads=2, head_size=64, dtype=torch.float32
+            ),
+        }
+
+    with pytest.raises(InvalidArgumentError, match="speculative"):
+        harness(server.address, specs=specs, block_size=CHUNK, mamba_cache_mode="align")
+    odd = start_server("--l1-size", "16MiB", "--chunk-size", "48")
+    try:
+        with pytest.raises(InvalidArgumentError, match="multiple of"):
+            harness(odd.address, specs=mamba_specs, block_size=CHUNK, mamba_cache_mode="align")
+    finally:
+        odd.stop()
+
+
+def test_pipeline_stages_store_their_own_layers_and_a_hit_needs_every_stage(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    prompt = _prompt(11, 300)
+    kw: dict[str, Any] = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
+    _store(harness, server.address, prompt, **kw)
+    b = harness(server.address, **kw)
+    sides = [w.worker_side for w in b.workers]
+    assert [s.worker_id for s in sides] == [0, 1, 2, 3]  # pp_rank * tp + tp_rank
+    assert {s.config.world_size for s in sides} == {4}
+    assert [b.stage_layers(r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    b.add("b", prompt)
+    b.step()
+    assert b.num_cached["b"] == 256
+    for rank in range(4):
+        got = b.read_back("b", rank, 256)
+        assert got.numpy().tobytes() == b.expected(prompt[:256], rank).numpy().tobytes()
+    b.run_until_done(["b"])
+    assert not b.invalid_blocks_seen
+    # one stage alone (a TP=2 engine without pipeline stages) never gets these shards
+    c = harness(server.address, tensor_parallel_size=2)
+    c.add("c", prompt)
+    c.step()
+    assert c.num_cached["c"] == 0

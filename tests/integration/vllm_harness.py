@@ -32,6 +32,22 @@ def require_vllm() -> None:
         raise RuntimeError(VLLM_MISSING) from exc
 
 
+#: where the harness puts vLLM's KV cache: "cpu", or "cuda" under `make gpu-check`
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
+
+
+def kv_device() -> Any:
+    """The KV cache's device; a CUDA run on a machine without CUDA fails saying so."""
+    import torch
+
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "KVTIER_TEST_DEVICE=cuda (make gpu-check) needs a CUDA machine with CUDA builds of "
+            "torch and vLLM"
+        )
+    return torch.device(DEVICE)
+
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -271,6 +287,7 @@ def vllm_config(
     address: str,
     block_size: int = 32,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     rank: int = 0,
     max_num_batched_tokens: int = 4096,
     max_model_len: int = 4096,
@@ -305,7 +322,9 @@ def vllm_config(
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
-    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    parallel = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size
+    )
     parallel.rank = rank
     kv_transfer = KVTransferConfig(
         kv_connector="KVTierConnector",
@@ -324,9 +343,17 @@ def vllm_config(
 
 
 def kv_cache_config(
-    *, layers: int, kv_heads: int, head_size: int, block_size: int, num_blocks: int, dtype: Any
+    *,
+    layers: int,
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: Any,
+    first_layer: int = 0,
 ) -> Any:
-    """One full-attention group over `layers` layers, each layer's pages in one region."""
+    """One full-attention group over `layers` layers from `first_layer` on (a pipeline stage's),
+    each layer's pages in one region."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -337,7 +364,7 @@ def kv_cache_config(
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype
     )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(first_layer, first_layer + layers)]
     page = spec.page_size_bytes
     tensor = KVCacheTensor(
         size=page * num_blocks * layers,
@@ -354,11 +381,20 @@ def kv_cache_config(
 
 def hybrid_kv_cache_config(vllm_cfg: Any, specs: dict[str, Any], num_blocks: int) -> Any:
     """The KVCacheConfig vLLM builds for these per-layer specs (its hybrid KV cache manager's
-    grouping, shared buffer and block strides), sized to `num_blocks` blocks."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
+    grouping, shared buffer and block strides), sized to `num_blocks` blocks. vLLM 0.32 keeps
+    the planner in kv_cache_utils; 0.33 moved it to kv_cache_planning, where the engine core
+    computes the groups first."""
     vllm_cfg.cache_config.num_gpu_blocks_override = num_blocks
-    (config,) = get_kv_cache_configs(vllm_cfg, [specs], [1 << 34])
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        (config,) = get_kv_cache_configs(vllm_cfg, [specs], [1 << 34])
+    except ImportError:  # vLLM 0.33
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as plan
+
+        groups = get_global_kv_cache_groups(vllm_cfg, [specs])
+        (config,) = plan(vllm_cfg, [specs], [1 << 34], groups)
     return config
 
 
@@ -439,6 +475,7 @@ class Harness:
     eos: int = 2
     groups: list[HGroup] = field(default_factory=list)
     mamba_align: bool = False
+    tp: int = 1  # tensor-parallel size: worker r is TP rank r % tp of pipeline stage r // tp
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
@@ -451,6 +488,7 @@ class Harness:
         address: str,
         layout: str = "LBHNC",
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         num_blocks: int = 256,
         block_size: int = 32,
         extra: dict[str, Any] | None = None,
@@ -480,6 +518,7 @@ class Harness:
             "address": address,
             "block_size": block_size,
             "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
             "extra": extra,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_model_len": max_model_len,
@@ -500,25 +539,41 @@ class Harness:
             kv_config = hybrid_kv_cache_config(sched_config, specs(0), num_blocks)
             num_blocks = kv_config.num_blocks
         sched_config.cache_config.num_gpu_blocks = num_blocks
+        sizes: dict[str, int] = {"block_size": block_size}
+        if specs is not None:  # as vLLM's engine core resolves them for hybrid groups
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+            scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_config, sched_config)
+            sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
         scheduler = Scheduler(
             vllm_config=sched_config,
             kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(sched_config),
-            block_size=block_size,
+            **sizes,
         )
         workers, caches = [], []
         kernel_blocks = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups]
         if specs is None:
             kernel_blocks = [block_size]
-        for rank in range(tensor_parallel_size):
+        stage_layers = layers // pipeline_parallel_size
+        for rank in range(tensor_parallel_size * pipeline_parallel_size):
             config = vllm_config(model_dir, rank=rank, **knobs)
             rank_config = kv_config
-            if specs is not None:
+            if pipeline_parallel_size > 1:  # each stage holds its own layers (the plain model)
+                assert specs is None, "the harness runs pipeline stages of the plain model"
+                rank_config = kv_cache_config(
+                    layers=stage_layers,
+                    kv_heads=per_rank,
+                    head_size=head_size,
+                    block_size=block_size,
+                    num_blocks=num_blocks,
+                    dtype=torch.float32,
+                    first_layer=rank // tensor_parallel_size * stage_layers,
+                )
+            elif specs is not None:
                 rank_config = hybrid_kv_cache_config(config, specs(rank), num_blocks)
             worker = KVTierConnector(config, KVConnectorRole.WORKER, rank_config)
-            kv = allocate_kv_cache(
-                rank_config, torch.device("cpu"), KVCacheLayout[layout], kernel_blocks
-            )
+            kv = allocate_kv_cache(rank_config, kv_device(), KVCacheLayout[layout], kernel_blocks)
             worker.register_kv_caches(kv)
             workers.append(worker)
             caches.append(kv)
@@ -537,6 +592,7 @@ class Harness:
             dtype=attention.dtype,
             groups=groups,
             mamba_align=mamba_cache_mode == "align",
+            tp=tensor_parallel_size,
         )
 
     def add(
@@ -651,10 +707,12 @@ class Harness:
         pos = [p for p in range(start, end) if ids[p // g.block_size] != 0]
         if not pos:
             return
-        blocks = torch.tensor([ids[p // g.block_size] for p in pos])
-        offsets = torch.tensor(pos) % g.block_size
+        device = kv_device()
+        blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
+        offsets = torch.tensor(pos, device=device) % g.block_size
         for layer, name in enumerate(g.names):
-            cache[name][blocks, :, offsets] = values[pos, layer, heads]
+            if name in cache:  # a pipeline stage holds its own layers
+                cache[name][blocks, :, offsets] = values[pos, layer, heads].to(device)
 
     def state_block(self, g: HGroup, ids: Any, end: int) -> int:
         """vLLM's block for a Mamba state after `end` tokens: in "align" mode block p holds
@@ -670,12 +728,18 @@ class Harness:
             view = self.caches[rank][name]
             nbytes = view[block].numel()
             state = state_bytes([*tokens[:end], rank], nbytes, layer)
-            view[block].view(-1).copy_(torch.from_numpy(state))
+            view[block].view(-1).copy_(torch.from_numpy(state).to(view.device))
 
     def _heads(self, g: HGroup, rank: int) -> slice:
         if g.kind == "mla":
             return slice(0, 1)
-        return slice(rank * g.heads_per_rank, (rank + 1) * g.heads_per_rank)
+        tp_rank = rank % self.tp
+        return slice(tp_rank * g.heads_per_rank, (tp_rank + 1) * g.heads_per_rank)
+
+    def stage_layers(self, rank: int, group: int | None = None) -> list[int]:
+        """The group's layer indexes worker `rank` holds (its pipeline stage's)."""
+        g = self._group(group)
+        return [i for i, n in enumerate(g.names) if n in self.caches[rank]]
 
     def read_back(self, req_id: str, rank: int, end: int, group: int | None = None) -> Any:
         """(end, layers, heads, content): what rank's cache holds for the request's tokens in
@@ -686,9 +750,11 @@ class Harness:
         cache = self.caches[rank]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
         pos = self.held(req_id, end, g.index)
-        blocks = torch.tensor([ids[p // g.block_size] for p in pos])
-        offsets = torch.tensor(pos, dtype=torch.int64) % g.block_size
-        return torch.stack([cache[n][blocks, :, offsets] for n in g.names], dim=1)
+        device = kv_device()
+        blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
+        offsets = torch.tensor(pos, dtype=torch.int64, device=device) % g.block_size
+        names = [n for n in g.names if n in cache]
+        return torch.stack([cache[n][blocks, :, offsets] for n in names], dim=1).cpu()
 
     def held(self, req_id: str, end: int, group: int) -> list[int]:
         """Positions < end whose block the group holds (not vLLM's null block)."""
@@ -701,7 +767,7 @@ class Harness:
     ) -> Any:
         g = self._group(group)
         values = token_kv(tokens, len(g.names), g.heads_total, g.content, g.dtype)
-        values = values[:, :, self._heads(g, rank)]
+        values = values[:, self.stage_layers(rank, group)][:, :, self._heads(g, rank)]
         if req_id is not None:
             values = values[self.held(req_id, len(tokens), g.index)]
         return values
@@ -711,14 +777,13 @@ class Harness:
         g = self.groups[group]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
         block = self.state_block(g, ids, end)
-        return [self.caches[rank][n][block].numpy().tobytes() for n in g.names]
+        return [self.caches[rank][n][block].cpu().numpy().tobytes() for n in g.names]
 
     def expected_state(self, tokens: list[int], rank: int, group: int) -> list[bytes]:
         g = self.groups[group]
         nbytes = self.caches[rank][g.names[0]][0].numel()
         return [
-            state_bytes([*tokens, rank], nbytes, layer).tobytes()
-            for layer in range(len(g.names))
+            state_bytes([*tokens, rank], nbytes, layer).tobytes() for layer in range(len(g.names))
         ]
 
     def _group(self, group: int | None) -> HGroup:

@@ -367,12 +367,12 @@ def test_pin_leases_expire_and_renew() -> None:
     clock.now += 8
     l1.renew("a", 10)
     clock.now += 5
-    assert l1.reclaim_pins() == 1
+    assert len(l1.reclaim_pins()) == 1
     assert l1.pinned_keys("b") == [] and l1.pinned_keys("a") == [key(1)]
     with pytest.raises(UnknownReservationError, match="'b'"):
         l1.renew("b", 10)
     clock.now += 6
-    assert l1.reclaim_pins() == 1
+    assert len(l1.reclaim_pins()) == 1
     assert l1.stats().pinned_groups == 0
 
 
@@ -596,12 +596,12 @@ def test_reclaim_pins_releases_only_the_expired_and_follows_renewals() -> None:
     l1.renew("a", 10)  # now due at +15
     l1.pin("b", [key(2)], ranks=[0], lease_s=2)  # shortened: due at +7
     clock.advance(3)
-    assert l1.reclaim_pins() == 1 and l1.pinned_keys("b") == []
+    assert len(l1.reclaim_pins()) == 1 and l1.pinned_keys("b") == []
     clock.advance(5)  # +13: a's first entry came due, but it was renewed
-    assert l1.reclaim_pins() == 0 and l1.pinned_keys("a") == [key(1)]
+    assert l1.reclaim_pins() == [] and l1.pinned_keys("a") == [key(1)]
     clock.advance(3)
-    assert l1.reclaim_pins() == 1 and l1.pinned_keys("a") == []
-    assert l1.reclaim_pins() == 0
+    assert len(l1.reclaim_pins()) == 1 and l1.pinned_keys("a") == []
+    assert l1.reclaim_pins() == []
 
 
 def test_released_pins_leave_the_expiry_heap_bounded() -> None:
@@ -622,3 +622,31 @@ def test_no_space_message_counts_quarantined_bytes() -> None:
     expected = f"{PAGE} pinned or in use, 0 staging, {PAGE} quarantined"
     with pytest.raises(NoSpaceError, match=expected):
         l1.reserve(key(3), 0, PAGE, owner="w", lease_s=30)
+
+
+def test_a_pin_lives_while_its_owner_is_seen_and_lapses_a_lease_after() -> None:
+    l1, clock, _ = make(4)
+    store(l1, key(1))
+    store(l1, key(2))
+    l1.pin("a", [key(1)], ranks=[0], lease_s=10, owner="alive")
+    l1.pin("b", [key(2)], ranks=[0], lease_s=10, owner="dead")
+    seen = {"alive": clock.now}  # "dead" was last seen when it pinned, then left the book
+    asked: list[tuple[str, str]] = []
+
+    def owner_seen(holder: str, owner: str) -> float | None:
+        asked.append((holder, owner))
+        return seen.get(owner)
+
+    lapsed: list[str] = []
+    for _ in range(5):  # 25 s, two and a half leases; the live owner heartbeats
+        clock.advance(5)
+        seen["alive"] = clock.now
+        lapsed += l1.reclaim_pins(owner_seen)
+    assert lapsed == ["b"]  # a lease after its owner's last sign of life
+    assert l1.pinned_keys("a") == [key(1)] and l1.pinned_keys("b") == []
+    assert ("a", "alive") in asked and ("b", "dead") in asked
+    clock.advance(9)  # the live owner stops: still within a lease of its last sign of life
+    assert l1.reclaim_pins(owner_seen) == []
+    clock.advance(2)
+    assert l1.reclaim_pins(owner_seen) == ["a"]
+    assert l1.stats().pinned_groups == 0

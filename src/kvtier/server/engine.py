@@ -51,7 +51,7 @@ from kvtier.server.auth import Authenticator
 from kvtier.server.fencing import FencingStats
 from kvtier.server.handshake import Handshake
 from kvtier.server.layouts import LayoutRegistry
-from kvtier.server.leases import Expired, LeaseBook
+from kvtier.server.leases import Expired, LeaseBook, Peer
 from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.lookups import LookupBook
@@ -260,7 +260,7 @@ class Engine:
                 with self._lock.hold(op):
                     reply = self.handshake.register(client, req)
             case p.Lookup():
-                reply = self._lookup(tenants.scope(client, req), answer, client.tenant)
+                reply = self._lookup(tenants.scope(client, req), answer, client)
             case p.LookupPoll():
                 poll = msgspec.structs.replace(
                     req, request_id=tenants.session_id(client, req.request_id, req.cache_salt)
@@ -337,7 +337,7 @@ class Engine:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def _lookup(self, req: p.Lookup, answer: Answer, tenant: str) -> p.LookupReply | None:
+    def _lookup(self, req: p.Lookup, answer: Answer, client: Peer) -> p.LookupReply | None:
         """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
         if req.world_size < 1:
             raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
@@ -350,7 +350,9 @@ class Engine:
         )
         layout = self.layouts.get(req.model, req.world_size)
         with self._lock.hold(answer.operation):
-            return self.lookups.lookup(req, keys, num_tokens, layout, answer, tenant=tenant)
+            return self.lookups.lookup(
+                req, keys, num_tokens, layout, answer, tenant=client.tenant, owner=client.client_id
+            )
 
     def _exists_keys(self, req: p.ExistsKeys, answer: Answer, tenant: str) -> p.ExistsReply | None:
         """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
@@ -380,7 +382,9 @@ class Engine:
                 self.stores.fence(res)
             self._reclaim(expired)
             staging = len(expired.reservations) + len(expired.fenced)
-            pins = self.l1.reclaim_pins()
+            lapsed = self.l1.reclaim_pins(self._pin_owner_seen)
+            self.retrieves.pins_lapsed(lapsed)
+            pins = len(lapsed)
         return ThreadRunSummary(
             success=True,
             message=(
@@ -395,6 +399,15 @@ class Engine:
                 "fenced": len(expired.fenced) + len(expired.held),
             },
         )
+
+    def _pin_owner_seen(self, holder: str, owner: str) -> float | None:
+        """Under the lock: when the client that made `holder`'s pin was last seen (None: it
+        is gone). Its session counts as used, so it does not expire under the pin either."""
+        peer = self.leases.peers.get(owner)
+        if peer is None:
+            return None
+        self.sessions.get(holder)
+        return peer.last_seen
 
     def _reclaim(self, gone: Expired) -> None:
         """Release what the book ended (under the lock): reservations and leases whose owner

@@ -69,7 +69,7 @@ class RetrieveLease:
 
     owner: str
     request_id: str | None  # the session whose pins the retrieve serves; None for named chunks
-    worker_id: int
+    reader: int  # the rank marked done on the session's pin at RetrieveDone
     keys: list[ChunkKey]
     nbytes: int
     deadline: float

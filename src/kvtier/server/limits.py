@@ -146,6 +146,7 @@ class Limits:
                 self._strings(req.request_id, req.model, req.cache_salt)
                 _extra_key(req.extra_key)
                 self._world(req.world_size, 0)
+                self._readers(req.readers)
                 self._tokens(req.tokens)
                 self._lookup_work(len(req.tokens) // 4 // self.chunk_size, req.world_size)
             case p.RangeRequest():
@@ -155,6 +156,10 @@ class Limits:
                 self._shape(req.chunk_shape, req.dtype)
                 self._tokens(req.tokens)
                 self._range(req.start, req.end, req.num_chunks)
+                if isinstance(req, p.Retrieve):
+                    self._reader(req.reader)
+                elif isinstance(req, p.Reserve | p.StoreInline):
+                    self._resumable(req.resumable, req.num_chunks)
             case p.KeyRequest():
                 self._strings(req.request_id, req.model, req.cache_salt)
                 _extra_key(req.extra_key)
@@ -186,6 +191,28 @@ class Limits:
         if not 0 <= worker_id < world_size:
             raise InvalidArgumentError(
                 f"worker_id {worker_id} is outside range(world_size={world_size})"
+            )
+
+    def _readers(self, readers: int) -> None:
+        if not 0 <= readers <= self.max_world_size:
+            raise InvalidArgumentError(
+                f"readers {readers} is outside 0..{self.max_world_size} (0: world_size; at most "
+                "--max-world-size ranks retrieve under one lookup)"
+            )
+
+    def _reader(self, reader: int) -> None:
+        if not -1 <= reader < self.max_world_size:
+            raise InvalidArgumentError(
+                f"reader {reader} is outside -1..{self.max_world_size - 1} (-1: the worker_id; "
+                "else the rank's index in range(readers) of the lookup, --max-world-size)"
+            )
+
+    @staticmethod
+    def _resumable(resumable: list[bool], num_chunks: int) -> None:
+        if resumable and len(resumable) != num_chunks:
+            raise BadArrayError(
+                f"resumable has {len(resumable)} flags for {num_chunks} chunks: one per chunk "
+                "of the range, or none (every chunk resumable)"
             )
 
     def _shape(self, chunk_shape: list[int], dtype: str) -> None:

@@ -45,7 +45,9 @@ class _LookupJob:
     model: str
     cache_salt: str
     world_size: int
+    readers: int  # ranks that retrieve under its pin
     tenant: str
+    owner: str  # the client that looked up: its pin lives while it does
     done: bool = False
     hit_tokens: int = 0
     waiters: list[Answer] = field(default_factory=list)
@@ -88,8 +90,11 @@ class LookupBook:
         answer: Answer,
         *,
         tenant: str = "",
+        owner: str = "",
     ) -> p.LookupReply | None:
-        """Under the engine lock: the reply, or None when `answer` waits for a prefetch job."""
+        """Under the engine lock: the reply, or None when `answer` waits for a prefetch job.
+        `owner`: the client asking; the pins live while it does (`L1Store.reclaim_pins`)."""
+        readers = req.readers or req.world_size
         running = self._jobs.get(req.request_id)
         busy = running is not None and not running.done
         if busy and running is not None and _same_chunks(running.keys, keys):
@@ -99,9 +104,17 @@ class LookupBook:
         # keeps its place: this lookup is answered from L1 alone, about its own chunks.
         if not busy and hit < len(keys) and layout is not None and self._tiers.tiers:
             if hit:  # hold what is hit while the rest loads
-                self._pin(req.request_id, keys[:hit], req.world_size, tenant)
+                self._pin(req.request_id, keys[:hit], readers, tenant, owner)
             job = _LookupJob(
-                req.request_id, keys, num_tokens, req.model, req.cache_salt, req.world_size, tenant
+                req.request_id,
+                keys,
+                num_tokens,
+                req.model,
+                req.cache_salt,
+                req.world_size,
+                readers,
+                tenant,
+                owner,
             )
             started = self._submit(keys[hit:], layout, tenant, lambda _loaded: self._loaded(job))
             if started:
@@ -110,7 +123,7 @@ class LookupBook:
         if not busy:
             self._jobs.pop(req.request_id, None)  # a done job nobody polled
         hit_tokens = self._finish(
-            req.request_id, keys, hit, num_tokens, req.model, req.world_size, tenant
+            req.request_id, keys, hit, num_tokens, req.model, readers, tenant, owner
         )
         return p.LookupReply(hit_tokens)
 
@@ -134,16 +147,16 @@ class LookupBook:
     def exists(
         self, keys: list[ChunkKey], layout: Layout | None, answer: Answer, *, tenant: str = ""
     ) -> p.ExistsReply | None:
-        """Under the engine lock: the leading named chunks every rank has; the ones only L2
-        holds are loaded into L1 first (a prefetch job; the answer comes when it ends, or at
-        once from L1 when none can start).
+        """Under the engine lock: the leading named chunks every rank has, up to the last
+        resume point among them; the ones only L2 holds are loaded into L1 first (a prefetch
+        job; the answer comes when it ends, or at once from L1 when none can start).
 
         Unlike a lookup nothing is pinned: named chunks have no session to release a pin, and a
         chunk evicted before the caller's get is a miss there, never wrong bytes.
         """
 
         def count() -> p.ExistsReply:  # under the lock
-            hit = self._l1.count_prefix(keys)
+            hit = self._l1.resume_prefix(keys)
             self._l1.touch(keys[:hit])
             return p.ExistsReply(hit)
 
@@ -191,7 +204,14 @@ class LookupBook:
             return  # the session ended meanwhile: nothing is pinned for it
         hit = self._l1.count_prefix(job.keys)
         job.hit_tokens = self._finish(
-            job.request_id, job.keys, hit, job.num_tokens, job.model, job.world_size, job.tenant
+            job.request_id,
+            job.keys,
+            hit,
+            job.num_tokens,
+            job.model,
+            job.readers,
+            job.tenant,
+            job.owner,
         )
         job.done = True
         if job.waiters:
@@ -210,13 +230,16 @@ class LookupBook:
         hit: int,
         num_tokens: int,
         model: str,
-        world_size: int,
+        readers: int,
         tenant: str,
+        owner: str,
     ) -> int:
-        """Pin the `hit` leading groups for the request and count the lookup; its hit tokens:
-        those its pins hold (at most the tenant's pinned share)."""
+        """Pin the `hit` leading complete groups, up to the last resume point among them, for
+        the request's `readers` and count the lookup; its hit tokens: those its pins hold (at
+        most the tenant's pinned share)."""
+        hit = self._l1.resume_prefix(keys, hit)
         if hit:
-            hit = self._pin(request_id, keys[:hit], world_size, tenant)
+            hit = self._pin(request_id, keys[:hit], readers, tenant, owner)
         if hit:
             self._l1.touch(keys[:hit])
         else:
@@ -227,13 +250,17 @@ class LookupBook:
         self._metrics.observe_lookup(model, num_tokens, hit_tokens)
         return hit_tokens
 
-    def _pin(self, request_id: str, keys: list[ChunkKey], world_size: int, tenant: str) -> int:
-        """Pin what the tenant's pinned share allows of `keys`; how many leading ones."""
+    def _pin(
+        self, request_id: str, keys: list[ChunkKey], readers: int, tenant: str, owner: str
+    ) -> int:
+        """Pin what the tenant's pinned share allows of `keys` for `owner` until `readers`
+        ranks retrieved them; how many leading ones."""
         return self._l1.pin(
             request_id,
             keys,
-            ranks=range(world_size),
+            ranks=range(readers),
             lease_s=self._config.pin_lease,
             tenant=tenant,
             max_bytes=self._bounds.pinned_bytes,
+            owner=owner,
         )

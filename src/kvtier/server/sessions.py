@@ -116,6 +116,10 @@ class SessionBook:
         self._account(session)
         return keys
 
+    def exists(self, request_id: str) -> bool:
+        """Whether the server holds a session of this id now (not a use of it)."""
+        return self._sessions.peek(request_id) is not None
+
     def require(self, request_id: str) -> Session:
         session = self._sessions.get(request_id)
         if session is None:

@@ -97,11 +97,12 @@ class StoreBook:
         )
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
+        flags = req.resumable if isinstance(req, p.Reserve | p.StoreInline) else []
         with self._lock.hold("Reserve"):
             peer = self._leases.peers.get(client_id)
             tenant = "" if peer is None else peer.tenant
             try:
-                for key in keys:
+                for i, key in enumerate(keys):
                     if self._l1.is_busy(key, req.worker_id):
                         # Another client is storing it right now: this store cannot call it
                         # stored (that client may still abort or die).
@@ -116,6 +117,7 @@ class StoreBook:
                         layout=layout.text,
                         tenant=tenant,
                         bounds=self._bounds,
+                        resumable=flags[i] if flags else True,
                     )
                     offsets.append(p.STORED if offset is None else offset)
                     if offset is not None:
@@ -187,7 +189,10 @@ class StoreBook:
             except UnknownReservationError:
                 lost += 1
                 continue
-            if self._tiers.tiers:
+            # A shard that is no resume point stays in L1 only: L2 objects carry no such mark
+            # yet, and one read back would pass for a resume point. An L2 hit then ends before
+            # it (shorter, never wrong).
+            if self._tiers.tiers and self._l1.is_resumable(key, res.worker_id):
                 shards.append(self._write_through_shard(key, res.worker_id))
         self._l1.touch(res.keys)
         self._metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)

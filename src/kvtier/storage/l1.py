@@ -26,7 +26,10 @@ from kvtier.snapshots import L1Stats, TenantUsage
 from kvtier.storage.arena import Allocator
 from kvtier.storage.shares import UNBOUNDED, TenantBounds, Usage, check_staging
 
-__all__ = ["UNBOUNDED", "L1Store", "ShardState", "TenantBounds"]
+__all__ = ["UNBOUNDED", "L1Store", "OwnerSeen", "ShardState", "TenantBounds"]
+
+#: (pin holder, its owner) -> when the owner was last seen (the L1's clock), None when gone
+OwnerSeen = Callable[[str, str], float | None]
 
 
 class ShardState(enum.Enum):
@@ -37,7 +40,17 @@ class ShardState(enum.Enum):
 
 
 class _Shard:
-    __slots__ = ("deadline", "layout", "nbytes", "offset", "owner", "size", "state", "tenant")
+    __slots__ = (
+        "deadline",
+        "layout",
+        "nbytes",
+        "offset",
+        "owner",
+        "resumable",
+        "size",
+        "state",
+        "tenant",
+    )
 
     def __init__(
         self,
@@ -48,6 +61,7 @@ class _Shard:
         owner: str,
         deadline: float,
         tenant: str,
+        resumable: bool,
     ) -> None:
         self.offset = offset
         self.size = size  # bytes asked for: what a reader copies
@@ -56,6 +70,7 @@ class _Shard:
         self.owner = owner
         self.deadline = deadline
         self.tenant = tenant  # whose staging bytes it counts in while STAGING
+        self.resumable = resumable  # a point the engine can resume from (see `resume_prefix`)
         self.state = ShardState.STAGING
 
 
@@ -72,6 +87,7 @@ class _Group:
         "refs",
         "shards",
         "staging",
+        "unresumable",
     )
 
     def __init__(self, key: ChunkKey) -> None:
@@ -79,6 +95,7 @@ class _Group:
         self.shards: list[_Shard | None] = [None] * key.world_size
         self.missing = key.world_size  # shards not READY; 0 means the group is a hit
         self.staging = 0
+        self.unresumable = 0  # shards that are no resume point: the group is one when 0
         self.holds = 0  # holder pins plus anonymous refs; > 0 means never evicted
         self.refs = 0  # anonymous refs alone, to check release() against acquire()
         self.pins = 0  # pins holding it: the first charges its bytes to its tenant
@@ -91,13 +108,33 @@ class _Group:
 
 
 class _Pin:
-    __slots__ = ("deadline", "groups", "queued", "ranks", "tenant")
+    __slots__ = (
+        "deadline",
+        "groups",
+        "lease_s",
+        "owner",
+        "queued",
+        "ranks",
+        "readers",
+        "tenant",
+    )
 
-    def __init__(self, groups: list[_Group], ranks: set[int], deadline: float, tenant: str) -> None:
+    def __init__(
+        self,
+        groups: list[_Group],
+        ranks: set[int],
+        deadline: float,
+        tenant: str,
+        owner: str,
+        lease_s: float,
+    ) -> None:
         self.groups = groups
         self.ranks = ranks
+        self.readers = len(ranks)  # the ranks it was made for: range(readers)
         self.deadline = deadline
         self.tenant = tenant
+        self.owner = owner  # the client that made it: its pin lives while that client does
+        self.lease_s = lease_s
         self.queued = deadline  # the deadline its entry in the expiry heap carries
 
 
@@ -217,9 +254,11 @@ class L1Store:
         layout: str = "",
         tenant: str = "",
         bounds: TenantBounds = UNBOUNDED,
+        resumable: bool = True,
     ) -> int | None:
         """Reserve a STAGING shard of `size` bytes and return its offset; its bytes count as
-        `tenant`'s staging bytes until it is committed, aborted or fenced.
+        `tenant`'s staging bytes until it is committed, aborted or fenced. `resumable`: whether
+        the shard carries a resume point (see `resume_prefix`).
 
         Returns None when the shard already exists (staging or ready): there is nothing to
         write. NoSpaceError when it would take the tenant past its `bounds` (then nothing is
@@ -252,9 +291,12 @@ class L1Store:
             self._lru_discard(group)
         if group is None:
             group = self._groups[key] = _Group(key)
-        shard = _Shard(offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant)
+        shard = _Shard(
+            offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant, resumable
+        )
         group.shards[worker_id] = shard
         group.staging += 1
+        group.unresumable += not resumable
         group.nbytes += nbytes
         self._staging[key, worker_id] = shard
         self._staging_bytes += nbytes
@@ -272,8 +314,11 @@ class L1Store:
             del self._by_owner[shard.owner]
         self._usage_of(shard.tenant).staging -= shard.nbytes
 
-    def commit(self, key: ChunkKey, worker_id: int, *, owner: str) -> bool:
-        """Make a staging shard READY; True when that completed the whole group.
+    def commit(
+        self, key: ChunkKey, worker_id: int, *, owner: str, resumable: bool | None = None
+    ) -> bool:
+        """Make a staging shard READY; True when that completed the whole group. `resumable`
+        (None: as reserved) is for writers that learn it with the bytes (an L2 read).
 
         A shard whose lease expired but was not reclaimed yet still commits.
         """
@@ -283,6 +328,9 @@ class L1Store:
         self._unstage(key, worker_id, shard)
         shard.state = ShardState.READY
         group = self._groups[key]
+        if resumable is not None and resumable != shard.resumable:
+            shard.resumable = resumable
+            group.unresumable += -1 if resumable else 1
         group.staging -= 1
         group.missing -= 1
         complete = group.missing == 0 and not group.doomed
@@ -365,6 +413,25 @@ class L1Store:
             n += 1
         return n
 
+    def resume_prefix(self, keys: Sequence[ChunkKey], complete: int | None = None) -> int:
+        """How many leading keys an engine can resume after: the leading complete groups
+        (`complete` of them, when the caller counted them), up to the last one whose every
+        shard is a resume point."""
+        n = self.count_prefix(keys) if complete is None else complete
+        get = self._groups.get
+        while n:
+            group = get(keys[n - 1])
+            if group is not None and not group.unresumable:
+                break
+            n -= 1
+        return n
+
+    def is_resumable(self, key: ChunkKey, worker_id: int) -> bool:
+        """Whether the rank's shard is a resume point (False when there is none)."""
+        group = self._groups.get(key)
+        shard = None if group is None else group.shards[worker_id]
+        return shard is not None and shard.resumable
+
     def get_shard(self, key: ChunkKey, worker_id: int) -> tuple[int, int, str] | None:
         """(offset, size, layout) of a READY shard, else None."""
         group = self._groups.get(key)
@@ -398,9 +465,11 @@ class L1Store:
         lease_s: float,
         tenant: str = "",
         max_bytes: int | None = None,
+        owner: str = "",
     ) -> int:
         """Pin the groups of `keys` that are in L1 for `holder`, replacing its previous pin;
-        returns how many groups it pins.
+        returns how many groups it pins. `owner`: the client it is pinned for (see
+        `reclaim_pins`).
 
         A group's bytes count once against the pinned bytes of the tenant that pinned it first,
         however many of its pins hold it. With `max_bytes`, only the leading groups that keep
@@ -426,7 +495,8 @@ class L1Store:
         if old is not None and old.groups == groups:
             # A repeated lookup of the same prompt (the common case): the same groups are held
             # already, so only the pending ranks and the lease start over.
-            old.ranks = pending
+            old.ranks, old.readers = pending, len(pending)
+            old.owner, old.lease_s = owner, lease_s
             self._set_deadline(holder, old, deadline)
             return len(groups)
         for group in groups:
@@ -434,11 +504,12 @@ class L1Store:
             self._charge_pin(group, tenant)
         # Release the old groups after taking the new ones, so groups in both stay held.
         if old is None:
-            pin = self._pins[holder] = _Pin(groups, pending, deadline, tenant)
+            pin = self._pins[holder] = _Pin(groups, pending, deadline, tenant, owner, lease_s)
             heapq.heappush(self._pin_heap, (deadline, next(self._pin_seq), holder, pin))
             self._compact_pin_heap()
         else:
             released, old.groups, old.ranks = old.groups, groups, pending
+            old.readers, old.owner, old.lease_s = len(pending), owner, lease_s
             self._set_deadline(holder, old, deadline)
             self._release_groups(released)
         return len(groups)
@@ -454,6 +525,11 @@ class L1Store:
         del self._pins[holder]
         self._release_pin(pin)
         return True
+
+    def pin_readers(self, holder: str) -> int:
+        """How many ranks the holder's pin was made for (0: it holds none)."""
+        pin = self._pins.get(holder)
+        return 0 if pin is None else pin.readers
 
     def unpin(self, holder: str) -> bool:
         """Release the holder's pin; False when it holds none."""
@@ -472,27 +548,37 @@ class L1Store:
             raise UnknownReservationError(f"holder {holder!r} has no pin (expired or released)")
         self._set_deadline(holder, pin, self._clock() + lease_s)
 
-    def reclaim_pins(self) -> int:
-        """Release every pin whose lease expired; returns how many.
+    def reclaim_pins(self, owner_seen: OwnerSeen | None = None) -> list[str]:
+        """Release every pin whose lease expired; returns their holders.
+
+        The lease counts from the owner's last sign of life: for a pin whose lease ran out,
+        `owner_seen(holder, owner)` tells when its owner was last seen (None: gone), and a pin
+        whose owner was seen less than its lease ago is kept until a lease after that. So what
+        a lookup reported stays pinned while the client that asked lives, however long the
+        request waits; a dead client's pins lapse a lease after its last sign of life.
 
         Costs the heap entries that came due (expired pins, renewed ones put back, released
         ones dropped), not the number of pins.
         """
         now = self._clock()
         heap = self._pin_heap
-        n = 0
+        lapsed: list[str] = []
         while heap and heap[0][0] <= now:
             due, _, holder, pin = heapq.heappop(heap)
             if self._pins.get(holder) is not pin or due != pin.queued:
                 continue  # released or replaced, or a duplicate entry of a shortened lease
+            if pin.deadline <= now and owner_seen is not None and pin.owner:
+                seen = owner_seen(holder, pin.owner)
+                if seen is not None:
+                    pin.deadline = max(pin.deadline, seen + pin.lease_s)
             if pin.deadline <= now:
                 del self._pins[holder]
                 self._release_pin(pin)
-                n += 1
+                lapsed.append(holder)
             else:  # renewed since: due again at its new deadline
                 pin.queued = pin.deadline
                 heapq.heappush(heap, (pin.deadline, next(self._pin_seq), holder, pin))
-        return n
+        return lapsed
 
     def _set_deadline(self, holder: str, pin: _Pin, deadline: float) -> None:
         pin.deadline = deadline
@@ -637,6 +723,7 @@ class L1Store:
         group = self._groups[key]
         group.shards[worker_id] = None
         group.staging -= 1
+        group.unresumable -= not shard.resumable
         group.nbytes -= shard.nbytes
         if group.staging or group.holds:
             return

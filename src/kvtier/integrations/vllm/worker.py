@@ -165,6 +165,8 @@ class WorkerSide:
                         load.request_id,
                     )
                     return False  # a load is all or nothing: its blocks are recomputed
+                # GPU: the blocks may have been another request's, still in use by queued work
+                copier.wait(copier.mark())
                 for li, group in enumerate(layout.groups):
                     ids = load.block_ids[self._group_index(group.group)]
                     if not self._load_group(copier, got.views, li, group, load, ids):

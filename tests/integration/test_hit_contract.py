@@ -1,0 +1,138 @@
+"""The hit contract, with real processes: what a lookup reports stays loadable while the client
+that asked lives (past --pin-lease, with the L1 under eviction pressure); a dead client's pins
+lapse; and /metrics counts every load that fell short of its lookup's report, by reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+
+from kvtier.client import Client
+
+from ..conftest import ServerProcess
+from .test_admin import metric_samples
+from .test_serve import CS, SHAPE, kv_for, status, wait_for
+
+PIN_LEASE = 2.0
+# A small L1 (128 pages; a chunk's shard takes one) that a short pin lease and a fast reaper
+# would empty of unpinned chunks within seconds of pressure.
+ARGS = (
+    "--chunk-size", str(CS), "--l1-size", "512KiB", "--pin-lease", str(PIN_LEASE),
+    "--reap-interval", "0.2", "--client-timeout", "1",
+)  # fmt: skip
+
+
+def failed_loads(server: ServerProcess) -> dict[str, float]:
+    assert server.admin_url is not None
+    samples = metric_samples(httpx.get(server.admin_url + "/metrics", timeout=5).text)
+    return {
+        dict(labels)["reason"]: value
+        for (name, labels), value in samples.items()
+        if name == "kvtier_failed_loads_total"
+    }
+
+
+def _pressure(c: Client, seed: int) -> None:
+    """Fill the L1 several times over with other chunks: whatever is not pinned is evicted."""
+    for i in range(24):
+        tokens = list(range(seed + i * 1000, seed + i * 1000 + 16 * CS))
+        c.store(f"pressure-{seed}-{i}", tokens, kv_for(seed + i, 16), model="m")
+        c.end_session(f"pressure-{seed}-{i}")
+
+
+def test_a_live_clients_hit_stays_loadable_past_the_pin_lease_under_eviction_pressure(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    server = server_factory(*ARGS)
+    tokens = list(range(100_000, 100_000 + 4 * CS))
+    kv = kv_for(40, 4)
+    with Client(server.address) as scheduler, Client(server.address) as worker:
+        worker.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        worker.store("w", tokens, kv, model="m")
+        assert scheduler.lookup("req", tokens, model="m") == 4 * CS
+        # the request waits (queued) for three pin leases while the L1 churns; the
+        # scheduler's client heartbeats all along
+        _pressure(worker, 200_000)
+        time.sleep(3 * PIN_LEASE)
+        _pressure(worker, 300_000)
+        assert status(server)["l1"]["pinned_groups"] == 4
+        out = np.zeros_like(kv)
+        assert worker.retrieve("req", tokens, out, model="m") == 4 * CS
+        assert np.array_equal(out, kv)
+        assert status(server)["l1"]["pinned_groups"] == 0  # retrieved: released
+    assert failed_loads(server) == dict.fromkeys(failed_loads(server), 0.0)
+    assert set(failed_loads(server)) == {"short", "pin_lapsed", "no_lookup", "lease_expired"}
+
+
+_LOOKUP_THEN_HANG = textwrap.dedent(
+    """
+    import sys, time
+    from kvtier.client import Client
+    c = Client(sys.argv[1])
+    print(c.lookup("dead-req", list(range(400_000, 400_000 + 4 * {cs})), model="m"), flush=True)
+    time.sleep(600)
+    """
+).format(cs=CS)
+
+
+def test_a_dead_clients_pins_lapse_and_the_short_load_is_counted(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    server = server_factory(*ARGS)
+    tokens = list(range(400_000, 400_000 + 4 * CS))
+    kv = kv_for(41, 4)
+    with Client(server.address) as worker:
+        worker.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        worker.store("w", tokens, kv, model="m")
+        worker.end_session("w")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LOOKUP_THEN_HANG, server.address],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == str(4 * CS)
+            assert status(server)["l1"]["pinned_groups"] == 4
+            proc.kill()  # the engine died between its lookup and the load
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        # no heartbeat: the pins lapse a lease after its last sign of life
+        assert wait_for(lambda: status(server)["l1"]["pinned_groups"] == 0, timeout=20)
+        _pressure(worker, 500_000)
+        out = np.zeros_like(kv)
+        assert worker.retrieve("dead-req", tokens, out, model="m") < 4 * CS
+    assert failed_loads(server)["pin_lapsed"] == 1
+
+
+def test_a_load_after_the_server_restarted_is_counted(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    first = server_factory(*ARGS)
+    tokens = list(range(600_000, 600_000 + 2 * CS))
+    kv = kv_for(42, 2)
+    with Client(first.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("w", tokens, kv, model="m")
+        assert c.lookup("req", tokens, model="m") == 2 * CS
+        first.stop()
+        second = server_factory(*ARGS, address=first.address)
+        # the client re-joins the new server, which never saw this lookup: nothing loads
+        assert c.retrieve("req", tokens, np.zeros_like(kv), model="m") == 0
+        # a retrieve that asks for more than its lookup's hit is no failed load
+        assert c.lookup("req2", tokens, model="m") == 0
+        assert c.retrieve("req2", tokens, np.zeros_like(kv), model="m") == 0
+    assert failed_loads(second) == {
+        "short": 0.0,
+        "pin_lapsed": 0.0,
+        "no_lookup": 1.0,
+        "lease_expired": 0.0,
+    }
