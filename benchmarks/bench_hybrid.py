@@ -194,6 +194,10 @@ def _bytes_per_token() -> str:
             "the attention KV vLLM allocates per token (all its attention groups' pages) and "
             "the recurrent state it holds per request (Mamba / linear attention pages). kvtier: "
             "L1 bytes used / (chunks stored x chunk size), page-rounded as the arena allocates.",
+            "Sliding-window layers store a chunk's trailing min(C/B, cdiv(W-1, B) + 1) blocks "
+            "(Gemma 3 here: block 32, window 128, 5 of 8 blocks; gpt-oss: block 128, every "
+            "block), and a Mamba / linear-attention layer its state once per chunk, unpadded "
+            "(vLLM pads a state page to an attention page).",
             "",
             table(
                 [
