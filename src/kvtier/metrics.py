@@ -83,7 +83,7 @@ OPERATIONS: dict[str, tuple[str, str]] = {
 }
 
 #: why a load could not deliver what a lookup reported: the `reason` label of
-#: kvtier_failed_loads_total (see docs/operations.md)
+#: kvtier_failed_loads_total (the README lists them)
 FAILED_LOAD_REASONS: tuple[str, ...] = (
     "short",  # a retrieve found fewer chunks than its session's pin holds (cleared, share)
     "pin_lapsed",  # the session's pin lapsed first (its client was silent for --pin-lease)

@@ -336,15 +336,23 @@ def test_a_hit_ends_at_the_last_resume_point_of_the_stored_chunks(
             c.store("w", tokens, kv, model="m", worker_id=0, resumable=[True, False])
         for r in ("r", "r2"):
             c.end_session(r)
-        # the L2 holds the resume points only: shards that are not are kept in L1 alone
-        assert wait_for(lambda: written(first, 2 * 6 - 2))
+        assert wait_for(lambda: written(first, 2 * 6))
     first.stop()
+    # the disk tier keeps each shard's mark: loaded back after a restart, the same hits
     second = server_factory("--chunk-size", str(CS), "--l2", disk)
     with Client(second.address) as c:
         for rank in (0, 1):
             c.register(model="m", world_size=2, worker_id=rank, chunk_shape=SHAPE, dtype="float16")
-        # after a restart the hit ends before the first group the L2 lacks a shard of
-        assert c.lookup("r", tokens, model="m", world_size=2) == 3 * CS
+        assert c.lookup("r2", tokens[: 5 * CS], model="m", world_size=2) == 3 * CS
+        assert c.lookup("r", tokens, model="m", world_size=2) == 6 * CS
         out = np.zeros_like(kv)
-        assert c.retrieve("r", tokens, out, model="m", worker_id=0, end=3 * CS) == 3 * CS
-        assert np.array_equal(out[:3], kv[:3])
+        assert c.retrieve("r", tokens, out, model="m", worker_id=0) == 6 * CS
+        assert np.array_equal(out, kv)
+        assert status(second)["prefetch"]["loaded_groups"] == 6
+        for r in ("r", "r2"):
+            c.end_session(r)
+        # an engine that later holds a resume point at chunks 3 and 4 stores it over the old
+        # shards: the hit of the 5-chunk prompt now reaches its end
+        for rank in (0, 1):
+            assert c.store("w2", tokens, kv, model="m", worker_id=rank) == 6 * CS
+        assert c.lookup("r3", tokens[: 5 * CS], model="m", world_size=2) == 5 * CS

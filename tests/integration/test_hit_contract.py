@@ -9,15 +9,18 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import numpy as np
 
 from kvtier.client import Client
+from kvtier.errors import NoSpaceError
 
 from ..conftest import ServerProcess
 from .test_admin import metric_samples
 from .test_serve import CS, SHAPE, kv_for, status, wait_for
+from .test_tiers import written
 
 PIN_LEASE = 2.0
 # A small L1 (128 pages; a chunk's shard takes one) that a short pin lease and a fast reaper
@@ -39,32 +42,53 @@ def failed_loads(server: ServerProcess) -> dict[str, float]:
 
 
 def _pressure(c: Client, seed: int) -> None:
-    """Fill the L1 several times over with other chunks: whatever is not pinned is evicted."""
+    """Fill the L1 several times over with other chunks: whatever is not pinned is evicted.
+    (With an L2, chunks are held until written there: a store that finds no room waits.)"""
     for i in range(24):
         tokens = list(range(seed + i * 1000, seed + i * 1000 + 16 * CS))
-        c.store(f"pressure-{seed}-{i}", tokens, kv_for(seed + i, 16), model="m")
+        for _ in range(100):
+            try:
+                c.store(f"pressure-{seed}-{i}", tokens, kv_for(seed + i, 16), model="m")
+                break
+            except NoSpaceError:
+                time.sleep(0.05)
+        else:
+            raise AssertionError("the L1 never had room for the pressure's stores")
         c.end_session(f"pressure-{seed}-{i}")
 
 
 def test_a_live_clients_hit_stays_loadable_past_the_pin_lease_under_eviction_pressure(
-    server_factory: Callable[..., ServerProcess],
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
-    server = server_factory(*ARGS)
+    disk = ("--l2", f"disk://{tmp_path}/l2?size=64MiB")
+    from_l2 = list(range(50_000, 50_000 + 4 * CS))
+    kv_l2 = kv_for(39, 4)
+    first = server_factory(*ARGS, *disk)
+    with Client(first.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        c.store("w", from_l2, kv_l2, model="m")
+        assert wait_for(lambda: written(first, 4))
+    first.stop()
+    server = server_factory(*ARGS, *disk)  # the same L2; an empty L1
     tokens = list(range(100_000, 100_000 + 4 * CS))
     kv = kv_for(40, 4)
     with Client(server.address) as scheduler, Client(server.address) as worker:
         worker.register(model="m", chunk_shape=SHAPE, dtype="float16")
         worker.store("w", tokens, kv, model="m")
         assert scheduler.lookup("req", tokens, model="m") == 4 * CS
-        # the request waits (queued) for three pin leases while the L1 churns; the
+        # an asynchronous lookup: its chunks load from L2 while the scheduler goes on
+        handle = scheduler.lookup("req-l2", from_l2, model="m", wait=False)
+        assert handle.result(timeout=20) == 4 * CS
+        # both requests wait (queued) for three pin leases while the L1 churns; the
         # scheduler's client heartbeats all along
         _pressure(worker, 200_000)
         time.sleep(3 * PIN_LEASE)
         _pressure(worker, 300_000)
-        assert status(server)["l1"]["pinned_groups"] == 4
-        out = np.zeros_like(kv)
-        assert worker.retrieve("req", tokens, out, model="m") == 4 * CS
-        assert np.array_equal(out, kv)
+        assert status(server)["l1"]["pinned_groups"] == 8
+        for rid, prompt, expected in (("req", tokens, kv), ("req-l2", from_l2, kv_l2)):
+            out = np.zeros_like(expected)
+            assert worker.retrieve(rid, prompt, out, model="m") == 4 * CS
+            assert np.array_equal(out, expected)
         assert status(server)["l1"]["pinned_groups"] == 0  # retrieved: released
     assert failed_loads(server) == dict.fromkeys(failed_loads(server), 0.0)
     assert set(failed_loads(server)) == {"short", "pin_lapsed", "no_lookup", "lease_expired"}

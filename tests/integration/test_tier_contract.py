@@ -18,6 +18,7 @@ import redis
 
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, TierStats, open_tier
+from kvtier.storage.tiers.format import Hit
 from kvtier.storage.tiers.redis import RespTier
 
 from ..conftest import REDIS_HINT, free_port
@@ -210,3 +211,17 @@ def test_stats_are_typed_and_count(case: Case) -> None:
     assert s.objects >= 3 and s.used_bytes > 0
     assert "***" not in s.url and s.last_error == ""
     assert msgspec.json.decode(msgspec.json.encode(s), type=TierStats) == s
+
+
+def test_a_shard_that_is_no_resume_point_reads_back_marked(case: Case) -> None:
+    tier = case.tier
+    tier.put(key(1), payload(1), LAYOUT)
+    tier.put(key(2), payload(2), LAYOUT, resumable=False)
+    assert tier.put_many(
+        [(key(i), payload(i), LAYOUT) for i in (3, 4)], unresumable={key(4)}
+    ) == 2  # fmt: skip
+    got = tier.get_many_into([(key(i), out(), LAYOUT) for i in (1, 2, 3, 4, 5)])
+    assert got == [Hit.RESUMABLE, Hit.UNRESUMABLE, Hit.RESUMABLE, Hit.UNRESUMABLE, Hit.MISS]
+    buf = out()
+    assert tier.get_into(key(2), buf, LAYOUT) is Hit.UNRESUMABLE and bytes(buf) == payload(2)
+    assert tier.stats().hits == 5  # a marked shard is a hit like any other

@@ -178,7 +178,52 @@ def test_server_lost_between_lookup_and_load_costs_a_recompute(
     for _ in range(5):
         b.step()
     _assert_exact(b, "b", prompt)
+    # kvtier is back, holding the prompt again: when vLLM asks for this request's hit again
+    # (it was preempted: a new scheduling round), the first answer is a miss, without asking
+    # the server, so a load that fails again cannot make vLLM loop; the next one looks up
+    back = start_server(
+        "--l1-size", "64MiB", "--chunk-size", str(CHUNK), address=server.address
+    )  # fmt: skip
+    try:
+        _store(harness, back.address, prompt)
+        connector, request = b.scheduler.connector, b.scheduler.requests["b"]
+        request.num_preemptions += 1  # as vLLM's preemption counts it
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        hit: int | None = 0
+        for _ in range(100):
+            if hit == 0:  # a new round (a miss while the client still re-joins the server)
+                request.num_preemptions += 1
+            hit, _ = connector.get_num_new_matched_tokens(request, 0)
+            if hit == 256:
+                break
+            time.sleep(0.1)
+        assert hit == 256
+    finally:
+        back.close()
     b.run_until_done(["b"])
+
+
+def test_server_lost_between_lookup_and_load_fails_that_request_under_fail(
+    server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    from vllm.v1.engine import FinishReason
+
+    prompt = _prompt(17, 300)
+    _store(harness, server.address, prompt)
+    b = harness(server.address, kv_load_failure_policy="fail")
+    b.add("b", prompt, max_tokens=20)
+    out = b.step(after_schedule=lambda: server.stop(signal.SIGKILL))
+    assert [(t.start, t.end) for t in out.kv_connector_metadata.loads] == [(0, 256)]
+    assert b.invalid_blocks_seen
+    assert b.finish_reasons["b"] == FinishReason.ERROR  # vLLM's `fail`: that request fails
+    # ... and the engine goes on serving: the next request is computed without kvtier
+    other = _prompt(18, 200)
+    b.add("c", other, max_tokens=5)
+    b.step()
+    assert b.num_cached["c"] == 0
+    _assert_exact(b, "c", other)
+    b.run_until_done(["c"])
+    assert b.finish_reasons["c"] != FinishReason.ERROR
 
 
 def test_no_server_at_all_still_serves_requests(

@@ -479,6 +479,7 @@ class Harness:
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
+    finish_reasons: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -497,6 +498,7 @@ class Harness:
         specs: Any = None,
         mamba_cache_mode: str = "none",
         enable_prefix_caching: bool = True,
+        kv_load_failure_policy: str = "recompute",
     ) -> Harness:
         """`specs`: rank -> {layer name: KVCacheSpec} for a model vLLM's hybrid KV cache
         manager groups (sliding window, MLA, Mamba); None: the tiny Llama's one group."""
@@ -524,6 +526,7 @@ class Harness:
             "max_model_len": max_model_len,
             "mamba_cache_mode": mamba_cache_mode,
             "enable_prefix_caching": enable_prefix_caching,
+            "kv_load_failure_policy": kv_load_failure_policy,
         }
         sched_config = vllm_config(model_dir, **knobs)
         if specs is None:
@@ -679,6 +682,7 @@ class Harness:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
+                    self.finish_reasons[o.request_id] = o.finish_reason
         return out
 
     def _forward(self, out: Any, rank: int) -> None:

@@ -650,3 +650,31 @@ def test_a_pin_lives_while_its_owner_is_seen_and_lapses_a_lease_after() -> None:
     clock.advance(2)
     assert l1.reclaim_pins(owner_seen) == ["a"]
     assert l1.stats().pinned_groups == 0
+
+
+def test_a_resume_point_replaces_a_shard_that_is_none_and_an_abort_puts_it_back() -> None:
+    l1, _, _ = make(8)
+    k = key(1)
+    first = l1.reserve(k, 0, PAGE, owner="w", lease_s=30, resumable=False)
+    assert first is not None
+    l1.commit(k, 0, owner="w")
+    assert l1.count_prefix([k]) == 1 and l1.resume_prefix([k]) == 0
+    assert l1.reserve(k, 0, PAGE, owner="w", lease_s=30, resumable=False) is None  # no better
+    # a resume point for it: the old shard steps aside (the group is no hit meanwhile) ...
+    second = l1.reserve(k, 0, PAGE, owner="w", lease_s=30)
+    assert second is not None and second != first
+    assert l1.count_prefix([k]) == 0 and l1.num_ready_groups == 0
+    l1.abort(k, 0, owner="w")  # ... and comes back when the new one never commits
+    assert l1.get_shard(k, 0) == (first, PAGE, "") and l1.resume_prefix([k]) == 0
+    assert l1.num_ready_groups == 1 and l1.used_bytes == PAGE
+    third = l1.reserve(k, 0, PAGE, owner="w", lease_s=30)
+    assert third is not None
+    assert l1.commit(k, 0, owner="w") is True  # the old shard's range is freed
+    assert l1.get_shard(k, 0) == (third, PAGE, "") and l1.resume_prefix([k]) == 1
+    assert l1.num_ready_groups == 1 and l1.used_bytes == PAGE
+    # nothing replaces a shard whose group something holds
+    l2, _, _ = make(8)
+    l2.reserve(k, 0, PAGE, owner="w", lease_s=30, resumable=False)
+    l2.commit(k, 0, owner="w")
+    l2.pin("r", [k], ranks=[0], lease_s=10)
+    assert l2.reserve(k, 0, PAGE, owner="w", lease_s=30) is None

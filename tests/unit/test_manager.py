@@ -6,7 +6,7 @@ import hashlib
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -43,16 +43,26 @@ class GatedDisk(DiskTier):
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+    def put_many(
+        self,
+        items: Sequence[tuple[ObjectKey, Buffer, str]],
+        *,
+        unresumable: Collection[ObjectKey] = (),
+    ) -> int:
         self.entered.set()
         assert self.gate.wait(10)
-        return super().put_many(items)
+        return super().put_many(items, unresumable=unresumable)
 
 
 class BrokenDisk(DiskTier):
     """A real DiskTier whose batch writes always raise."""
 
-    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+    def put_many(
+        self,
+        items: Sequence[tuple[ObjectKey, Buffer, str]],
+        *,
+        unresumable: Collection[ObjectKey] = (),
+    ) -> int:
         raise OSError("disk on fire")
 
 
@@ -205,7 +215,8 @@ def test_batch_read_goes_in_tier_order_past_a_failing_tier(tmp_path: Path) -> No
     mgr = TierManager([broken, first, second])
     bufs = [memoryview(bytearray(SIZE)) for _ in range(4)]
     got = mgr.get_many_into([(key(i), bufs[i - 1], LAYOUT) for i in (1, 2, 3, 4)])
-    assert got == ["first", "second", None, None]
+    assert [found and found.tier for found in got] == ["first", "second", None, None]
+    assert all(found.resumable for found in got if found)
     assert bufs[0] == payload(1) and bufs[1] == payload(2)
     assert first.asked == [key(1), key(2), key(3), key(4)]
     assert second.asked == [key(2), key(3), key(4)]  # only what the earlier tiers lacked

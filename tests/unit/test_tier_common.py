@@ -139,5 +139,14 @@ def test_aligned_header_pads_to_the_page_and_decodes_to_its_padded_size() -> Non
 
 def test_a_header_with_an_unknown_flag_does_not_decode() -> None:
     header = bytearray(fmt.encode_header("k", "uint8[4]", b"abcd"))
-    header[10:12] = (2).to_bytes(2, "little")  # the flags field
+    header[10:12] = (4).to_bytes(2, "little")  # the flags field
     assert fmt.decode_header(header) is None
+
+
+def test_the_resume_point_mark_round_trips_and_old_headers_read_as_resume_points() -> None:
+    marked = fmt.decode_header(fmt.encode_header("k", "uint8[4]", b"abcd", resumable=False))
+    assert marked is not None and not marked.resumable
+    old = fmt.decode_header(fmt.encode_header("k", "uint8[4]", b"abcd"))  # flags 0
+    assert old is not None and old.resumable
+    assert fmt.verify(marked, "k", "uint8[4]", b"abcd", marked.size + 4) is fmt.Verdict.UNRESUMABLE
+    assert fmt.verify(old, "k", "uint8[4]", b"abcd", old.size + 4) is fmt.Verdict.OK

@@ -158,6 +158,7 @@ class RetrieveBook:
         it fell short of what the session's lookup reported (asking past the hit is not)."""
         pinned = self._l1.pinned_keys(session_id)
         if pinned:
+            self._lapsed.pop(session_id, None)  # pinned again since its pin lapsed
             held = set(pinned)
             expected = next((i for i, key in enumerate(keys) if key not in held), len(keys))
             if found < expected:

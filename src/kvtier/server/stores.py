@@ -189,10 +189,7 @@ class StoreBook:
             except UnknownReservationError:
                 lost += 1
                 continue
-            # A shard that is no resume point stays in L1 only: L2 objects carry no such mark
-            # yet, and one read back would pass for a resume point. An L2 hit then ends before
-            # it (shorter, never wrong).
-            if self._tiers.tiers and self._l1.is_resumable(key, res.worker_id):
+            if self._tiers.tiers:
                 shards.append(self._write_through_shard(key, res.worker_id))
         self._l1.touch(res.keys)
         self._metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
@@ -283,4 +280,7 @@ class StoreBook:
             with self._lock.hold("L2 written"):
                 self._l1.release(key)
 
-        return Shard(key.shard(worker_id), self._arena.view(offset, size), layout, done)
+        view = self._arena.view(offset, size)
+        return Shard(
+            key.shard(worker_id), view, layout, done, self._l1.is_resumable(key, worker_id)
+        )

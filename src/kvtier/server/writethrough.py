@@ -25,12 +25,14 @@ logger = logging.getLogger(__name__)
 
 
 class Shard(NamedTuple):
-    """One shard to write: its name, bytes (held in L1 until `on_done`), layout."""
+    """One shard to write: its name, bytes (held in L1 until `on_done`), layout, and whether
+    it is a resume point."""
 
     key: ObjectKey
     data: memoryview
     layout: str
     on_done: Callable[[], None]
+    resumable: bool = True
 
 
 _STOP = None

@@ -46,6 +46,7 @@ class _Shard:
         "nbytes",
         "offset",
         "owner",
+        "replaces",
         "resumable",
         "size",
         "state",
@@ -71,6 +72,9 @@ class _Shard:
         self.deadline = deadline
         self.tenant = tenant  # whose staging bytes it counts in while STAGING
         self.resumable = resumable  # a point the engine can resume from (see `resume_prefix`)
+        # A READY shard that is no resume point, stepped aside for this one: freed when this one
+        # commits, put back should it be aborted or fenced.
+        self.replaces: _Shard | None = None
         self.state = ShardState.STAGING
 
 
@@ -261,8 +265,10 @@ class L1Store:
         the shard carries a resume point (see `resume_prefix`).
 
         Returns None when the shard already exists (staging or ready): there is nothing to
-        write. NoSpaceError when it would take the tenant past its `bounds` (then nothing is
-        evicted for it), or when evicting LRU groups cannot make room.
+        write; except that a resume point replaces a READY shard that is none, when nothing
+        holds its group (the old one serves again should the new one never commit).
+        NoSpaceError when it would take the tenant past its `bounds` (then nothing is evicted
+        for it), or when evicting LRU groups cannot make room.
         """
         if size <= 0:
             raise ValueError(f"shard size must be positive, got {size}")
@@ -271,7 +277,10 @@ class L1Store:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         group = self._groups.get(key)
-        if group is not None and (group.doomed or group.shards[worker_id] is not None):
+        old = None if group is None else group.shards[worker_id]
+        if group is not None and (
+            group.doomed or (old is not None and not self._replaceable(group, old, resumable))
+        ):
             return None
         nbytes = self._alloc.rounded(size)
         if bounds is not UNBOUNDED:
@@ -294,6 +303,12 @@ class L1Store:
         shard = _Shard(
             offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant, resumable
         )
+        if old is not None:  # steps aside: the group is incomplete until the new one commits
+            shard.replaces = old
+            group.unresumable -= 1
+            if group.missing == 0:
+                self._ready_groups -= 1
+            group.missing += 1
         group.shards[worker_id] = shard
         group.staging += 1
         group.unresumable += not resumable
@@ -303,6 +318,18 @@ class L1Store:
         self._by_owner.setdefault(owner, {})[key, worker_id] = shard
         self._usage_of(tenant).staging += nbytes
         return offset
+
+    @staticmethod
+    def _replaceable(group: _Group, old: _Shard | None, resumable: bool) -> bool:
+        """Whether a new shard may replace `old`: a resume point for a READY shard that is
+        none, in a group nothing holds (no pin, retrieve or L2 write waits on its bytes)."""
+        return (
+            old is not None
+            and resumable
+            and not old.resumable
+            and old.state is ShardState.READY
+            and group.holds == 0
+        )
 
     def _unstage(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
         """Take a shard out of the staging index and its tenant's staging bytes."""
@@ -328,6 +355,10 @@ class L1Store:
         self._unstage(key, worker_id, shard)
         shard.state = ShardState.READY
         group = self._groups[key]
+        old, shard.replaces = shard.replaces, None
+        if old is not None:
+            self._alloc.free(old.offset, old.nbytes)
+            group.nbytes -= old.nbytes
         if resumable is not None and resumable != shard.resumable:
             shard.resumable = resumable
             group.unresumable += -1 if resumable else 1
@@ -725,6 +756,13 @@ class L1Store:
         group.staging -= 1
         group.unresumable -= not shard.resumable
         group.nbytes -= shard.nbytes
+        old, shard.replaces = shard.replaces, None
+        if old is not None:  # the shard it was to replace serves again
+            group.shards[worker_id] = old
+            group.unresumable += 1
+            group.missing -= 1
+            if group.missing == 0 and not group.doomed:
+                self._ready_groups += 1
         if group.staging or group.holds:
             return
         if group.doomed or group.missing == key.world_size:

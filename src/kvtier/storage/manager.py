@@ -23,6 +23,7 @@ from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
 from kvtier.snapshots import L2Summary
 from kvtier.storage.tiers.base import L2Tier
+from kvtier.storage.tiers.format import Hit
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,14 @@ class _Job(NamedTuple):
     data: memoryview
     layout: str
     on_done: Callable[[], None] | None
+    resumable: bool
+
+
+class Found(NamedTuple):
+    """Where a batch read found an object, and whether it is a resume point."""
+
+    tier: str
+    resumable: bool
 
 
 _STOP = None  # queue sentinel that ends the writer
@@ -143,13 +152,15 @@ class TierManager:
         data: memoryview,
         layout: str,
         on_done: Callable[[], None] | None = None,
+        resumable: bool = True,
     ) -> bool:
         """Queue `data` for every tier; False when dropped (queue full or manager closed).
 
         The caller keeps `data` valid until `on_done()`, which runs exactly once: after all tiers
-        wrote or failed, or right away when the object is dropped.
+        wrote or failed, or right away when the object is dropped. `resumable` False stores it
+        marked as no resume point.
         """
-        job = _Job(key, data, layout, on_done)
+        job = _Job(key, data, layout, on_done, resumable)
         with self._cond:
             self._n["submitted"] += 1
             self._pending += 1
@@ -171,15 +182,17 @@ class TierManager:
         data: memoryview,
         layout: str,
         on_done: Callable[[], None] | None = None,
+        resumable: bool = True,
     ) -> bool:
-        """Queue `data` if there is room now; never waits, never drops.
+        """Queue `data` if there is room now; never waits, never drops (`resumable` as in
+        `submit`).
 
         False when the queue is full: nothing was queued and `on_done` was not called (the
         caller may `submit` it later, from a thread that can afford to wait).
         """
         if self._closed:
             return False
-        job = _Job(key, data, layout, on_done)
+        job = _Job(key, data, layout, on_done, resumable)
         with self._cond:
             self._n["submitted"] += 1
             self._pending += 1
@@ -215,9 +228,10 @@ class TierManager:
 
     def _write(self, batch: list[_Job]) -> None:
         items = [(j.key, j.data, j.layout) for j in batch]
+        unresumable = {j.key for j in batch if not j.resumable}
         for tier in self._tiers:
             try:
-                written = tier.put_many(items)
+                written = tier.put_many(items, unresumable=unresumable)
             except Exception:
                 logger.exception("tier manager: tier %s failed a batch write", tier.name)
                 written = 0
@@ -271,15 +285,18 @@ class TierManager:
                 self._count_read_error()
         return None
 
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[str | None]:
+    def get_many_into(
+        self, items: Sequence[tuple[ObjectKey, memoryview, str]]
+    ) -> list[Found | None]:
         """`get_into` for several objects in one batch read per tier (pipelined, and fanned out
-        across masters for a Redis Cluster); each item's tier name, or None where none had it.
+        across masters for a Redis Cluster); where each item was found (and whether it is a
+        resume point), or None where no tier had it.
 
         A later tier is asked only for the items still missing; a tier that raises counts one
         read error and leaves its items to the next tier. Every tier checks each object's
         digest, key and layout on the way in, as `get_into` does.
         """
-        got: list[str | None] = [None] * len(items)
+        got: list[Found | None] = [None] * len(items)
         missing = list(range(len(items)))
         for tier in self._tiers:
             if not missing:
@@ -292,7 +309,7 @@ class TierManager:
                 continue
             for i, flag in zip(missing, flags, strict=True):
                 if flag:
-                    got[i] = tier.name
+                    got[i] = Found(tier.name, flag != Hit.UNRESUMABLE)
             missing = [i for i in missing if got[i] is None]
         return got
 

@@ -183,10 +183,12 @@ class Prefetcher:
                 reserved += batch
                 if len(batch) < min(_BATCH, loadable - lo):
                     break
-            good = self._read(reserved, nbytes, layout)  # the I/O: no lock held
+            resumable = self._read(reserved, nbytes, layout)  # the I/O: no lock held
+            good = len(resumable)
             for lo in range(0, good, _BATCH):
                 with self._hold():
-                    done = self._commit(reserved[lo : min(good, lo + _BATCH)])
+                    hi = min(good, lo + _BATCH)
+                    done = self._commit(reserved[lo:hi], resumable[lo:hi])
                 loaded += done
                 if len(done) < min(_BATCH, good - lo):
                     good = lo + len(done)
@@ -245,9 +247,10 @@ class Prefetcher:
 
     def _read(
         self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]], nbytes: int, layout: str
-    ) -> int:
+    ) -> list[list[bool]]:
         """Read every reserved shard from L2 in one batch (each tier pipelines it, a Redis
-        Cluster fans it out across its masters); how many leading groups read completely."""
+        Cluster fans it out across its masters); for each leading group read completely, which
+        of its shards are resume points."""
         items = [
             (key.shard(worker_id), self._arena.view(offset, nbytes), layout)
             for key, slots in reserved
@@ -255,20 +258,26 @@ class Prefetcher:
         ]
         got = self._readers.submit(self._tiers.get_many_into, items).result()
         at = 0
-        for i, (_, slots) in enumerate(reserved):
-            if None in got[at : at + len(slots)]:
-                return i
+        groups: list[list[bool]] = []
+        for _, slots in reserved:
+            found = got[at : at + len(slots)]
+            if None in found:
+                break
+            groups.append([f.resumable for f in found if f is not None])
             at += len(slots)
-        return len(reserved)
+        return groups
 
-    def _commit(self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]]) -> list[ChunkKey]:
-        """Commit the read groups in chain order; the leading ones now complete in L1."""
+    def _commit(
+        self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]], resumable: list[list[bool]]
+    ) -> list[ChunkKey]:
+        """Commit the read groups in chain order, each shard a resume point as its object
+        says; the leading ones now complete in L1."""
         l1 = self._l1
         loaded: list[ChunkKey] = []
-        for n, (key, slots) in enumerate(reserved):
+        for n, ((key, slots), flags) in enumerate(zip(reserved, resumable, strict=True)):
             try:
-                for worker_id, _ in slots:
-                    l1.commit(key, worker_id, owner=_OWNER)
+                for (worker_id, _), flag in zip(slots, flags, strict=True):
+                    l1.commit(key, worker_id, owner=_OWNER, resumable=flag)
             except UnknownReservationError:  # the staging lease lapsed and was reclaimed
                 self._abort(key, slots)
                 for later_key, later_slots in reserved[n + 1 :]:

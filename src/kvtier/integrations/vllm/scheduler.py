@@ -36,6 +36,7 @@ class _Request:
     load: tuple[int, int] | None = None  # tokens [start, end) to load in the next step
     saved_end: int = 0  # tokens whose chunks are stored or planned to be
     saves_planned: bool = False  # a save went to the workers: blocks wait for get_finished
+    load_failed: bool = False  # its last load failed: its next lookup is a miss, once
 
 
 def _tokens(token_ids: Any, end: int) -> bytes:
@@ -51,6 +52,7 @@ class SchedulerSide:
         self._tag = uuid.uuid4().hex[:12]  # vLLM request ids repeat across engines
         self._requests: dict[str, _Request] = {}
         self._finished_pending: dict[str, _Request] = {}  # blocks held until saves finish
+        self._loading: dict[str, tuple[_Request, frozenset[int]]] = {}  # loads of the last step
         self._adapters = AdapterFingerprints()
         self.chunk_size = 0
         self.client = LazyClient(
@@ -74,6 +76,10 @@ class SchedulerSide:
         again and again while it waits, and each answer comes from the same lookup.
         """
         state = self._state(request)
+        if state.load_failed:  # a miss, once: vLLM never loops lookup, failed load, lookup
+            state.load_failed, state.lookup, state.hit = False, None, 0
+            state.lookup_round = request.num_preemptions
+            return 0, False
         if state.lookup_round != request.num_preemptions:
             state.lookup_round = request.num_preemptions
             state.lookup, state.hit = None, 0
@@ -137,6 +143,8 @@ class SchedulerSide:
             block_ids = self._block_ids(req_id)
             if state.load is not None:
                 meta.loads.append(self._transfer(state, *state.load, block_ids))
+                loaded = frozenset(b for ids in meta.loads[-1].block_ids for b in ids if b)
+                self._loading[req_id] = (state, loaded)
                 state.load = None
             if not self.chunk_size or state.recompute.last_error is not None:
                 continue  # kvtier never answered, or failed this request: no saves
@@ -169,7 +177,12 @@ class SchedulerSide:
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Every worker finished saving these requests: end their kvtier sessions."""
+        """Every worker finished saving these requests: end their kvtier sessions. Requests
+        whose load failed (the workers reported its blocks) get a miss at their next lookup."""
+        bad, failed = connector_output.invalid_block_ids, connector_output.failed_recving
+        for req_id, (loading, blocks) in self._loading.items():
+            loading.load_failed = bool(req_id in (failed or ()) or (bad and bad & blocks))
+        self._loading.clear()
         for req_id in connector_output.finished_sending or ():
             state = self._finished_pending.pop(req_id, None)
             if state is not None:

@@ -98,14 +98,14 @@ class TierCounters:
             self._n["puts"] += n
             self._n["bytes_written"] += nbytes
 
-    def settle(self, verdict: fmt.Verdict | None, nbytes: int) -> bool:
-        """Count one read's outcome (None = not stored); True for a hit. The caller deletes a
-        corrupt object (it knows where it lives)."""
+    def settle(self, verdict: fmt.Verdict | None, nbytes: int) -> fmt.Hit:
+        """Count one read's outcome (None = not stored); a true Hit for a hit. The caller
+        deletes a corrupt object (it knows where it lives)."""
         with self._lock:
-            if verdict is fmt.Verdict.OK:
+            if verdict is fmt.Verdict.OK or verdict is fmt.Verdict.UNRESUMABLE:
                 self._n["hits"] += 1
                 self._n["bytes_read"] += nbytes
-                return True
+                return fmt.Hit.RESUMABLE if verdict is fmt.Verdict.OK else fmt.Hit.UNRESUMABLE
             self._n["misses"] += 1
             if verdict is fmt.Verdict.LAYOUT_MISMATCH:
                 self._n["layout_mismatches"] += 1
@@ -113,7 +113,7 @@ class TierCounters:
                 self._n["size_mismatches"] += 1
             elif verdict is fmt.Verdict.CORRUPT:
                 self._n["corrupt"] += 1
-            return False
+            return fmt.Hit.MISS
 
     def failed(self, what: str, exc: BaseException | str, *, count: bool = True) -> None:
         """Count an error (unless `count` is False), remember its text and warn, rate-limited

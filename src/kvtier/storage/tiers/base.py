@@ -7,7 +7,7 @@ corrupted or misnamed one and never serves the latter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -15,6 +15,7 @@ from typing_extensions import Buffer
 
 from kvtier.keys import ObjectKey
 from kvtier.redaction import redact
+from kvtier.storage.tiers.format import Hit
 
 #: upper bounds (seconds) of the latency histogram buckets; one more bucket counts the rest
 LATENCY_BOUNDS_S: tuple[float, ...] = (
@@ -89,20 +90,28 @@ class L2Tier(Protocol):
 
     name: str
 
-    def put(self, key: ObjectKey, data: Buffer, layout: str) -> None:
-        """Store `data` under `key` with `layout`, replacing any older object."""
+    def put(self, key: ObjectKey, data: Buffer, layout: str, *, resumable: bool = True) -> None:
+        """Store `data` under `key` with `layout`, replacing any older object; `resumable`
+        False marks it no resume point (`format.UNRESUMABLE`)."""
         ...
 
-    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
-        """Store several objects; returns how many were written."""
+    def put_many(
+        self,
+        items: Sequence[tuple[ObjectKey, Buffer, str]],
+        *,
+        unresumable: Collection[ObjectKey] = (),
+    ) -> int:
+        """Store several objects (those in `unresumable` marked as in `put`); returns how many
+        were written."""
         ...
 
-    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> bool:
-        """Copy the payload into `out` (whose length must equal it); False on any kind of miss."""
+    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> Hit:
+        """Copy the payload into `out` (whose length must equal it); a false Hit on any kind
+        of miss, else whether the object is a resume point."""
         ...
 
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
-        """`get_into` for several objects, one flag per item."""
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[Hit]:
+        """`get_into` for several objects, one Hit per item."""
         ...
 
     def contains(self, key: ObjectKey) -> bool:

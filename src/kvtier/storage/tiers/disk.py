@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -273,19 +273,26 @@ class DiskTier:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put(self, key: ObjectKey, data: Buffer, layout: str) -> None:
+    def put(self, key: ObjectKey, data: Buffer, layout: str, *, resumable: bool = True) -> None:
         """Write atomically (temp file + rename); raises OSError when the disk write fails.
 
         A write that finds the filesystem full shrinks the effective capacity, evicts and is
         tried once more (see the module docstring).
         """
-        self._put(key, fmt.byte_view(data), layout, None)
+        self._put(key, fmt.byte_view(data), layout, None, resumable)
 
     def _put(
-        self, key: ObjectKey, view: memoryview, layout: str, payload_digest: bytes | None
+        self,
+        key: ObjectKey,
+        view: memoryview,
+        layout: str,
+        payload_digest: bytes | None,
+        resumable: bool = True,
     ) -> None:
         text = key.to_str()
-        header = fmt.encode_header(text, layout, view, aligned=True, payload_digest=payload_digest)
+        header = fmt.encode_header(
+            text, layout, view, aligned=True, payload_digest=payload_digest, resumable=resumable
+        )
         size = len(header) + len(view)
         if self.capacity_bytes and size > self.capacity_bytes:
             raise ValueError(
@@ -389,7 +396,12 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+    def put_many(
+        self,
+        items: Sequence[tuple[ObjectKey, Buffer, str]],
+        *,
+        unresumable: Collection[ObjectKey] = (),
+    ) -> int:
         """`put` each item; a failed one is logged and counted in `errors`, not raised.
 
         The digests of objects of `fmt.BLOCK` bytes or more are computed ahead on the digest
@@ -403,7 +415,8 @@ class DiskTier:
         written = 0
         for (key, _, layout), view, pending in zip(items, views, ahead, strict=True):
             try:
-                self._put(key, view, layout, None if pending is None else pending.result())
+                digest = None if pending is None else pending.result()
+                self._put(key, view, layout, digest, key not in unresumable)
                 written += 1
             except (OSError, ValueError) as exc:
                 self._counters.warn("write", f"disk tier: cannot write {key}: {exc}")
@@ -411,13 +424,13 @@ class DiskTier:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> bool:
+    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> fmt.Hit:
         """Read the payload straight into `out` (one preadv with the header; no extra copy),
         then check it."""
         with self._counters.timed("read"):
             return self._check(self._read(key, fmt.byte_view(out), layout))
 
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[fmt.Hit]:
         """`get_into` for each item, in order, the reads overlapped with the digests.
 
         Objects of at least `fmt.BLOCK` bytes are read whole (one preadv with the header) while
@@ -511,10 +524,10 @@ class DiskTier:
             os.close(fd)
         return _Read(key, text, layout, out, header, total, path, st, payload_digest)
 
-    def _check(self, read: _Read | None) -> bool:
+    def _check(self, read: _Read | None) -> fmt.Hit:
         """The checking half of a read: verdict, digest, counters; a corrupt file is deleted."""
         if read is None:
-            return False
+            return fmt.Hit.MISS
         verdict = fmt.verify(
             read.header, read.text, read.layout, read.out, read.total, read.payload_digest
         )

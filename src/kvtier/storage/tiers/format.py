@@ -10,6 +10,11 @@ Flag `ALIGNED` (the disk tier's files): zero bytes follow the texts up to the ne
 page cache into a page-aligned buffer (an L1 slot) at full speed: reading 4 MiB from offset
 200 ran at 5.5 GB/s here, from offset 4096 at 6.6 GB/s, like offset 0. Redis values carry no
 padding (flags 0). Files written before the flag existed (flags 0) are still read.
+
+Flag `UNRESUMABLE`: the shard is no point an engine can resume from (a chunk whose Mamba state
+the engine did not materialize; see `protocol.Reserve.resumable`). A read of such an object
+says so (`Verdict.UNRESUMABLE`, `Hit.UNRESUMABLE`), so a chunk loaded back into L1 keeps the
+mark. Objects written before the flag existed read as resume points.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ FIXED_SIZE = _FIXED.size  # 36 bytes
 DIGEST_AT = slice(FIXED_SIZE - 16, FIXED_SIZE)  # where an encoded header holds the digest
 MAX_TEXT = 0xFFFF  # key and layout lengths are u16
 ALIGNED = 1  # flag: the header is padded to a multiple of ALIGN
+UNRESUMABLE = 2  # flag: the shard is no resume point
 ALIGN = 4096
 
 
@@ -40,15 +46,25 @@ class Header(NamedTuple):
     payload_len: int
     digest: bytes
     size: int
+    resumable: bool = True
 
 
 class Verdict(enum.Enum):
     """What a read may do with a stored object, judged from its header."""
 
     OK = "ok"  # header matches the request; the payload digest is still to be checked
+    UNRESUMABLE = "unresumable"  # as OK, digest checked, and the shard is no resume point
     LAYOUT_MISMATCH = "layout"  # a sound object with another layout: a miss, kept
     SIZE_MISMATCH = "size"  # a sound object whose payload is not the caller's buffer size: kept
     CORRUPT = "corrupt"  # unreadable, or stored under another key's name: delete it
+
+
+class Hit(enum.IntEnum):
+    """A read's outcome as a tier returns it: false for a miss of any kind."""
+
+    MISS = 0
+    RESUMABLE = 1  # served; the shard is a resume point
+    UNRESUMABLE = 2  # served; the shard is no resume point
 
 
 #: reads hash their payload in blocks this large right after each block lands: the block is
@@ -96,16 +112,17 @@ def encode_header(
     *,
     aligned: bool = False,
     payload_digest: bytes | None = None,
+    resumable: bool = True,
 ) -> bytes:
     """The header for `payload` stored under `key_text` with `layout`; `aligned` pads it so the
     payload starts at a multiple of `ALIGN`. `payload_digest`: `digest(payload)`, when the
-    caller computed it already."""
+    caller computed it already. `resumable` False sets `UNRESUMABLE`."""
     key_b = key_text.encode("ascii")
     layout_b = layout.encode()
     if len(key_b) > MAX_TEXT or len(layout_b) > MAX_TEXT:
         raise ValueError(f"key or layout longer than {MAX_TEXT} bytes: layout={layout[:80]!r}")
     n = memoryview(payload).nbytes
-    flags = ALIGNED if aligned else 0
+    flags = (ALIGNED if aligned else 0) | (0 if resumable else UNRESUMABLE)
     dig = digest(payload) if payload_digest is None else payload_digest
     fixed = _FIXED.pack(MAGIC, VERSION, len(key_b), len(layout_b), flags, n, dig)
     header = fixed + key_b + layout_b
@@ -118,7 +135,7 @@ def decode_header(buf: Buffer) -> Header | None:
     if len(view) < FIXED_SIZE:
         return None
     magic, version, key_len, layout_len, flags, payload_len, dig = _FIXED.unpack_from(view)
-    if magic != MAGIC or version != VERSION or flags & ~ALIGNED:
+    if magic != MAGIC or version != VERSION or flags & ~(ALIGNED | UNRESUMABLE):
         return None
     end = FIXED_SIZE + key_len + layout_len
     if len(view) < end:
@@ -128,7 +145,8 @@ def decode_header(buf: Buffer) -> Header | None:
         layout = bytes(view[FIXED_SIZE + key_len : end]).decode()
     except UnicodeDecodeError:
         return None
-    return Header(key_text, layout, payload_len, dig, _padded(end) if flags & ALIGNED else end)
+    size = _padded(end) if flags & ALIGNED else end
+    return Header(key_text, layout, payload_len, dig, size, not flags & UNRESUMABLE)
 
 
 def judge(header: Header | None, key_text: str, layout: str, out_len: int, total: int) -> Verdict:
@@ -168,7 +186,8 @@ def verify(
 ) -> Verdict:
     """The verdict on a read of `out` from an object of `total` bytes with `header`: `judge`,
     then the payload digest (`payload_digest` when the reader computed it while reading, see
-    `read_hashed`) for an object that may serve the read. Every tier's read path ends here."""
+    `read_hashed`) for an object that may serve the read: OK, or UNRESUMABLE for a shard that
+    is no resume point. Every tier's read path ends here."""
     view = memoryview(out)
     verdict = judge(header, key_text, layout, view.nbytes, total)
     if verdict is Verdict.OK:
@@ -176,4 +195,6 @@ def verify(
         actual = digest(view) if payload_digest is None else payload_digest
         if actual != header.digest:
             return Verdict.CORRUPT
+        if not header.resumable:
+            return Verdict.UNRESUMABLE
     return verdict

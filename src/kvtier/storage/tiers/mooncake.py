@@ -28,7 +28,7 @@ import re
 import socket
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from typing_extensions import Buffer
@@ -275,11 +275,16 @@ class MooncakeTier:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put(self, key: ObjectKey, data: Buffer, layout: str) -> None:
+    def put(self, key: ObjectKey, data: Buffer, layout: str, *, resumable: bool = True) -> None:
         """Store one object (see `put_many`)."""
-        self.put_many([(key, data, layout)])
+        self.put_many([(key, data, layout)], unresumable=() if resumable else (key,))
 
-    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+    def put_many(
+        self,
+        items: Sequence[tuple[ObjectKey, Buffer, str]],
+        *,
+        unresumable: Collection[ObjectKey] = (),
+    ) -> int:
         """Store the objects in one batch, each as its header and its payload in place;
         returns how many the pool accepted."""
         if not items or not self._available(len(items)):
@@ -291,7 +296,7 @@ class MooncakeTier:
         nbytes = 0
         for key, data, layout in items:
             view = fmt.byte_view(data)
-            header = fmt.encode_header(key.to_str(), layout, view)
+            header = fmt.encode_header(key.to_str(), layout, view, resumable=key not in unresumable)
             at = self._take(len(header), held)
             payload_at = None if at is None else self._place(view, held, copy_in=True)
             if at is None or payload_at is None:
@@ -326,7 +331,7 @@ class MooncakeTier:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> bool:
+    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> fmt.Hit:
         """Read one object's payload into `out` and check it (see `get_many_into`)."""
         return self.get_many_into([(key, out, layout)])[0]
 
@@ -353,7 +358,7 @@ class MooncakeTier:
                     break
         return sizes
 
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[fmt.Hit]:
         """Read the objects in one batch, each payload straight into its buffer, then check
         key, layout, size and digest; anything else is a miss, never bytes handed out.
 

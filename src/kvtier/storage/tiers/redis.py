@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -297,18 +297,23 @@ class RespTier:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put(self, key: ObjectKey, data: Buffer, layout: str) -> None:
+    def put(self, key: ObjectKey, data: Buffer, layout: str, *, resumable: bool = True) -> None:
         """SET the object (with EX ttl when configured); a Redis failure is counted, not raised."""
-        self.put_many([(key, data, layout)])
+        self.put_many([(key, data, layout)], unresumable=() if resumable else (key,))
 
-    def put_many(self, items: Sequence[tuple[ObjectKey, Buffer, str]]) -> int:
+    def put_many(
+        self,
+        items: Sequence[tuple[ObjectKey, Buffer, str]],
+        *,
+        unresumable: Collection[ObjectKey] = (),
+    ) -> int:
         """SET all objects, one pipeline per node; returns how many Redis accepted."""
         if not items:
             return 0
         names = [self.redis_key(key).encode() for key, _, _ in items]
         views = [fmt.byte_view(data) for _, data, _ in items]
         headers = [
-            fmt.encode_header(key.to_str(), layout, view)
+            fmt.encode_header(key.to_str(), layout, view, resumable=key not in unresumable)
             for (key, _, layout), view in zip(items, views, strict=True)
         ]
 
@@ -353,11 +358,11 @@ class RespTier:
             header = fmt.decode_header(value)
         return fmt.verify(header, text, layout, out, n, payload_digest)
 
-    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> bool:
+    def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> fmt.Hit:
         """GET the object, its payload straight into `out`, and check it."""
         return self.get_many_into([(key, out, layout)])[0]
 
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[fmt.Hit]:
         """GET the objects, per node in pipelines of at most `GET_PIPELINE_BYTES`, each payload
         straight into its buffer, then check them.
 
