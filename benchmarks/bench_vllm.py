@@ -168,7 +168,7 @@ def _paged_data_path() -> str:
 # -- time to first token ---------------------------------------------------------------------------
 
 
-def _engine(model_dir: Path, prompts: list[list[int]], *args: str) -> tuple[dict[str, Any], str]:
+def run_engine(model_dir: Path, prompts: list[Any], *args: str) -> tuple[dict[str, Any], str]:
     """One fresh engine process (in-process engine core, so the connector's log shows)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
@@ -207,17 +207,17 @@ def _ttft() -> str:
             max_positions=TTFT_TOKENS + 256,
             weights=True,
         )
-        base, _ = _engine(model_dir, [prompt], "--warmup")  # one full 8k prefill: the baseline
+        base, _ = run_engine(model_dir, [prompt], "--warmup")  # one full 8k prefill: the baseline
         proc, address = start_server("--l1-size", "1GiB", "--chunk-size", str(CHUNK))
         try:
-            _engine(model_dir, [prefix], "--address", address)  # another engine stored 90%
-            kv, log = _engine(
+            run_engine(model_dir, [prefix], "--address", address)  # another engine stored 90%
+            kv, log = run_engine(
                 model_dir, [prompt], "--address", address, "--repeat", "2", "--warmup"
             )
         finally:
             stop_server(proc)
         try:
-            off, _ = _engine(model_dir, [prefix, prompt, prompt], "--offload")
+            off, _ = run_engine(model_dir, [prefix, prompt, prompt], "--offload")
             offload: dict[str, Any] | None = off
         except RuntimeError as exc:
             offload, offload_error = None, str(exc).strip().splitlines()[-1][:200]

@@ -32,6 +32,7 @@ MODULES = [
     "benchmarks.bench_transformers",
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",
+    "benchmarks.bench_hybrid",
 ]
 
 

@@ -3,10 +3,12 @@ JSON (tokens, logprobs, num_cached_tokens, seconds to the first token). With `--
 engine runs with KVTierConnector. Used by test_vllm_engine.py and benchmarks/bench_vllm.py.
 
     python tests/integration/vllm_engine_run.py MODEL_DIR PROMPTS.json [--address ADDR]
-        [--lora NAME=PATH ...]
+        [--lora NAME=PATH ...] [--kv-report]
 
-A prompt is a list of token ids, or {"prompt": [ids], "lora": NAME} for a request with one of
-the `--lora` adapters (which start the engine with LoRA enabled).
+A prompt is a list of token ids, or {"prompt": [ids], "lora": NAME, "salt": SALT} for a request
+with one of the `--lora` adapters (which start the engine with LoRA enabled) and/or a
+`cache_salt`. `--kv-report` adds what the engine's KV cache is: its KV cache groups (spec, block
+size, layers), the per-layer views its KV connector would be handed, and KV bytes per token.
 """
 
 from __future__ import annotations
@@ -32,12 +34,27 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true", help="vLLM's OffloadingConnector")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=0, help="a prefill step's tokens; 0: all"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the prompts this often")
     parser.add_argument("--warmup", action="store_true", help="first run a short other prompt")
     parser.add_argument(
         "--lora", action="append", default=[], help="NAME=PATH: a LoRA adapter (repeatable)"
     )
     parser.add_argument("--extra", default="{}", help="JSON: more kv_connector_extra_config")
+    parser.add_argument("--block-size", type=int, default=32, help="0: vLLM's choice")
+    parser.add_argument("--dtype", default="float32", help="bfloat16 for Qwen3-Next on CPU")
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="vLLM's own prefix cache off"
+    )
+    parser.add_argument(
+        "--keep-prefix-cache",
+        action="store_true",
+        help="do not empty vLLM's prefix cache between prompts (to see whether it hits)",
+    )
+    parser.add_argument("--kv-report", action="store_true", help="report the KV cache layout")
+    parser.add_argument("--failure-policy", default="recompute", help="kv_load_failure_policy")
     args = parser.parse_args()
 
     import logging
@@ -62,7 +79,7 @@ def main() -> None:
             kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"address": args.address, **json.loads(args.extra)},
-            kv_load_failure_policy="recompute",
+            kv_load_failure_policy=args.failure_policy,
         )
     elif args.offload:
         kv_transfer = KVTransferConfig(
@@ -75,13 +92,14 @@ def main() -> None:
         model=args.model_dir,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        block_size=32,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens or args.max_model_len,
         kv_transfer_config=kv_transfer,
         distributed_executor_backend="uni",
         seed=0,
+        **({"enable_prefix_caching": False} if args.no_prefix_caching else {}),
+        **({"block_size": args.block_size} if args.block_size else {}),
         **lora_args,
     )
     startup = time.perf_counter() - t0
@@ -107,22 +125,27 @@ def main() -> None:
     runs = []
     for _ in range(args.repeat):
         for item in prompts:
-            prompt, lora = (
-                (item["prompt"], item.get("lora")) if isinstance(item, dict) else (item, None)
-            )
+            if not isinstance(item, dict):
+                item = {"prompt": item}
+            prompt, lora = item["prompt"], item.get("lora")
+            request = TokensPrompt(prompt_token_ids=prompt)
+            if item.get("salt"):
+                request["cache_salt"] = item["salt"]
             t = time.perf_counter()
             (out,) = llm.generate(
-                [TokensPrompt(prompt_token_ids=prompt)],
+                [request],
                 params,
                 use_tqdm=False,
                 lora_request=adapters[lora] if lora else None,
             )
             elapsed = time.perf_counter() - t  # with --max-tokens 1: time to first token
-            fresh_prefix_cache()  # a repeat must not hit vLLM's own prefix cache
+            if not args.keep_prefix_cache:
+                fresh_prefix_cache()  # a repeat must not hit vLLM's own prefix cache
             completion = out.outputs[0]
             runs.append(
                 {
                     "lora": lora,
+                    "salt": item.get("salt"),
                     "seconds": elapsed,
                     "num_cached_tokens": out.num_cached_tokens,
                     "tokens": list(completion.token_ids),
@@ -132,7 +155,56 @@ def main() -> None:
                     ],
                 }
             )
-    print("RESULT " + json.dumps({"startup_s": startup, "runs": runs}), flush=True)
+    result: dict[str, object] = {"startup_s": startup, "runs": runs}
+    if args.kv_report:
+        result["kv"] = kv_report(llm)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def kv_report(llm: object) -> dict[str, object]:
+    """The engine's KV cache groups and the per-layer views a KV connector is handed (the
+    in-process engine core's scheduler and model runner)."""
+    import dataclasses
+
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    config = core.scheduler.kv_cache_config
+    runner = core.model_executor.driver_worker.worker.model_runner
+    context = runner.compilation_config.static_forward_context
+    groups = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        fields = {
+            f.name: repr(getattr(spec, f.name))
+            for f in dataclasses.fields(spec)
+            if f.name in ("block_size", "num_kv_heads", "head_size", "dtype", "sliding_window",
+                          "shapes", "dtypes", "mamba_type", "page_size_padded", "head_size_v",
+                          "cache_dtype_str", "attention_chunk_size", "mamba_cache_mode")
+        }  # fmt: skip
+        views = {}
+        for name in group.layer_names:
+            kv = context[name].kv_cache
+            kv = kv[0] if isinstance(kv, list) and len(kv) == 1 else kv
+            if isinstance(kv, (list, tuple)):
+                views[name] = [[list(t.shape), str(t.dtype)] for t in kv]
+            else:
+                views[name] = [list(kv.shape), str(kv.dtype)]
+        page = spec.page_size_bytes
+        layers = len(group.layer_names)
+        attention = hasattr(spec, "num_kv_heads") or hasattr(spec, "head_size")
+        groups.append(
+            {
+                "spec": type(spec).__name__,
+                "fields": fields,
+                "layers": list(group.layer_names),
+                "page_size_bytes": page,
+                # attention: bytes per token over the group's layers; Mamba-type: the state
+                # of one request (a page per layer, whatever its length)
+                "bytes_per_token": page * layers / spec.block_size if attention else None,
+                "state_bytes_per_request": None if attention else page * layers,
+                "views": views,
+            }
+        )
+    return {"num_blocks": config.num_blocks, "groups": groups}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,16 +78,169 @@ def write_tiny_llama(
         max_position_embeddings=max_positions,
         torch_dtype="float32",
     )
+    return _save_model(config, path, weights=weights, seed=seed)
+
+
+def _save_model(config: Any, path: Path, *, weights: bool, seed: int) -> Path:
+    """`config` with random weights (float32) when `weights`, else only config.json."""
     path.mkdir(parents=True, exist_ok=True)
     if weights:
         import torch
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(path)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     else:
         config.save_pretrained(path)
     return path
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """The sizes of a `write_tiny_model` model (each family uses those it has)."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 512
+    vocab: int = 512
+    max_positions: int = 4096
+    window: int = 128  # sliding window
+
+
+def _gemma3(s: TinyShape) -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        query_pre_attn_scalar=s.head_dim,
+        sliding_window=s.window,
+        layer_types=["sliding_attention"] * (s.layers - 1) + ["full_attention"],
+        max_position_embeddings=s.max_positions,
+        dtype="float32",
+    )
+
+
+def _gpt_oss(s: TinyShape) -> Any:
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=s.window,
+        layer_types=["sliding_attention", "full_attention"] * (s.layers // 2),
+        max_position_embeddings=s.max_positions,
+        dtype="float32",
+    )
+
+
+def _deepseek_v2(s: TinyShape) -> Any:
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.heads,
+        kv_lora_rank=512,  # the CPU MLA backend's latent width (512 + rope 64 = head size 576)
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=s.head_dim,
+        v_head_dim=s.head_dim,
+        first_k_dense_replace=s.layers,  # every layer dense: no MoE
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=s.intermediate,
+        max_position_embeddings=s.max_positions,
+        dtype="float32",
+    )
+
+
+def _qwen3_next(s: TinyShape) -> Any:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=s.intermediate,
+        shared_expert_intermediate_size=s.intermediate,
+        layer_types=["linear_attention"] * (s.layers - 1) + ["full_attention"],
+        max_position_embeddings=s.max_positions,
+        dtype="float32",
+    )
+
+
+def _nemotron_h(s: TinyShape) -> Any:
+    from transformers import NemotronHConfig
+
+    # Mamba2 and MLP layers, one attention layer last: "M" Mamba2, "-" MLP, "*" attention
+    pattern = ("M-" * s.layers)[: s.layers - 1] + "*"
+    return NemotronHConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        hybrid_override_pattern=pattern,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=64,
+        n_groups=2,
+        chunk_size=64,
+        max_position_embeddings=s.max_positions,
+        dtype="float32",
+    )
+
+
+# family -> (config builder, the family's own TinyShape defaults)
+TINY_MODELS: dict[str, tuple[Callable[[TinyShape], Any], dict[str, int]]] = {
+    "gemma3": (_gemma3, {}),
+    "gpt-oss": (_gpt_oss, {}),
+    "deepseek-v2": (_deepseek_v2, {}),
+    # attention heads of 128: vLLM raises the attention block to 256 tokens (its page must hold
+    # a linear-attention state page), not 640 as with heads of 64
+    "qwen3-next": (_qwen3_next, {"head_dim": 128}),
+    "nemotron-h": (_nemotron_h, {}),
+}
+
+
+def write_tiny_model(
+    path: Path, family: str, *, weights: bool = True, seed: int = 0, **shape: int
+) -> Path:
+    """A random-weight model of one of `TINY_MODELS`' families (sliding window, MLA, hybrid
+    Mamba / linear attention) saved with `save_pretrained`; `shape`: `TinyShape` fields."""
+    build, defaults = TINY_MODELS[family]
+    config = build(TinyShape(**{**defaults, **shape}))
+    return _save_model(config, path, weights=weights, seed=seed)
 
 
 def write_lora_adapter(
