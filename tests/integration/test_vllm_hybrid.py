@@ -220,12 +220,16 @@ def test_mamba_state_round_trip_is_byte_exact(
     kinds = [g.kind for g in b.groups]
     assert kinds.count("mamba") == 3 and "full" in kinds
     b.add("b", prompt)
-    b.step()
+    b.step(forward=False)  # the forward pass would write the state after 300 over the loaded one
     assert b.num_cached["b"] == 256
     _assert_groups_exact(b, "b", prompt[:256])
     for i, g in enumerate(b.groups):
         if g.kind == "mamba":
-            assert b.read_state("b", 0, 256, i) == b.expected_state(prompt[:256], 0, i)
+            want = b.expected_state(prompt[:256], 0, i)
+            assert b.read_state("b", 0, 256, i) == want
+            # the step [256, 300) runs from the block of its last token, into which vLLM copies
+            # the state at 256 before the connector's load: the load fills that block too
+            assert b.read_state("b", 0, 300, i) == want, f"group {i}: the running block"
     b.run_until_done(["b"])
     assert not b.invalid_blocks_seen
 

@@ -5,7 +5,9 @@ Ranges are in tokens and block-aligned. `block_ids` has one tuple per KV cache g
 connector config's group order): for an attention group `block_ids[g][i]` holds tokens
 `[start + i * B, start + (i + 1) * B)` at the group's block size B (a sliding-window group's
 list keeps its length, with vLLM's null block 0 for blocks outside the window); for a Mamba group
-it is the one block holding the recurrent state at `end`, or empty where no state exists there.
+it is the one block holding the recurrent state at `end`, or empty where no state exists there;
+a load's Mamba tuple may name a second block, the one its step runs from (vLLM's `align` mode
+copies the state at `end` there before the forward pass, so before the connector's load).
 Loads and saves name whole kvtier chunks `[chunk_start, chunk_end)`; a load may skip the leading
 blocks of its first chunk that vLLM's own prefix cache already holds (`start > chunk_start`).
 """

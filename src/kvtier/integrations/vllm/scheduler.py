@@ -143,7 +143,9 @@ class SchedulerSide:
                 continue
             block_ids = self._block_ids(req_id)
             if state.load is not None:
-                meta.loads.append(self._transfer(state, *state.load, block_ids))
+                # align mode: the step runs from the state block of its last token
+                running = state.request.num_computed_tokens + num_new
+                meta.loads.append(self._transfer(state, *state.load, block_ids, running=running))
                 loaded = frozenset(b for ids in meta.loads[-1].block_ids for b in ids if b)
                 self._loading[req_id] = (state, loaded)
                 state.load = None
@@ -239,6 +241,7 @@ class SchedulerSide:
         block_ids: tuple[list[int], ...],
         *,
         state_at_end: bool = True,
+        running: int = 0,
     ) -> Transfer:
         c = self.chunk_size
         chunk_start = start // c * c
@@ -254,7 +257,15 @@ class SchedulerSide:
             # length) the request's one block holds its running state
             at = (end - 1) // b
             ok = state_at_end and end > 0 and at < len(ids) and ids[at] != 0
-            per_group.append((ids[at],) if ok else ())
+            if not ok:
+                per_group.append(())
+                continue
+            # a load also fills the block the step runs from: in "align" mode vLLM copies
+            # the state at `end` into the block of the step's last token before the forward
+            # pass, and so before the connector's load has written it
+            run = (running - 1) // b
+            runs = run > at and run < len(ids) and ids[run] != 0
+            per_group.append((ids[at], ids[run]) if runs else (ids[at],))
         return Transfer(
             request_id=state.request.request_id,
             kv_request_id=state.kv_request_id,

@@ -193,7 +193,8 @@ class WorkerSide:
             if not block_ids:
                 logger.warning("no Mamba state block for the load of %s", load.request_id)
                 return False
-            copier.load(views[-1], li, 0, group.pages(block_ids[-1:]))  # the state at the end
+            for block in block_ids:  # the state at the end, into each block that holds it
+                copier.load(views[-1], li, 0, group.pages([block]))
             return True
         kb = group.group.block_size // group.pages_per_block
         pages = group.pages(block_ids)
