@@ -102,7 +102,7 @@ typecheck: $(TEST_STAMP)
 PYTEST_WORKERS ?= 2
 pytest: install-test
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) \
-	  --dist loadgroup --no-loadscope-reorder)
+	  --dist loadfile --no-loadscope-reorder)
 
 test: lint typecheck pytest
 

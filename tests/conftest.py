@@ -13,8 +13,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 #: the home folder of the user running the tests; tests themselves run with HOME elsewhere
 REAL_HOME = os.path.expanduser("~")
@@ -48,22 +50,33 @@ SLOW_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group each file's tests on one xdist worker (module fixtures, engines among them, start
-    once), the files in SHARES_DEFAULTS together, and hand out the slow groups first."""
+def _group(path: str) -> str:
+    """The xdist work unit of a test file: the file, or SHARES_DEFAULTS for those files."""
+    return "SHARES_DEFAULTS" if path.rsplit("/", 1)[-1] in SHARES_DEFAULTS else path
 
-    def group(item: pytest.Item) -> str:
-        return (
-            "SHARES_DEFAULTS" if item.path.name in SHARES_DEFAULTS else item.nodeid.split("::")[0]
-        )
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Hand out the slow files first (xdist keeps the collection order: --no-loadscope-reorder)."""
 
     def rank(item: pytest.Item) -> int:
-        name = "SHARES_DEFAULTS" if item.path.name in SHARES_DEFAULTS else item.path.name
+        name = _group(item.path.name)
         return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
     items.sort(key=rank)  # stable: each file's own order is kept
+
+
+class _FileGroups(LoadScopeScheduling):  # type: ignore[misc]
+    """xdist's --dist loadfile (each file on one worker, its module fixtures, engines among
+    them, started once), with the files in SHARES_DEFAULTS as one unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return _group(nodeid.split("::", 1)[0])
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") == "loadfile":
+        return _FileGroups(config, log)
+    return None
 
 
 @pytest.fixture(scope="session", autouse=True)

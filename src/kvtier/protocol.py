@@ -19,7 +19,7 @@ import msgspec
 
 from kvtier.errors import KVTierError, MalformedFrameError, UnknownRequestError
 
-PROTOCOL_VERSION = 2  # 2: extra keys; composed (tenant, name) keys
+PROTOCOL_VERSION = 3  # 2: extra keys; composed (tenant, name) keys; 3: readers, resume points
 
 
 def local_host_id() -> str:
