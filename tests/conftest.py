@@ -109,11 +109,21 @@ class FakeClock:
         self.now += seconds
 
 
+#: the ports `free_port` handed out in this process: the kernel may offer a port it just freed
+#: again, and two picks that are used together (a master's RPC and HTTP ports) must differ
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now and that this process has not
+    been handed before."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def start_redis(port: int) -> subprocess.Popen[bytes]:

@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import free_port
+
 HINT = (
     "the Mooncake tests need mooncake_master and Mooncake's client: pip install "
     "'kvtier[mooncake]' (make install-test does) and apt-get install libibverbs1 (make browser)"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def master_binary() -> str:
@@ -58,9 +53,9 @@ def _pick_transfer_ports() -> None:
 class MooncakeMaster:
     """One mooncake_master process; `url(...)` is a tier URL for it."""
 
-    rpc_port: int = field(default_factory=_free_port)
-    metadata_port: int = field(default_factory=_free_port)
-    metrics_port: int = field(default_factory=_free_port)
+    rpc_port: int = field(default_factory=free_port)
+    metadata_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
     #: how long a read's lease keeps an object from removal and eviction (Mooncake's default
     #: is 10 s; tests shorten it so a full pool evicts what was just read)
     lease_ms: int = 500
