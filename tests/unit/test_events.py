@@ -119,6 +119,76 @@ def test_a_stored_chain_is_one_event_with_tokens_parent_and_salt(
         pub.close()
 
 
+def test_a_chain_noted_by_two_stores_is_one_event_and_another_chain_starts_a_new_one(
+    endpoints: tuple[str, str],
+) -> None:
+    pub = publisher(endpoints)
+    replay = Replayer(endpoints[1])
+    try:
+        chain = [key(i) for i in range(5)]
+        tokens = np.arange(5 * CS, dtype="<u4").tobytes()
+        pub.notes.note(chain[:3], None, tokens[: 3 * 4 * CS], CS)
+        pub.notes.note(chain[3:], chain[2].chunk_hash, tokens[3 * 4 * CS :], CS)
+        other = [key(10), key(11)]
+        pub.notes.note(other, key(9).chunk_hash, np.arange(2 * CS, dtype="<u4").tobytes(), CS)
+        pub.start()
+        pub.stored([*chain, *other], "l1")
+        assert pub.flush()
+        ((_, _, batch),) = replay.replay(0)
+        first, second = batch.events[1:]
+        assert first.block_hashes == [low8(k) for k in chain]
+        assert first.parent_block_hash is None and first.token_ids == list(range(5 * CS))
+        assert second.block_hashes == [low8(k) for k in other]
+        assert second.parent_block_hash == low8(key(9))
+        assert second.token_ids == list(range(2 * CS))
+    finally:
+        replay.close()
+        pub.close()
+
+
+def test_notes_keep_the_latest_stores_and_the_last_chunks_of_a_long_one() -> None:
+    notes = ChunkNotes(3)
+    tokens = np.arange(5 * CS, dtype="<u4").tobytes()
+    chain = [key(i) for i in range(5)]
+    notes.note(chain, None, tokens, CS)  # longer than all it keeps: the last three
+    kept = notes.get_many(chain)
+    assert kept[:2] == [None, None]
+    store, i = kept[2]  # type: ignore[misc]
+    assert (store.parent, i) == (chain[1].chunk_hash, 0)
+    assert store.tokens == tokens[2 * 4 * CS :]
+    notes.note([key(7)], None, tokens[: 4 * CS], CS)  # the oldest store goes whole
+    assert notes.get_many([*chain, key(7)])[2:] == [None, None, None, notes.get_many([key(7)])[0]]
+    notes.note(chain[:2], None, tokens[: 8 * CS], CS)  # a chunk named again is kept
+    assert all(n is not None for n in notes.get_many([*chain[:2], key(7)]))
+    assert not ChunkNotes(0) and ChunkNotes(1)
+
+
+def test_a_run_of_removals_from_one_tier_is_one_event_in_order(
+    endpoints: tuple[str, str],
+) -> None:
+    pub = publisher(endpoints)
+    replay = Replayer(endpoints[1])
+    try:
+        for i in range(3):  # the L1 reports an eviction chunk by chunk
+            pub.removed((key(i),), "l1", Removal.EVICTED)
+        pub.removed((key(3),), "disk", Removal.EVICTED)  # another tier: another event
+        pub.stored([key(4)], "l1")
+        pub.removed((key(4),), "l1", Removal.EVICTED)  # after a store: a new event
+        pub.start()
+        assert pub.flush()
+        ((_, _, batch),) = replay.replay(0)
+        got = [(type(e).__name__, e.medium, e.block_hashes) for e in batch.events[1:]]
+        assert got == [
+            ("BlockRemoved", "CPU", [low8(key(i)) for i in range(3)]),
+            ("BlockRemoved", "STORAGE", [low8(key(3))]),
+            ("BlockStored", "CPU", [low8(key(4))]),
+            ("BlockRemoved", "CPU", [low8(key(4))]),
+        ]
+    finally:
+        replay.close()
+        pub.close()
+
+
 def test_chunks_without_notes_are_published_alone_with_full_hashes_when_asked(
     endpoints: tuple[str, str],
 ) -> None:

@@ -18,11 +18,13 @@ Delivery is vLLM's: one sequence number per batch, monotonic from 0 at each star
 that sees it go back knows the server restarted; each topic's first batch of a run begins with
 `AllBlocksCleared`, and the disk tier's survivors are the first chunks stored), at least once, a
 bounded replay buffer behind a ROUTER socket answering vLLM's replay request. Storage only
-appends a report to a queue (under the engine lock for the L1's): one thread of this module
-turns reports into batches, encodes and sends them, never blocking (PUB drops at its
-high-water mark; a full replay socket drops the reply). When reports come faster than that
-thread publishes, the excess is dropped and the sequence skips a number, so a consumer sees
-the gap; its replay then cannot fill it, and the consumer knows its view is incomplete.
+adds a report to a list (under the engine lock for the L1's), where a run of one kind and tier
+joins the previous report, and a store's note keeps its tokens as they came: one thread of
+this module takes the list every few milliseconds, turns it into batches, encodes the tokens,
+and sends, never blocking (PUB drops at its high-water mark; a full replay socket drops the
+reply). When reports come faster than that thread publishes, the excess is dropped and the
+sequence skips a number, so a consumer sees the gap; its replay then cannot fill it, and the
+consumer knows its view is incomplete.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -65,8 +67,7 @@ __all__ = ["ChunkNotes", "EventPublisher", "EventStats", "Place", "open_events",
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 5  # a publishing round at most this often (a batch's added latency)
-_BATCH_REPORTS = 4096  # reports turned into one set of batches
-_MAX_REPORTS = 1 << 20  # reports waiting for the thread; past it they are dropped (a seq gap)
+_MAX_REPORTS = 1 << 20  # chunks reported, waiting for the thread; past it, dropped (a seq gap)
 _SHUTDOWN_S = 2.0
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
@@ -87,21 +88,34 @@ def place_of(tier: L2Tier) -> Place:
     return Place(MEDIUM_STORAGE, LOCAL if getattr(tier, "kind", "") == "disk" else REMOTE)
 
 
-class Note(NamedTuple):
-    parent: bytes | None
-    tokens: bytes  # the chunk's token ids as msgpack array items (`event_wire.token_items`)
+class _Store(NamedTuple):
+    """What one store told of the consecutive chunks it named."""
+
+    keys: tuple[ChunkKey, ...]
+    parent: bytes | None  # the chunk before keys[0] (None: they start the prompt)
+    tokens: bytes  # their token ids, packed uint32, chunk after chunk
+
+
+_NO_STORE = _Store((), None, b"")
+
+#: where a chunk's note is: the store that named it last, and the chunk's place in it
+Note = tuple[_Store, int]
 
 
 class ChunkNotes:
-    """The parent and tokens of the most recently stored chunks (at most `capacity`; 0 keeps
-    none, for a server without KV events), taken from the stores that named them.
+    """The parent and tokens of the most recently stored chunks (about `capacity`, whole stores
+    forgotten oldest first; 0 keeps none, for a server without KV events), taken from the
+    stores that named them. A store is kept as it came, once: a note costs the request that
+    makes it one dict entry per chunk, and the publisher encodes the tokens.
     Thread-safe; each call holds its lock briefly."""
 
     def __init__(self, capacity: int = 0) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self._capacity = capacity
-        self._notes: OrderedDict[ChunkKey, Note] = OrderedDict()
+        self._where: dict[ChunkKey, Note] = {}
+        self._stores: deque[_Store] = deque()
+        self._chunks = 0  # chunks of the stores kept
         self._lock = threading.Lock()
 
     def note(
@@ -109,28 +123,32 @@ class ChunkNotes:
     ) -> None:
         """`keys` name consecutive chunks of `tokens` (packed uint32, starting at the first
         key's chunk), after the chunk named `parent` (None: they start the prompt)."""
-        # Encoded here, once per store and vectorized, so that publishing a chain only joins
-        # bytes: the publisher thread shares the GIL with the request threads.
-        keys = keys[: len(tokens) // (4 * chunk_size)]  # only chunks whose every token came
-        items = token_items(tokens[: 4 * chunk_size * len(keys)])
-        step = 5 * chunk_size
-        notes = [
-            Note(parent if i == 0 else keys[i - 1].chunk_hash, items[i * step : (i + 1) * step])
-            for i in range(len(keys))
-        ]
+        step = 4 * chunk_size
+        n = min(len(keys), len(tokens) // step)  # only chunks whose every token came
+        first = max(0, n - self._capacity)  # more than all we keep: the last ones
+        if first == n:
+            return
+        if first:
+            parent = keys[first - 1].chunk_hash
+        store = _Store(tuple(keys[first:n]), parent, tokens[first * step : n * step])
+        places = zip(itertools.repeat(store), range(n - first), strict=False)
         with self._lock:
-            for key, note in zip(keys, notes, strict=True):
-                self._notes[key] = note
-                self._notes.move_to_end(key)
-            while len(self._notes) > self._capacity:
-                self._notes.popitem(last=False)
+            self._where.update(zip(store.keys, places, strict=False))
+            self._stores.append(store)
+            self._chunks += len(store.keys)
+            while self._chunks > self._capacity:
+                old = self._stores.popleft()
+                self._chunks -= len(old.keys)
+                for key in old.keys:
+                    if self._where.get(key, (None,))[0] is old:  # not named again since
+                        del self._where[key]
 
     def __bool__(self) -> bool:
         """Whether notes are kept at all (a server without KV events keeps none)."""
         return self._capacity > 0
 
     def get_many(self, keys: Sequence[ChunkKey]) -> list[Note | None]:
-        get = self._notes.get
+        get = self._where.get
         with self._lock:
             return [get(key) for key in keys]
 
@@ -173,7 +191,11 @@ class EventPublisher:
         self._int_hashes = int_hashes
         self._places = {L1_TIER: L1_PLACE, **places}
         self.notes = notes
-        self._reports: deque[tuple[Any, ...]] = deque()
+        # reports waiting for the thread, a run of one kind and tier merged into one as it
+        # comes (a commit or an eviction reports chunk by chunk); `_lock` guards them
+        self._reports: list[tuple[Any, ...]] = []
+        self._pending = 0  # chunks (and clears) in them
+        self._lock = threading.Lock()
         self._max_reports = max_reports
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_batches)
         self._ctx = zmq.Context()
@@ -196,9 +218,9 @@ class EventPublisher:
         self._seq = 0
         self._gap = False  # reports were dropped since the last batch
         self._seen_models: set[str] = set()  # whose topics an unfiltered clear empties
-        self._announced: set[str] = set()  # topics published since start
-        self._reported = itertools.count(1)  # next() is atomic: reports come from many threads
-        self._num_reported = 0
+        self._announced: set[bytes] = set()  # topics published since start
+        self._topics: dict[str, bytes] = {}  # a model's topic
+        self._num_reported = 0  # reports taken in (under `_lock`)
         self._num_published = 0  # reports turned into sent batches (the thread's own count)
         self._n = dict.fromkeys(("batches", "events", "blocks", "dropped_reports", "replays"), 0)
         self._stop = threading.Event()
@@ -218,22 +240,35 @@ class EventPublisher:
 
     # -- what storage reports (any thread, maybe under the engine lock: append only) ---------
 
-    def _report(self, report: tuple[Any, ...]) -> None:
-        if len(self._reports) >= self._max_reports:
-            self._n["dropped_reports"] += 1
-            self._gap = True
-            return
-        self._reports.append(report)
-        self._num_reported = next(self._reported)
+    def _report(self, kind: str, keys: Sequence[ChunkKey], tier: str) -> None:
+        with self._lock:
+            if self._pending + len(keys) > self._max_reports:
+                self._n["dropped_reports"] += 1
+                self._gap = True
+                return
+            self._pending += len(keys)
+            self._num_reported += 1
+            last = self._reports[-1] if self._reports else None
+            if last is not None and last[0] == kind and last[2] == tier:
+                last[1].extend(keys)
+            else:
+                self._reports.append((kind, list(keys), tier))
 
     def stored(self, keys: Sequence[ChunkKey], tier: str) -> None:
-        self._report(("stored", tuple(keys), tier))
+        self._report("stored", keys, tier)
 
     def removed(self, keys: Sequence[ChunkKey], tier: str, reason: Removal) -> None:
-        self._report(("removed", tuple(keys), tier))
+        self._report("removed", keys, tier)
 
     def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
-        self._report(("cleared", model, cache_salt, tier))
+        with self._lock:
+            if self._pending + 1 > self._max_reports:
+                self._n["dropped_reports"] += 1
+                self._gap = True
+                return
+            self._pending += 1
+            self._num_reported += 1
+            self._reports.append(("cleared", model, cache_salt, tier))
 
     # -- the publishing thread ------------------------------------------------------------------
 
@@ -252,7 +287,7 @@ class EventPublisher:
                         self._serve_replay()
                 else:
                     self._stop.wait(_POLL_MS / 1000)
-                while self._reports:
+                if self._reports:
                     self._publish_reports()
             except Exception:
                 logger.exception("kv events: publishing failed")
@@ -261,29 +296,24 @@ class EventPublisher:
                 return
 
     def _publish_reports(self) -> None:
-        reports = []
-        for _ in range(min(_BATCH_REPORTS, len(self._reports))):
-            reports.append(self._reports.popleft())
-        merged: list[tuple[Any, ...]] = []
-        for report in reports:  # one commit reports chunk by chunk: its chain is one event
-            last = merged[-1] if merged else None
-            if last is not None and report[0] == last[0] == "stored" and report[2] == last[2]:
-                last[1].extend(report[1])
-            else:
-                merged.append(
-                    (report[0], list(report[1]), *report[2:]) if report[0] != "cleared" else report
-                )
-        by_topic: dict[str, list[Event]] = {}
-        for report in merged:
+        with self._lock:
+            reports, self._reports = self._reports, []
+            self._pending = 0
+            taken = self._num_reported
+        by_topic: dict[bytes, list[Event]] = {}
+        for report in reports:
             for model, event in self._events(report):
-                by_topic.setdefault(self._topic + shown(model), []).append(event)
+                topic = self._topics.get(model)
+                if topic is None:
+                    topic = self._topics[model] = (self._topic + shown(model)).encode()
+                by_topic.setdefault(topic, []).append(event)
         now = time.time()
         for topic, events in by_topic.items():
             if topic not in self._announced:  # what a router knew of an earlier run is void
                 self._announced.add(topic)
                 events.insert(0, AllBlocksCleared())
-            self._send(topic.encode(), self._encoder.encode(KVEventBatch(now, events)), events)
-        self._num_published += len(reports)
+            self._send(topic, self._encoder.encode(KVEventBatch(now, events)), events)
+        self._num_published = taken
 
     def _send(self, topic: bytes, payload: bytes, events: list[Event]) -> None:
         if self._gap:  # reports were dropped: skip a number so consumers see it
@@ -337,39 +367,56 @@ class EventPublisher:
     def _stored_events(self, keys: list[ChunkKey], place: Place) -> Iterable[BlockStored]:
         """BlockStored events for `keys`: consecutive chunks of one chain in one event (as vLLM
         publishes a request's newly full blocks), each chunk without a note alone."""
+        step = 4 * self._chunk_size
         run: list[ChunkKey] = []
-        notes: list[Note] = []
+        parent: bytes | None = None
+        pieces: list[bytes] = []  # the run's tokens: a slice of each store it spans
+        store, first, last = _NO_STORE, 0, -1  # the run's chunks in `store`: first to last
         for key, note in zip(keys, self.notes.get_many(keys), strict=True):
+            if note is not None and note[0] is store and note[1] == last + 1:
+                run.append(key)  # the usual case: the next chunk of the same store
+                last += 1
+                continue
+            if run:
+                pieces.append(store.tokens[first * step : (last + 1) * step])
             if note is None:
                 if run:
-                    yield self._block_stored(run, notes, place)
-                    run, notes = [], []
-                yield self._block_stored([key], [], place)
+                    yield self._block_stored(run, parent, pieces, place)
+                yield self._block_stored([key], None, [], place)
+                run, pieces, store = [], [], _NO_STORE
                 continue
-            if run and note.parent != run[-1].chunk_hash:
-                yield self._block_stored(run, notes, place)
-                run, notes = [], []
+            at, i = note
+            previous = at.parent if i == 0 else at.keys[i - 1].chunk_hash
+            if run and previous != run[-1].chunk_hash:  # not the chain's next chunk
+                yield self._block_stored(run, parent, pieces, place)
+                run, pieces = [], []
+            if not run:
+                parent = previous
             run.append(key)
-            notes.append(note)
+            store, first, last = at, i, i
         if run:
-            yield self._block_stored(run, notes, place)
+            pieces.append(store.tokens[first * step : (last + 1) * step])
+            yield self._block_stored(run, parent, pieces, place)
 
-    def _block_stored(self, keys: list[ChunkKey], notes: list[Note], place: Place) -> BlockStored:
+    def _block_stored(
+        self, keys: list[ChunkKey], parent: bytes | None, tokens: list[bytes], place: Place
+    ) -> BlockStored:
+        """One BlockStored of the chain `keys` after `parent`, whose packed token ids are
+        `tokens` joined (none: a chunk published alone, without tokens or parent)."""
         salt = _client_salt(keys[0].cache_salt)
-        if notes:
-            tokens: list[int] | msgspec.Raw = token_array(
-                len(notes) * self._chunk_size, [n.tokens for n in notes]
+        if tokens:
+            token_ids: list[int] | msgspec.Raw = token_array(
+                len(keys) * self._chunk_size, [token_items(b"".join(tokens))]
             )
-            parent = notes[0].parent
-            extra: list[tuple[Any, ...] | None] = [
-                (salt,) if salt and i == 0 and parent is None else None for i in range(len(keys))
-            ]
+            extra: list[tuple[Any, ...] | None] = [None] * len(keys)
+            if salt and parent is None:
+                extra[0] = (salt,)
         else:
-            tokens, parent, extra = [], None, [None]
+            token_ids, parent, extra = [], None, [None]
         return BlockStored(
             block_hashes=self._hashes(keys),
             parent_block_hash=None if parent is None else self._hash(parent),
-            token_ids=tokens,
+            token_ids=token_ids,
             block_size=self._chunk_size,
             lora_id=None,
             medium=place.medium,
