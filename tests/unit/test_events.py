@@ -24,6 +24,7 @@ from kvtier.server.event_wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    token_array,
 )
 from kvtier.server.events import ChunkNotes, EventPublisher, Place
 from kvtier.storage.observers import Removal
@@ -259,3 +260,11 @@ def test_a_malformed_replay_request_is_ignored_and_the_socket_keeps_answering(
     finally:
         replay.close()
         pub.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 3 * CS, 70_000])  # 70,000: msgpack's array32 header
+def test_token_arrays_decode_to_the_ids_of_their_joined_pieces(n: int) -> None:
+    ids = np.arange(n, dtype="<u4") * 65_537
+    pieces = [ids[: n // 3].tobytes(), ids[n // 3 :].tobytes()]
+    encoded = msgspec.msgpack.encode(token_array(pieces))
+    assert msgspec.msgpack.decode(encoded) == ids.tolist()

@@ -28,7 +28,6 @@ __all__ = [
     "external_hash",
     "seq_bytes",
     "token_array",
-    "token_items",
 ]
 
 MEDIUM_CPU = "CPU"
@@ -55,22 +54,19 @@ def external_hash(chunk_hash: bytes, *, as_int: bool) -> ExternalHash:
 _ITEM = np.dtype([("tag", "u1"), ("value", ">u4")])  # a msgpack uint32: 0xce, 4 bytes
 
 
-def token_items(tokens: bytes) -> bytes:
-    """Packed uint32 token ids as the items of a msgpack array, built without a Python int per
-    token: each id in msgpack's 32-bit unsigned form (5 bytes), which every decoder reads as the
-    same integer as its shortest form. `token_array` puts a header in front."""
-    ids = np.frombuffer(tokens, "<u4")
-    items = np.empty(len(ids), _ITEM)
+def token_array(pieces: Sequence[bytes]) -> msgspec.Raw:
+    """The msgpack array of the packed uint32 token ids in `pieces` (joined), built without a
+    Python int per token: each id in msgpack's 32-bit unsigned form (5 bytes), which every
+    decoder reads as the same integer as its shortest form."""
+    ids = np.frombuffer(b"".join(pieces) if len(pieces) != 1 else pieces[0], "<u4")
+    n = len(ids)
+    head = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
+    out = bytearray(len(head) + 5 * n)
+    out[: len(head)] = head
+    items = np.frombuffer(out, _ITEM, offset=len(head))
     items["tag"] = 0xCE
     items["value"] = ids
-    return items.tobytes()
-
-
-def token_array(n: int, items: Sequence[bytes]) -> msgspec.Raw:
-    """The msgpack array of `n` token ids whose items `token_items` built, in pieces (joined
-    here once: these are the publisher's biggest copies)."""
-    head = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
-    return msgspec.Raw(b"".join([head, *items]))
+    return msgspec.Raw(out)
 
 
 def seq_bytes(seq: int) -> bytes:

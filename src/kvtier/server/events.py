@@ -59,7 +59,6 @@ from .event_wire import (
     external_hash,
     seq_bytes,
     token_array,
-    token_items,
 )
 
 __all__ = ["ChunkNotes", "EventPublisher", "EventStats", "Place", "open_events", "place_of"]
@@ -405,9 +404,7 @@ class EventPublisher:
         `tokens` joined (none: a chunk published alone, without tokens or parent)."""
         salt = _client_salt(keys[0].cache_salt)
         if tokens:
-            token_ids: list[int] | msgspec.Raw = token_array(
-                len(keys) * self._chunk_size, [token_items(b"".join(tokens))]
-            )
+            token_ids: list[int] | msgspec.Raw = token_array(tokens)
             extra: list[tuple[Any, ...] | None] = [None] * len(keys)
             if salt and parent is None:
                 extra[0] = (salt,)
