@@ -65,7 +65,7 @@ __all__ = ["ChunkNotes", "EventPublisher", "EventStats", "Place", "open_events",
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 5  # a publishing round at most this often (a batch's added latency)
+_POLL_MS = 20  # a publishing round at most this often (a batch's added latency)
 _MAX_REPORTS = 1 << 20  # chunks reported, waiting for the thread; past it, dropped (a seq gap)
 _SHUTDOWN_S = 2.0
 
