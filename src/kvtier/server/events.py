@@ -215,7 +215,7 @@ class EventPublisher:
             raise
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
-        self._gap = False  # reports were dropped since the last batch
+        self._gap = False  # reports were dropped since the last take (under `_lock`)
         self._seen_models: set[str] = set()  # whose topics an unfiltered clear empties
         self._announced: set[bytes] = set()  # topics published since start
         self._topics: dict[str, bytes] = {}  # a model's topic
@@ -237,7 +237,7 @@ class EventPublisher:
         """Start the publishing thread (before the tiers report what survived)."""
         self._thread.start()
 
-    # -- what storage reports (any thread, maybe under the engine lock: append only) ---------
+    # -- what storage reports (any thread, maybe under the engine lock: a short lock only) -----
 
     def _report(self, kind: str, keys: Sequence[ChunkKey], tier: str) -> None:
         with self._lock:
@@ -299,6 +299,9 @@ class EventPublisher:
             reports, self._reports = self._reports, []
             self._pending = 0
             taken = self._num_reported
+            gap, self._gap = self._gap, False
+        if gap:  # reports were dropped: skip a number so consumers see it
+            self._seq += 1
         by_topic: dict[bytes, list[Event]] = {}
         for report in reports:
             for model, event in self._events(report):
@@ -315,9 +318,6 @@ class EventPublisher:
         self._num_published = taken
 
     def _send(self, topic: bytes, payload: bytes, events: list[Event]) -> None:
-        if self._gap:  # reports were dropped: skip a number so consumers see it
-            self._gap = False
-            self._seq += 1
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, topic, payload))
