@@ -239,14 +239,21 @@ class EventPublisher:
 
     # -- what storage reports (any thread, maybe under the engine lock: a short lock only) -----
 
+    def _admit(self, chunks: int) -> bool:
+        """Count a report of `chunks` in, or drop it (and mark the gap) when the thread is that
+        far behind; under `_lock`."""
+        if self._pending + chunks > self._max_reports:
+            self._n["dropped_reports"] += 1
+            self._gap = True
+            return False
+        self._pending += chunks
+        self._num_reported += 1
+        return True
+
     def _report(self, kind: str, keys: Sequence[ChunkKey], tier: str) -> None:
         with self._lock:
-            if self._pending + len(keys) > self._max_reports:
-                self._n["dropped_reports"] += 1
-                self._gap = True
+            if not self._admit(len(keys)):
                 return
-            self._pending += len(keys)
-            self._num_reported += 1
             last = self._reports[-1] if self._reports else None
             if last is not None and last[0] == kind and last[2] == tier:
                 last[1].extend(keys)
@@ -261,13 +268,8 @@ class EventPublisher:
 
     def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
         with self._lock:
-            if self._pending + 1 > self._max_reports:
-                self._n["dropped_reports"] += 1
-                self._gap = True
-                return
-            self._pending += 1
-            self._num_reported += 1
-            self._reports.append(("cleared", model, cache_salt, tier))
+            if self._admit(1):
+                self._reports.append(("cleared", model, cache_salt, tier))
 
     # -- the publishing thread ------------------------------------------------------------------
 
