@@ -157,10 +157,17 @@ def test_the_dockerfile_run_line_starts_the_image_entrypoint(tmp_path: Path) -> 
 def test_the_image_without_an_admin_token_exits_2_with_one_line(tmp_path: Path) -> None:
     image_env, entrypoint = dockerfile()
     env = _image_on_host(tmp_path, image_env)
-    out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *entrypoint[1:]],
-        env=_kvtier_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    # A segment a killed server left behind: a refused start must not touch it (nor log it).
+    left = Path("/dev/shm") / f"kvtier-{os.getuid()}-deploy-test-{os.getpid()}"
+    left.write_bytes(b"\0" * 4096)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", *entrypoint[1:]],
+            env=_kvtier_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert left.exists(), "a refused start removed another server's leftover segment"
+    finally:
+        left.unlink(missing_ok=True)
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert out.returncode == 2, lines
     assert len(lines) == 1 and "--admin-token" in lines[0], lines

@@ -677,6 +677,15 @@ class AdminServer:
         self.stop()
 
 
+def check_admin_exposure(host: str, token: str | None) -> None:
+    """ValueError when the admin API would be open to other machines without a configured token."""
+    if not is_loopback(host) and token is None:
+        raise ValueError(
+            f"the admin API would listen on {host!r}, reachable from other machines, without a "
+            f"token: set --admin-token or {ADMIN_TOKEN_ENV}, or bind --admin-host 127.0.0.1"
+        )
+
+
 def start_admin_server(
     backend: AdminBackend,
     host: str = "127.0.0.1",
@@ -692,11 +701,7 @@ def start_admin_server(
     `AdminServer.token` (the server writes it to its token file). Off loopback a configured token
     is mandatory: reads would otherwise be open to other machines.
     """
-    if not is_loopback(host) and token is None:
-        raise ValueError(
-            f"the admin API would listen on {host!r}, reachable from other machines, without a "
-            f"token: set --admin-token or {ADMIN_TOKEN_ENV}, or bind --admin-host 127.0.0.1"
-        )
+    check_admin_exposure(host, token)
     if not 0 <= port <= 65535:
         raise ValueError(f"admin port must be in [0, 65535] (--admin-port), got {port}")
     effective = token if token is not None else secrets.token_urlsafe(32)

@@ -32,7 +32,7 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 from kvtier.redaction import redact
-from kvtier.server.admin import AdminServer, start_admin_server
+from kvtier.server.admin import AdminServer, check_admin_exposure, start_admin_server
 from kvtier.server.auth import Authenticator, is_local_address
 from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.engine import Engine, EngineParts
@@ -272,6 +272,9 @@ class KVTierServer:
                 f"{', '.join(exposed)} is reachable from other machines: give "
                 "--auth-tokens-file so that only clients with a credential get in"
             )
+        if config.admin_port >= 0:
+            # Refused before anything on the machine is touched (segments, files, sockets).
+            check_admin_exposure(config.admin_host, config.admin_token)
         self.token_file: Path | None = None
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         _check_shm_room(config.l1_size)
