@@ -33,6 +33,7 @@ MODULES = [
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",
     "benchmarks.bench_hybrid",
+    "benchmarks.bench_traffic",
 ]
 
 

@@ -36,6 +36,7 @@ SHARES_DEFAULTS = ("test_readme.py", "test_deploy.py")
 #: out first, so that the workers finish together instead of one waiting on a late engine test.
 SLOW_FIRST = (
     "test_vllm_hybrid_engines.py",
+    "test_traffic.py",
     "test_vllm_engine.py",
     "test_vllm_lora.py",
     "test_packaging.py",
