@@ -563,7 +563,7 @@ def extra_arms(device: str) -> list[Arm]:
         {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"num_cpu_blocks": 8192},
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30},  # as kvtier's L1
         },
     )
     return [lmcache, offloading]

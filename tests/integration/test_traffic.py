@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.bench_traffic import SMOKE, measure, report
+
 from tests.integration.vllm_harness import require_vllm
 
 

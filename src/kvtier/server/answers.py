@@ -54,21 +54,26 @@ class Answer:
         self.frames([p.error_reply(exc)])
 
 
-#: prompts at least this long are hashed and named on a handler thread, not the transport's
-_OFFLOAD_TOKEN_BYTES = 4096 * 4
+#: prompts of at least this many chunks are hashed and named on a handler thread (with 256-token
+#: chunks, 64k tokens). A shorter one stays on the transport thread: its work (2-3 us a chunk:
+#: hashing, naming, the L1) ends within the GIL's 1 ms switch interval, and a handler thread
+#: holds the GIL while it hashes, so handing it off would let no other request in sooner; it
+#: would only add two thread hand-offs (~0.1 ms each), more than a 16k-token lookup's work.
+_OFFLOAD_CHUNKS = 256
 #: key-addressed requests with at least this many names (about 1 ms of name hashing) likewise
 _OFFLOAD_NAMES = 256
 
 
-def offloaded(req: p.Request) -> bool:
+def offloaded(req: p.Request, chunk_size: int) -> bool:
     """Whether a request is long work: a big prompt to hash, or KV bytes to move inline."""
+    long_prompt = _OFFLOAD_CHUNKS * chunk_size * 4  # bytes of packed uint32 tokens
     match req:
         case p.StoreInline():
             return True
         case p.Retrieve():
-            return req.inline or len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+            return req.inline or len(req.tokens) >= long_prompt
         case p.Lookup() | p.Reserve():
-            return len(req.tokens) >= _OFFLOAD_TOKEN_BYTES
+            return len(req.tokens) >= long_prompt
         case p.StoreKeysInline():
             return True
         case p.RetrieveKeys():

@@ -132,7 +132,7 @@ class Engine:
             max_lookup_shards=config.max_lookup_shards,
         )
         # Requests with big prompts or inline bytes run here, so the transport thread only
-        # decodes, routes and replies (see `_offloaded`).
+        # decodes, routes and replies (see `answers.offloaded`).
         self._handlers = parts.handlers
         self.sessions = parts.sessions
         self.layouts = LayoutRegistry()
@@ -205,7 +205,7 @@ class Engine:
         except Exception as exc:
             answer.error(exc)
             return
-        if offloaded(request):
+        if offloaded(request, self.chunk_size):
             try:
                 self._handlers.submit(self._run, identity, request, payloads, answer)
                 return

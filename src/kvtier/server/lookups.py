@@ -307,10 +307,10 @@ class LookupBook:
         hit = resumable = self._l1.resume_prefix(keys, hit)
         if hit:
             hit = self._pin(request_id, keys[:hit], readers, tenant, owner)
-        if hit:
-            self._l1.touch(keys[:hit])
-        else:
+        if not hit:
             self._l1.unpin(request_id)
+        # No LRU touch for the hit: pinned groups are out of the LRU order, and their release
+        # puts them back with the chain head most recent (`L1Store.pin`).
         hit_tokens = hit * self._chunk_size
         self.requested_tokens += num_tokens
         self.hit_tokens += hit_tokens
