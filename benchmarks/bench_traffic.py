@@ -105,7 +105,6 @@ class Arm:
 
     name: str
     kv_transfer_config: dict[str, Any] | None = None
-    uses_kvtier: bool = False
     sidecar: tuple[str, ...] = ()  # a cache server this arm's connector talks to
 
 
@@ -117,7 +116,7 @@ def kvtier_arm(address: str) -> Arm:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"address": address},
     }
-    return Arm("kvtier", config, uses_kvtier=True)
+    return Arm("kvtier", config)
 
 
 ALONE = Arm("vLLM alone")
