@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chat_driver import ChatLoad, Turn, chat
-from benchmarks.common import table
+from benchmarks.common import percentile, start_server, stop_server, table
 from benchmarks.traffic_model import ModelShape, kv_bytes_per_token, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,30 +125,14 @@ ALONE = Arm("vLLM alone")
 # -- processes -------------------------------------------------------------------------------------
 
 
-@dataclass
-class KVTier:
-    proc: subprocess.Popen[str]
-    address: str
-    admin_port: int
-
-
 @contextmanager
-def kvtier_server(workdir: Path, *, l1_size: str = "2GiB") -> Iterator[KVTier]:
-    """`kvtier serve` on an ipc socket under `workdir`, L1 only, until the block exits."""
-    address = f"ipc://{workdir}/kvtier.sock"
-    admin_port = _free_port()
-    log = open(workdir / "kvtier.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", "--address", address,
-         "--admin-port", str(admin_port), "--l1-size", l1_size, "--l2", "none"],
-        stdout=log, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+def kvtier_server(l1_size: str = "2GiB") -> Iterator[str]:
+    """`kvtier serve` (L1 only) until the block exits; its address."""
+    proc, address = start_server("--l1-size", l1_size)
     try:
-        _wait_http(f"http://127.0.0.1:{admin_port}/health", proc, workdir / "kvtier.log", 60)
-        yield KVTier(proc, address, admin_port)
+        yield address
     finally:
-        _stop(proc)
-        log.close()
+        stop_server(proc)
 
 
 @dataclass
@@ -369,14 +353,10 @@ def chat_run(servers: Sequence[VLLM], model: Path, load: ChatLoad) -> Run:
 
 
 def pct(values: Sequence[float], q: float) -> float:
-    """The q-th percentile by linear interpolation (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+    """The q-th percentile (`common.percentile`), defined for fewer than two values too."""
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return percentile(values, q)
 
 
 # -- scenarios -------------------------------------------------------------------------------------
@@ -496,8 +476,8 @@ def measure(
     results = Results(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     t0 = time.perf_counter()
     model = write_model(workdir / "model")
-    with kvtier_server(workdir) as kv:
-        arms = [ALONE, kvtier_arm(kv.address), *extra_arms(device)]
+    with kvtier_server() as address:
+        arms = [ALONE, kvtier_arm(address), *extra_arms(device)]
         if not baseline:
             arms = arms[1:]
         with sidecars(arms, workdir), vllm_servers(arms, model, scale, workdir, device) as servers:

@@ -36,6 +36,7 @@ def start_server(*args: str) -> tuple[Any, str]:
     import os
     import subprocess
     import sys
+    import threading
     import uuid
 
     address = f"ipc:///tmp/kvtier-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}.sock"
@@ -49,6 +50,8 @@ def start_server(*args: str) -> tuple[Any, str]:
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("kvtier: ready"):
+            # keep reading its output: a full pipe would stall the server's logging
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, address
     raise RuntimeError("kvtier serve did not start:\n" + "".join(lines))
 
