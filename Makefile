@@ -89,8 +89,9 @@ run: install
 	$(BIN)/kvtier serve
 
 lint: $(TEST_STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks testkit
+	$(BIN)/ruff format --check src tests benchmarks testkit
+	$(BIN)/lint-imports
 
 typecheck: $(TEST_STAMP)
 	$(BIN)/mypy

@@ -54,7 +54,7 @@ def _subscriber(endpoint: str, ready: Any, stop: Any, queue: Any) -> None:
     import msgspec
     import zmq
 
-    from kvtier.server.event_wire import KVEventBatch
+    from kvtier.server.observe.event_wire import KVEventBatch
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -102,7 +102,7 @@ def _publishing_rate() -> tuple[float, int, int, int]:
     """(chunks per second published, chunks published, batches received, chunks received):
     a chunk is one block hash in a BlockStored event."""
     from kvtier.keys import ChunkKey, compose
-    from kvtier.server.events import ChunkNotes, EventPublisher
+    from kvtier.server.observe.events import ChunkNotes, EventPublisher
 
     endpoint = f"ipc:///tmp/kvtier-bench-ev-{uuid.uuid4().hex[:8]}"
     notes = ChunkNotes(REPORTS)

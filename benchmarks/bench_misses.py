@@ -24,10 +24,10 @@ from kvtier import protocol as p
 from kvtier.config import ServerConfig
 from kvtier.keys import ChunkKey
 from kvtier.periodic import PeriodicThreadRegistry
-from kvtier.server import lookups as lookups_mod
 from kvtier.server.app import build_engine
 from kvtier.server.engine import Engine
 from kvtier.server.locking import HoldStats
+from kvtier.server.requests import lookups as lookups_mod
 from kvtier.storage.observers import L1_TIER
 
 CHUNK = 256

@@ -91,7 +91,7 @@ def _measure(address: str, layout: str, transfer: str) -> dict[str, float]:
 
 
 def run() -> str:
-    from kvtier.integrations.sglang_cpu import import_sglang_storage
+    from testkit.sglang_cpu import import_sglang_storage
 
     import_sglang_storage()
     proc, address = start_server("--chunk-size", str(PAGE), "--l1-size", "96MiB")

@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from kvtier.integrations.sglang_cpu import import_sglang_storage
+from testkit.sglang_cpu import import_sglang_storage
 
 _PAGE_METHODS = (
     "get_page_buffer_meta",

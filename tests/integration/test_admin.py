@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.client import Client
 from kvtier.config import ServerConfig
 from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic_thread
-from kvtier.server.admin import start_admin_server
 from kvtier.server.app import build_engine
-from kvtier.server.views import AdminViews
+from kvtier.server.observe.admin import start_admin_server
+from kvtier.server.observe.views import AdminViews
 from tests.conftest import ServerProcess, free_port, start_server
 
 from ..conftest import FakeClock

@@ -417,7 +417,7 @@ def test_the_sglang_line_uses_flags_sglang_0523_has() -> None:
     assert '"dynamic",' in backend[: backend.index("] = ")], "dynamic is one of its choices"
     factory = (root / "srt" / "mem_cache" / "storage" / "backend_factory.py").read_text()
     assert 'backend_name == "dynamic"' in factory
-    from kvtier.integrations.sglang_cpu import import_sglang_storage
+    from testkit.sglang_cpu import import_sglang_storage
 
     import_sglang_storage()  # SGLang's storage interface without its CUDA stack
     module = importlib.import_module(extra["module_path"])

@@ -354,7 +354,7 @@ def test_vllm_033_decodes_the_batches_as_032_does(
     import msgspec
 
     from kvtier.keys import ChunkKey, compose
-    from kvtier.server.events import ChunkNotes, EventPublisher, Place
+    from kvtier.server.observe.events import ChunkNotes, EventPublisher, Place
     from kvtier.storage.observers import Removal
 
     from .kv_follower import KVEventBatch

@@ -1,7 +1,7 @@
 """KVTierHiCacheStorage through SGLang's real storage interface and backend factory.
 
 SGLang 0.5.23's `hicache_storage` and `backend_factory` are the real modules (imported without
-its CUDA stack, see kvtier.integrations.sglang_cpu); the host pool is a stand-in with real page
+its CUDA stack, see testkit.sglang_cpu); the host pool is a stand-in with real page
 buffers (sglang_pool.py). Servers are real `kvtier serve` processes.
 """
 

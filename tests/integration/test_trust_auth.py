@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.arena import default_arena_name
 from kvtier.client import Client
 from kvtier.errors import (
     LayoutMismatchError,
     UnauthorizedError,
     UnknownSessionError,
 )
-from kvtier.storage.arena import default_arena_name
 
 from ..conftest import ServerProcess, free_port, start_server
 from ._trust import CS, kv_for, prompt, register, status, verify

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kvtier import protocol as p
+from kvtier.arena import default_arena_name
 from kvtier.client import Client
 from kvtier.errors import BadArrayError, ErrorCode, KVTierError, NotConnectedError
-from kvtier.storage.arena import default_arena_name
 
 from ..conftest import REDIS_URL, ServerProcess, free_port, start_server
 from ._trust import CS, SHAPE, kv_for, prompt, register, status, verify, wait_for

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.keys import ChunkKey
-from kvtier.server.chunkmemory import ChunkMemory
+from kvtier.server.observe.chunkmemory import ChunkMemory
 from kvtier.storage.observers import L1_TIER, Removal
 
 

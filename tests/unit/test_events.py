@@ -1,4 +1,4 @@
-"""Tests for kvtier.server.events: batches, chains, clears, gaps and replay over real sockets.
+"""Tests for kvtier.server.observe.events: batches, chains, clears, gaps and replay, real sockets.
 
 Decoded here with kvtier's own wire classes; tests/integration/test_kv_events.py decodes a real
 server's stream with vLLM's.
@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from kvtier.keys import ChunkKey, compose
-from kvtier.server.event_wire import (
+from kvtier.server.observe.event_wire import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -26,7 +26,7 @@ from kvtier.server.event_wire import (
     KVEventBatch,
     token_array,
 )
-from kvtier.server.events import ChunkNotes, EventPublisher, Place
+from kvtier.server.observe.events import ChunkNotes, EventPublisher, Place
 from kvtier.storage.observers import Removal
 
 CS = 4

@@ -11,7 +11,7 @@ from kvtier.errors import (
     NoSpaceError,
     NotRegisteredError,
 )
-from kvtier.server.layouts import Layout, LayoutRegistry
+from kvtier.layouts import Layout, LayoutRegistry
 
 
 def test_layout_size_and_text() -> None:

@@ -1,4 +1,4 @@
-"""kvtier.metrics: the live instruments and the scrape-time state collector."""
+"""kvtier.server.observe.metrics: the live instruments and the scrape-time state collector."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier._version import __version__
-from kvtier.metrics import OPERATIONS, REQUEST_DURATION_BUCKETS, HitRateHistory, Metrics
 from kvtier.server.fencing import FencingStats
-from kvtier.snapshots import (
+from kvtier.server.observe.metrics import (
+    OPERATIONS,
+    REQUEST_DURATION_BUCKETS,
+    HitRateHistory,
+    Metrics,
+)
+from kvtier.server.observe.snapshots import (
     ClientInfo,
     L1Stats,
     L2Summary,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import redis
 
+from kvtier.arena import PAGE_SIZE
 from kvtier.keys import ChunkKey
-from kvtier.storage.arena import PAGE_SIZE
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.observers import L1_TIER, Observers, Removal

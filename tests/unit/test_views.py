@@ -1,4 +1,4 @@
-"""kvtier.server.views.TierWatch: failing tiers become health, recent errors and few log lines."""
+"""server.observe.views.TierWatch: failing tiers become health, recent errors and few log lines."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.server.views import TierWatch
-from kvtier.snapshots import L2Summary
+from kvtier.server.observe.snapshots import L2Summary
+from kvtier.server.observe.views import TierWatch
 from kvtier.storage.tiers.base import Latency, TierStats
 
 
@@ -37,7 +37,7 @@ def test_growing_errors_fail_the_tier_for_the_window_and_log_rate_limited(
 ) -> None:
     watch = TierWatch(window_s=30, log_every_s=30)
     watch.observe(summary(tier(errors=0)), now=0.0, wall=100.0)
-    caplog.set_level(logging.WARNING, logger="kvtier.server.views")
+    caplog.set_level(logging.WARNING, logger="kvtier.server.observe.views")
     records = []
     for i in range(1, 11):  # a failure at every check, every 2 s
         s = summary(tier(errors=i, last_error="Connection refused"))

@@ -21,7 +21,7 @@ import torch
 
 from kvtier.client import Client
 from kvtier.copying import copy_addresses
-from kvtier.server.layouts import DTYPE_SIZES
+from kvtier.layouts import DTYPE_SIZES
 
 __all__ = ["PageGeometry", "flat_bytes", "load_pages", "page_geometry", "store_pages"]
 

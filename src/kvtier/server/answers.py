@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier import protocol as p
 from kvtier.errors import InternalError, KVTierError
-from kvtier.metrics import Metrics
+from kvtier.server.observe.metrics import Metrics
 
 __all__ = ["Answer", "Respond", "offloaded"]
 

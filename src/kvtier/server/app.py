@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
+from kvtier.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.config import ConfigError, ServerConfig, admin_token_file, format_size
 from kvtier.hashing import TokenHasher
-from kvtier.metrics import Metrics
 from kvtier.periodic import (
     PeriodicThread,
     PeriodicThreadRegistry,
@@ -32,22 +32,23 @@ from kvtier.periodic import (
     create_periodic_thread,
 )
 from kvtier.redaction import redact
-from kvtier.server.admin import AdminServer, check_admin_exposure, start_admin_server
 from kvtier.server.auth import Authenticator, is_local_address
-from kvtier.server.chunkmemory import ChunkMemory
 from kvtier.server.engine import Engine, EngineParts
-from kvtier.server.events import ChunkNotes, EventPublisher, open_events
 from kvtier.server.locking import TimedLock
+from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start_admin_server
+from kvtier.server.observe.chunkmemory import ChunkMemory
+from kvtier.server.observe.events import ChunkNotes, EventPublisher, open_events
+from kvtier.server.observe.metrics import Metrics
+from kvtier.server.observe.views import AdminViews
 from kvtier.server.transport import Transport
-from kvtier.server.views import AdminViews
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
-from kvtier.storage.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.observers import NO_OBSERVER, Observers, StorageObserver
 from kvtier.storage.prefetch import Prefetcher
-from kvtier.storage.tiers.base import L2Tier, RegistersMemory, open_tier
+from kvtier.storage.tiers.base import L2Tier, RegistersMemory
+from kvtier.storage.tiers.registry import open_tier
 
 __all__ = ["KVTierServer", "StartInterrupted", "build_engine", "build_tiers", "interrupt_start"]
 

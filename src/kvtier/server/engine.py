@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from kvtier import protocol as p
+from kvtier.arena import Arena
 from kvtier.config import ServerConfig
 from kvtier.errors import (
     InternalError,
@@ -41,29 +42,28 @@ from kvtier.errors import (
     NotConnectedError,
 )
 from kvtier.hashing import TokenHasher
-from kvtier.metrics import Metrics
+from kvtier.layouts import LayoutRegistry
 from kvtier.names import named_chunk_keys
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.redaction import redact
 from kvtier.server import naming, tenants
 from kvtier.server.answers import Answer, Respond, offloaded
 from kvtier.server.auth import Authenticator
-from kvtier.server.chunkmemory import ChunkMemory
-from kvtier.server.events import ChunkNotes
 from kvtier.server.fencing import FencingStats
-from kvtier.server.handshake import Handshake
-from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import Expired, LeaseBook, Peer
 from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
-from kvtier.server.lookups import LookupBook
-from kvtier.server.retrieves import RetrieveBook
-from kvtier.server.sessions import SessionBook
-from kvtier.server.stores import StoreBook
+from kvtier.server.observe.chunkmemory import ChunkMemory
+from kvtier.server.observe.events import ChunkNotes
+from kvtier.server.observe.metrics import Metrics
+from kvtier.server.observe.snapshots import ErrorRecord
+from kvtier.server.requests.handshake import Handshake
+from kvtier.server.requests.lookups import LookupBook
+from kvtier.server.requests.retrieves import RetrieveBook
+from kvtier.server.requests.sessions import SessionBook
+from kvtier.server.requests.stores import StoreBook
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
-from kvtier.snapshots import ErrorRecord
-from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher

@@ -20,13 +20,24 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvtier.errors import LeaseExpiredError, UnauthorizedError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.auth import ANONYMOUS, Credential
 from kvtier.server.fencing import ProcessWatch, Watch
-from kvtier.snapshots import Registration
 
 __all__ = ["Expired", "LeaseBook", "Peer", "Reservation", "RetrieveLease"]
+
+
+class Registration(msgspec.Struct, frozen=True, kw_only=True):
+    """A layout a client registered for one rank of one model."""
+
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_shape: list[int]
+    dtype: str
 
 
 @dataclass(slots=True)

@@ -20,10 +20,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import msgspec
+
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
-from kvtier.snapshots import L1Stats, TenantUsage
-from kvtier.storage.arena import Allocator
+from kvtier.storage.allocator import Allocator
 from kvtier.storage.observers import L1_TIER, NO_OBSERVER, Removal, StorageObserver
 from kvtier.storage.shares import UNBOUNDED, TenantBounds, Usage, check_staging
 
@@ -31,6 +32,31 @@ __all__ = ["UNBOUNDED", "L1Store", "OwnerSeen", "ShardState", "TenantBounds"]
 
 #: (pin holder, its owner) -> when the owner was last seen (the L1's clock), None when gone
 OwnerSeen = Callable[[str, str], float | None]
+
+
+class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one tenant holds in L1 against its shares ("" is the anonymous tenant)."""
+
+    tenant: str
+    staging_bytes: int  # reserved, not committed (--tenant-staging-share)
+    fenced_bytes: int  # quarantined (--tenant-quarantine-share, with staging_bytes)
+    pinned_bytes: int  # groups its lookups pin (--tenant-pinned-share)
+
+
+class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
+    """The shared-memory L1 at one instant."""
+
+    capacity_bytes: int
+    used_bytes: int
+    groups: int  # chunk groups held (a group is one chunk's shards, one per rank)
+    ready_groups: int  # groups whose every rank's shard is committed
+    staging_shards: int  # shards reserved and not yet committed
+    pinned_groups: int  # groups a lookup pinned against eviction
+    evictions: int
+    evicted_bytes: int
+    fenced_slots: int = 0  # lapsed slots quarantined until their owner can no longer touch them
+    fenced_bytes: int = 0
+    tenants: list[TenantUsage] = msgspec.field(default_factory=list)  # with anything held
 
 
 class ShardState(enum.Enum):

@@ -22,16 +22,31 @@ import msgspec
 
 from kvtier.config import ServerConfig
 from kvtier.keys import ObjectKey
-from kvtier.snapshots import L2Summary
 from kvtier.storage.loadrate import LoadRates
 from kvtier.storage.observers import NO_OBSERVER, ListsChunks, ReportsRemovals, StorageObserver
-from kvtier.storage.tiers.base import L2Tier
+from kvtier.storage.tiers.base import L2Tier, TierStats
 from kvtier.storage.tiers.format import Hit
 
 logger = logging.getLogger(__name__)
 
 Policy = Literal["drop", "block"]
 _DEFAULT_POLICY = cast(Policy, ServerConfig.l2_queue_policy)  # defaults live in ServerConfig
+
+
+class L2Summary(msgspec.Struct, frozen=True, kw_only=True):
+    """The write-through queue and every L2 tier's stats, in read order."""
+
+    queue_depth: int = 0
+    queue_capacity: int = 0
+    policy: str = "drop"
+    submitted: int = 0
+    written: int = 0
+    dropped: int = 0
+    write_errors: int = 0
+    read_errors: int = 0
+    tiers: list[TierStats] = msgspec.field(default_factory=list)
+    #: tiers that are unhealthy now or whose errors grew within the server's health window
+    failing: list[str] = msgspec.field(default_factory=list)
 
 
 class _Job(NamedTuple):

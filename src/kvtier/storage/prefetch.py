@@ -50,9 +50,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.arena import Arena
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
-from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import UNBOUNDED, L1Store, TenantBounds
 from kvtier.storage.loadrate import paying_prefix
 from kvtier.storage.manager import TierManager

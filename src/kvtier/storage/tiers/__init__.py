@@ -2,6 +2,7 @@
 one interface (`L2Tier`) and one typed stats record (`TierStats`)."""
 
 from kvtier.config import parse_size
-from kvtier.storage.tiers.base import TIER_SCHEMES, L2Tier, Latency, TierStats, open_tier
+from kvtier.storage.tiers.base import L2Tier, Latency, TierStats
+from kvtier.storage.tiers.registry import TIER_SCHEMES, open_tier
 
 __all__ = ["TIER_SCHEMES", "L2Tier", "Latency", "TierStats", "open_tier", "parse_size"]

@@ -24,7 +24,7 @@ from typing import TypeVar
 import numpy as np
 from typing_extensions import Buffer
 
-from kvtier.storage.arena import Allocator
+from kvtier.storage.allocator import Allocator
 
 _T = TypeVar("_T")
 

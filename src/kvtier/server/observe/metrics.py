@@ -34,7 +34,7 @@ from prometheus_client.core import (
 
 from kvtier._version import __version__
 from kvtier.keys import shown
-from kvtier.snapshots import (
+from kvtier.server.observe.snapshots import (
     HitRatePoint,
     LatencySummary,
     MissCount,

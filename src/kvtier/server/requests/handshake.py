@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from kvtier import protocol as p
 from kvtier._version import __version__
+from kvtier.arena import Arena
 from kvtier.errors import (
     HashContractError,
     NoSpaceError,
@@ -33,13 +34,11 @@ from kvtier.errors import (
     UnauthorizedError,
 )
 from kvtier.hashing import TokenHasher
+from kvtier.layouts import LayoutRegistry
 from kvtier.server import tenants
 from kvtier.server.auth import Authenticator, Credential
 from kvtier.server.fencing import ProcessWatch, ProcessWatches, Watch
-from kvtier.server.layouts import LayoutRegistry
-from kvtier.server.leases import LeaseBook, Peer
-from kvtier.snapshots import Registration
-from kvtier.storage.arena import Arena
+from kvtier.server.leases import LeaseBook, Peer, Registration
 
 __all__ = ["NO_ARENA", "Handshake"]
 

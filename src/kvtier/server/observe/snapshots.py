@@ -12,9 +12,11 @@ from typing import Any
 import msgspec
 
 from kvtier.server.fencing import FencingStats
+from kvtier.server.leases import Registration
 from kvtier.server.locking import HoldStats
+from kvtier.storage.l1 import L1Stats, TenantUsage
 from kvtier.storage.loadrate import LoadRate
-from kvtier.storage.tiers.base import TierStats
+from kvtier.storage.manager import L2Summary
 
 __all__ = [
     "ClientInfo",
@@ -36,57 +38,6 @@ __all__ = [
     "TierChunks",
     "Traffic",
 ]
-
-
-class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
-    """What one tenant holds in L1 against its shares ("" is the anonymous tenant)."""
-
-    tenant: str
-    staging_bytes: int  # reserved, not committed (--tenant-staging-share)
-    fenced_bytes: int  # quarantined (--tenant-quarantine-share, with staging_bytes)
-    pinned_bytes: int  # groups its lookups pin (--tenant-pinned-share)
-
-
-class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
-    """The shared-memory L1 at one instant."""
-
-    capacity_bytes: int
-    used_bytes: int
-    groups: int  # chunk groups held (a group is one chunk's shards, one per rank)
-    ready_groups: int  # groups whose every rank's shard is committed
-    staging_shards: int  # shards reserved and not yet committed
-    pinned_groups: int  # groups a lookup pinned against eviction
-    evictions: int
-    evicted_bytes: int
-    fenced_slots: int = 0  # lapsed slots quarantined until their owner can no longer touch them
-    fenced_bytes: int = 0
-    tenants: list[TenantUsage] = msgspec.field(default_factory=list)  # with anything held
-
-
-class L2Summary(msgspec.Struct, frozen=True, kw_only=True):
-    """The write-through queue and every L2 tier's stats, in read order."""
-
-    queue_depth: int = 0
-    queue_capacity: int = 0
-    policy: str = "drop"
-    submitted: int = 0
-    written: int = 0
-    dropped: int = 0
-    write_errors: int = 0
-    read_errors: int = 0
-    tiers: list[TierStats] = msgspec.field(default_factory=list)
-    #: tiers that are unhealthy now or whose errors grew within the server's health window
-    failing: list[str] = msgspec.field(default_factory=list)
-
-
-class Registration(msgspec.Struct, frozen=True, kw_only=True):
-    """A layout a client registered for one rank of one model."""
-
-    model: str
-    world_size: int
-    worker_id: int
-    chunk_shape: list[int]
-    dtype: str
 
 
 class ClientInfo(msgspec.Struct, frozen=True, kw_only=True):

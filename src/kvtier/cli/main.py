@@ -20,7 +20,7 @@ import typer
 import typer.main
 
 from kvtier._version import __version__
-from kvtier.cli_admin import clear_command, status_command
+from kvtier.cli.admin import clear_command, status_command
 from kvtier.config import ConfigError, ServerConfig, format_size
 from kvtier.errors import KVTierError
 from kvtier.redaction import redact
@@ -189,7 +189,3 @@ def main(argv: list[str] | None = None) -> None:
         code = getattr(exc, "exit_code", EXIT_USAGE)
     if isinstance(code, int):
         sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()

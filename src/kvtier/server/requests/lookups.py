@@ -28,12 +28,12 @@ from kvtier import protocol as p
 from kvtier.config import ServerConfig
 from kvtier.errors import InvalidArgumentError
 from kvtier.keys import ChunkKey
-from kvtier.metrics import Metrics
+from kvtier.layouts import Layout
 from kvtier.server.answers import Answer
-from kvtier.server.chunkmemory import ChunkMemory
-from kvtier.server.layouts import Layout
 from kvtier.server.limits import tenant_bounds, tenant_prefetch_jobs
-from kvtier.server.misses import explain_misses
+from kvtier.server.observe.chunkmemory import ChunkMemory
+from kvtier.server.observe.metrics import Metrics
+from kvtier.server.observe.misses import explain_misses
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import LoadOutcome, Prefetcher

@@ -24,6 +24,8 @@ import numpy.typing as npt
 import zmq
 
 from kvtier import protocol as p
+from kvtier.arena import Arena
+from kvtier.client.slots import RetrievedSlots, StoreSlots, reply_as
 from kvtier.copying import copy_pairs
 from kvtier.errors import (
     BadArrayError,
@@ -36,8 +38,6 @@ from kvtier.errors import (
 )
 from kvtier.hashing import TokenHasher, TokenIds, token_bytes
 from kvtier.names import ChunkName, check_names
-from kvtier.slots import RetrievedSlots, StoreSlots, reply_as
-from kvtier.storage.arena import Arena
 
 __all__ = ["Client", "LookupHandle", "RetrievedSlots", "StoreSlots"]
 

@@ -34,7 +34,7 @@ from kvtier.names import named_chunk_keys
 from kvtier.server import naming
 from kvtier.server.limits import SessionBounds
 from kvtier.server.locking import TimedLock
-from kvtier.server.lookups import LookupBook
+from kvtier.server.requests.lookups import LookupBook
 from kvtier.session import Session, SessionManager
 from kvtier.storage.l1 import L1Store
 

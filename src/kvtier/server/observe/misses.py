@@ -14,7 +14,7 @@ import enum
 from collections.abc import Sequence
 
 from kvtier.keys import ChunkKey
-from kvtier.server.chunkmemory import ChunkMemory, Whereabouts
+from kvtier.server.observe.chunkmemory import ChunkMemory, Whereabouts
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.observers import L1_TIER, Removal
 from kvtier.storage.prefetch import LoadOutcome, LoadStatus

@@ -50,14 +50,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvtier._version import __version__
 from kvtier.config import ADMIN_TOKEN_ENV
-from kvtier.metrics import Metrics
 from kvtier.periodic import PeriodicThreadRegistry
-from kvtier.server.views import Health
-from kvtier.snapshots import ServerStatus, SessionInfo, TierChunks
+from kvtier.server.observe.metrics import Metrics
+from kvtier.server.observe.snapshots import ServerStatus, SessionInfo, TierChunks
+from kvtier.server.observe.views import Health
 
 logger = logging.getLogger(__name__)
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 COOKIE = "kvtier_admin"
 DEFAULT_SESSIONS_LIMIT = 50
 MAX_SESSIONS_LIMIT = 1000

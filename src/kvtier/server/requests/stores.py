@@ -25,20 +25,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier import protocol as p
+from kvtier.arena import Arena
 from kvtier.config import ServerConfig
 from kvtier.errors import BadArrayError, KVTierError, LeaseExpiredError, UnknownReservationError
 from kvtier.keys import ChunkKey
-from kvtier.metrics import Metrics
+from kvtier.layouts import LayoutRegistry
 from kvtier.server.answers import Answer
-from kvtier.server.events import ChunkNotes
 from kvtier.server.fencing import CopyGuard, Watch
-from kvtier.server.layouts import LayoutRegistry
 from kvtier.server.leases import LeaseBook, Reservation
 from kvtier.server.limits import tenant_bounds
 from kvtier.server.locking import TimedLock
-from kvtier.server.sessions import SessionBook
+from kvtier.server.observe.events import ChunkNotes
+from kvtier.server.observe.metrics import Metrics
+from kvtier.server.requests.sessions import SessionBook
 from kvtier.server.writethrough import Shard, WriteThrough
-from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 

@@ -1,7 +1,7 @@
 """`kvtier status` and `kvtier clear`: operator commands that talk to a running server's admin API.
 
 Plain functions with typer annotations; `kvtier.cli` registers them as commands. `app` is a small
-typer app with just these two, for `python -m kvtier.cli_admin`.
+typer app with just these two, for `python -m kvtier.cli.admin`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.config import ADMIN_TOKEN_ENV, ConfigError, admin_token_file
-from kvtier.snapshots import ServerStatus
+from kvtier.server.observe.snapshots import ServerStatus
 
 TOKEN_ENV = ADMIN_TOKEN_ENV
 DEFAULT_ADMIN = "http://127.0.0.1:8080"

@@ -1,5 +1,5 @@
 """The admin views of a running server: status, health, sessions and clear, read from the engine
-and returned as typed snapshots (`kvtier.snapshots`).
+and returned as typed snapshots (`kvtier.server.observe.snapshots`).
 
 The admin API, the metrics collector and `kvtier status` read these; the engine only serves
 requests. `TierWatch` turns growing L2 error counters into what an operator sees: `/health`
@@ -12,15 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvtier._version import __version__
 from kvtier.keys import compose, decompose, shown
 from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
-from kvtier.server.engine import Engine
-from kvtier.session import Session
-from kvtier.snapshots import (
+from kvtier.server.observe.snapshots import (
     ClientInfo,
     ErrorRecord,
     HeldChunk,
@@ -32,7 +31,11 @@ from kvtier.snapshots import (
     SessionInfo,
     TierChunks,
 )
+from kvtier.session import Session
 from kvtier.storage.observers import L1_TIER, ListsChunks
+
+if TYPE_CHECKING:  # the engine imports this folder; views only read it
+    from kvtier.server.engine import Engine
 
 __all__ = ["AdminViews", "Health", "TierWatch"]
 

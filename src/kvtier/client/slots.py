@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from kvtier import protocol as p
 from kvtier.errors import InternalError, KVTierError, NotConnectedError
-from kvtier.server.layouts import Layout
+from kvtier.layouts import Layout
 
 if TYPE_CHECKING:
     from kvtier.client import Client

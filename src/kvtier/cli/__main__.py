@@ -1,0 +1,5 @@
+"""`python -m kvtier.cli`: the `kvtier` command."""
+
+from kvtier.cli.main import main
+
+main()
