@@ -100,10 +100,12 @@ typecheck: $(TEST_STAMP)
 # machine's cores well. Each file runs on one worker (its module fixtures, engines among them,
 # start once); tests/conftest.py groups the files that use the README's defaults and hands out
 # the slow files first. `PYTEST_WORKERS=0` runs everything in this process, in order.
+# Coverage of the package is measured in the workers and in the servers and clients the tests
+# start ([tool.coverage.run] in pyproject.toml), combined, and printed at the end.
 PYTEST_WORKERS ?= 2
 pytest: install-test
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) \
-	  --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest -q --cov=kvtier --cov-report=term:skip-covered \
+	  $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: lint typecheck pytest
 

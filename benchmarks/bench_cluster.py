@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 
 import redis
-from tests.integration.redis_cluster import RedisCluster, start_cluster
+from testkit.redis_cluster import RedisCluster, start_cluster
 
 from benchmarks.bench_tiers import _l2_lookup
 from benchmarks.common import table

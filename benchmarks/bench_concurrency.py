@@ -58,15 +58,16 @@ def _start(*args: str) -> tuple[Any, str, str]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
+    stdout = proc.stdout
     lines, url = [], ""
-    for line in proc.stdout:
+    for line in stdout:
         lines.append(line)
         if line.startswith("admin: "):
             url = line.split()[1]
         if line.startswith("kvtier: ready"):
             import threading
 
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            threading.Thread(target=lambda: [None for _ in stdout], daemon=True).start()
             return proc, address, url
     raise RuntimeError("kvtier serve did not start:\n" + "".join(lines))
 
@@ -252,7 +253,7 @@ def _small_rate(address: str, kvtier: bool) -> float:
     ]
     for proc in procs:
         proc.start()
-    spans = [queue.get(timeout=600) for _ in procs]
+    spans: list[tuple[float, float]] = [queue.get(timeout=600) for _ in procs]
     for proc in procs:
         proc.join()
     wall = max(end for _, end in spans) - min(start for start, _ in spans)

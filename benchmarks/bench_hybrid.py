@@ -4,7 +4,7 @@ connector, for a sliding-window model and an MLA model; the same prompt sent twi
 kvtier against vLLM's own prefix cache; and the bytes kvtier stores per token for each model
 family against the KV the engine holds per token. All measured in this run.
 
-Needs vLLM (the CPU build: see README "Use with vLLM"); run it with that environment's python.
+Needs vLLM (the CPU build: see docs/install.md); run it with that environment's python.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ WIDE = {"hidden": 3072, "heads": 24, "kv_heads": 8, "head_dim": 128, "intermedia
 @dataclass(frozen=True)
 class TtftModel:
     label: str
-    family: str  # a key of tests.integration.vllm_harness.TINY_MODELS
+    family: str  # a key of testkit.vllm_harness.TINY_MODELS
     shape: dict[str, int]
     engine_args: tuple[str, ...] = ()
 
@@ -68,7 +68,7 @@ def run() -> str:
     except ImportError:
         return (
             "## vLLM hybrid models\n\nNot run: vLLM is not installed in this environment. "
-            'Install the CPU build (README, "Use with vLLM") and run '
+            "Install the CPU build (docs/install.md) and run "
             "`python -m benchmarks.run --only hybrid` with it.\n"
         )
     sections = [
@@ -87,13 +87,13 @@ def run() -> str:
 
 
 def _server() -> Any:
-    from tests.conftest import start_server
+    from testkit.servers import start_server
 
     return start_server("--l1-size", "1GiB", "--chunk-size", str(CHUNK))
 
 
 def _ttft(model: TtftModel) -> str:
-    from tests.integration.vllm_harness import write_tiny_model
+    from testkit.vllm_harness import write_tiny_model
 
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, 2000, TTFT_TOKENS)]
@@ -105,6 +105,8 @@ def _ttft(model: TtftModel) -> str:
             model.family,
             vocab=2048,
             max_positions=TTFT_TOKENS + 256,
+            weights=True,  # named, so mypy knows `shape` fills only the int sizes
+            seed=0,
             **model.shape,
         )
         # no connector: the full prefill, then the same prompt again (vLLM's own prefix cache)
@@ -163,7 +165,7 @@ def _ttft(model: TtftModel) -> str:
 
 def _bytes_per_token() -> str:
     import httpx
-    from tests.integration.vllm_harness import write_tiny_model
+    from testkit.vllm_harness import write_tiny_model
 
     prompt = [(i * 37) % 500 + 3 for i in range(BYTES_PROMPT)]
     rows = []

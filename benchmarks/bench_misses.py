@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import uuid
+from unittest import mock
 
 import numpy as np
 
@@ -114,21 +115,17 @@ def _measure(
     msg = p.encode(p.Lookup(uuid.uuid4().hex, tokens, "m"))
     engine.call(CLIENT, msg)
     repeated = [msg] * NUMBER
-    explain = lookups_mod.explain_misses
     inf = float("inf")
     best_with, best_without = (inf, inf), (inf, inf)
-    try:
-        for _ in range(ROUNDS):
-            msgs = _first_lookups(tokens) if first else repeated
-            lookups_mod.explain_misses = explain
+    for _ in range(ROUNDS):
+        msgs = _first_lookups(tokens) if first else repeated
+        got = _timed(engine, msgs)
+        best_with = (min(best_with[0], got[0]), min(best_with[1], got[1]))
+        msgs = _first_lookups(tokens) if first else repeated
+        # the lookup module's own name for the accounting, replaced for this run only
+        with mock.patch.object(lookups_mod, "explain_misses", lambda *a, **kw: {}):
             got = _timed(engine, msgs)
-            best_with = (min(best_with[0], got[0]), min(best_with[1], got[1]))
-            msgs = _first_lookups(tokens) if first else repeated
-            lookups_mod.explain_misses = lambda *a, **kw: {}  # type: ignore[assignment]
-            got = _timed(engine, msgs)
-            best_without = (min(best_without[0], got[0]), min(best_without[1], got[1]))
-    finally:
-        lookups_mod.explain_misses = explain
+        best_without = (min(best_without[0], got[0]), min(best_without[1], got[1]))
     return best_with, best_without
 
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import redis
-from tests.integration.mooncake_pool import MooncakeMaster
-from tests.integration.redis_cluster import start_cluster
+from testkit.mooncake_pool import MooncakeMaster
+from testkit.redis_cluster import start_cluster
 
 from benchmarks.bench_tiers import _l2_lookup
 from benchmarks.common import start_server, stop_server, table

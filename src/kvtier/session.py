@@ -111,7 +111,6 @@ class Session:
         "created_at",
         "hasher",
         "last_access",
-        "lookup_ipc_key",
         "request_id",
     )
 
@@ -130,7 +129,6 @@ class Session:
         # Hashes of chunks [0, len); always a prefix of the current tokens' chunks. Created by
         # the first hashing: one GC-tracked object less per session (see SessionManager).
         self._hashes: list[bytes] | None = None
-        self.lookup_ipc_key: str | None = None
         self._extras: dict[str, Any] | None = None
         self.created_at = clock()
         self.last_access = self.created_at
@@ -341,17 +339,6 @@ class Session:
             ):
                 self.hasher.extend_chain(hashes, window)
         return hashes[first:last]
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe summary (for the admin API)."""
-        return {
-            "request_id": self.request_id,
-            "num_tokens": self.num_tokens,
-            "num_chunks_hashed": self.num_chunks_processed,
-            "created_at": self.created_at,
-            "last_access": self.last_access,
-            "lookup_ipc_key": self.lookup_ipc_key,
-        }
 
     def __repr__(self) -> str:
         return (

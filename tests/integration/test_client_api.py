@@ -14,16 +14,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from testkit.admin import metric_samples, status, written
+from testkit.kv import CS, SHAPE, SlotArgs, SlotRangeArgs, kv_for
+from testkit.servers import ServerProcess, free_port, start_redis
+from testkit.waiting import wait_for
 
 from kvtier import protocol as p
-from kvtier.client import Client, LookupHandle
+from kvtier.client import ChunkRange, Client, LookupHandle
 from kvtier.errors import BadArrayError, InvalidArgumentError, LeaseExpiredError, NotConnectedError
 from kvtier.integrations.seam import Recompute
-
-from ..conftest import ServerProcess, free_port, start_redis
-from .test_admin import metric_samples
-from .test_serve import CS, SHAPE, kv_for, status, wait_for
-from .test_tiers import written
 
 NBYTES = int(np.prod(SHAPE)) * 2  # float16
 
@@ -77,7 +76,7 @@ def test_a_blocking_lookup_waits_for_its_loads_and_polls_need_a_lookup(
         c.register(model="m", chunk_shape=SHAPE, dtype="float16")
         assert c.lookup("r", tokens, model="m") == 4 * CS
         with pytest.raises(InvalidArgumentError, match="send a Lookup first"):
-            c._call(p.LookupPoll("never-looked-up"))
+            c.connection.call(p.LookupPoll("never-looked-up"))
 
 
 @pytest.mark.parametrize("transfer", ["shm", "inline"])
@@ -88,8 +87,8 @@ def test_slots_round_trip(server: ServerProcess, transfer: str) -> None:
     with Client(server.address, transfer=transfer) as c:  # type: ignore[arg-type]
         c.register(model="m", chunk_shape=SHAPE, dtype="float16")
         c.store("a", tokens[: 2 * CS], kv[:2], model="m")  # chunks 0-1 are stored already
-        common = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16"}
-        with c.store_slots("s", tokens, end=4 * CS, **common) as slots:  # type: ignore[arg-type]
+        common: SlotArgs = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16"}
+        with c.store_slots("s", tokens, end=4 * CS, **common) as slots:
             listed = [i for i, _ in slots.targets()]
             for i, view in slots.targets():
                 assert view.nbytes == NBYTES and view.flags.writeable
@@ -97,7 +96,7 @@ def test_slots_round_trip(server: ServerProcess, transfer: str) -> None:
         assert listed == ([2, 3] if transfer == "shm" else [0, 1, 2, 3])
         assert slots.stored_tokens == 4 * CS
         assert c.lookup("r", tokens, model="m") == 4 * CS
-        with c.retrieve_slots("r", tokens, end=4 * CS, **common) as got:  # type: ignore[arg-type]
+        with c.retrieve_slots("r", tokens, end=4 * CS, **common) as got:
             assert got.num_chunks == 4 and got.chunk_nbytes == NBYTES
             for i, view in enumerate(got.views):
                 assert not view.flags.writeable
@@ -106,6 +105,29 @@ def test_slots_round_trip(server: ServerProcess, transfer: str) -> None:
         out = np.zeros_like(kv)
         assert c.retrieve("r2", tokens, out, model="m") == 4 * CS
         assert np.array_equal(out, kv)
+
+
+def test_a_chunk_range_names_what_the_keywords_name(server: ServerProcess) -> None:
+    tokens = list(range(1500, 1500 + 4 * CS))
+    kv = kv_for(34, 4)
+    with Client(server.address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        head = ChunkRange("w", tokens, model="m", end=2 * CS)
+        assert c.store(head, kv[:2]) == 2 * CS
+        tail = ChunkRange("w", tokens, model="m", start=2 * CS, end=4 * CS)
+        with c.store_slots(tail, chunk_shape=SHAPE, dtype="float16") as slots:
+            for i, view in slots.targets():
+                view[:] = kv[2 + i].reshape(-1).view(np.uint8)
+        assert c.lookup("r", tokens, model="m") == 4 * CS
+        out = np.zeros_like(kv)
+        assert c.retrieve(ChunkRange("r", tokens, model="m"), out) == 4 * CS
+        assert np.array_equal(out, kv)
+        with c.retrieve_slots(tail, chunk_shape=SHAPE, dtype="float16") as got:
+            assert got.num_chunks == 2
+        with pytest.raises(InvalidArgumentError, match="set them on the range"):
+            c.store(head, kv[:2], model="m")  # type: ignore[call-overload]
+        with pytest.raises(InvalidArgumentError, match="needs the range's end"):
+            c.retrieve_slots(ChunkRange("r", tokens, model="m"), chunk_shape=SHAPE, dtype="f2")
 
 
 def test_an_exception_in_store_slots_stores_nothing(server: ServerProcess) -> None:
@@ -125,25 +147,35 @@ def test_an_exception_in_store_slots_stores_nothing(server: ServerProcess) -> No
     assert status(server)["l1"]["staging_shards"] == 0
 
 
+def lapsed(server: ServerProcess) -> int:
+    """Reservations and retrieve leases that lapsed and wait for their owner's answer."""
+    return int(status(server)["fencing"]["lapsed"])
+
+
+def staging(server: ServerProcess) -> int:
+    return int(status(server)["l1"]["staging_shards"])
+
+
 def test_lapsed_leases_raise_lease_expired(server_factory: Callable[..., ServerProcess]) -> None:
     server = server_factory(
         "--chunk-size", str(CS), "--staging-lease", "1", "--reap-interval", "0.1"
     )
     tokens = list(range(3000, 3000 + 2 * CS))
-    common = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16"}
+    common: SlotArgs = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16"}
     with Client(server.address) as c:
         c.register(model="m", chunk_shape=SHAPE, dtype="float16")
-        slots = c.store_slots("s", tokens, end=2 * CS, **common)  # type: ignore[arg-type]
+        slots = c.store_slots("s", tokens, end=2 * CS, **common)
         for _, view in slots.targets():
             view[:] = 1
-        time.sleep(1.6)  # past the staging lease: the reaper took the slots back
+        # past the staging lease: the reaper took the slots back (fenced until acknowledged)
+        assert wait_for(lambda: lapsed(server) == 1 and staging(server) == 0, timeout=10)
         with pytest.raises(LeaseExpiredError, match="expired"):
             slots.commit()
         assert c.lookup("r", tokens, model="m") == 0  # nothing of it is stored
         c.store("s2", tokens, kv_for(34, 2), model="m")
-        got = c.retrieve_slots("r", tokens, end=2 * CS, **common)  # type: ignore[arg-type]
+        got = c.retrieve_slots("r", tokens, end=2 * CS, **common)
         assert got.num_chunks == 2
-        time.sleep(1.6)
+        assert wait_for(lambda: lapsed(server) == 1, timeout=10)  # the retrieve lease lapsed
         with pytest.raises(LeaseExpiredError):
             got.done()
 
@@ -177,7 +209,7 @@ def test_close_says_goodbye_and_the_log_tells_it_from_a_lost_client(
     assert wait_for(
         lambda: f"client {lost.client_id} stopped heartbeating" in server.output, timeout=10
     )
-    lost._unreachable_since = time.monotonic()  # skip the goodbye: the server forgot it
+    lost.connection._unreachable_since = time.monotonic()  # skip the goodbye: the server forgot it
     lost.close()
     assert f"client {polite.client_id} stopped heartbeating" not in server.output
 
@@ -240,7 +272,7 @@ def test_slots_that_rejoin_a_server_whose_arena_cannot_be_mapped_fail_typed(
 ) -> None:
     tokens = list(range(7000, 7000 + 2 * CS))
     kv = kv_for(36, 2)
-    common = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16"}
+    common: SlotArgs = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16"}
     first = server_factory("--chunk-size", str(CS), address=f"ipc://{tmp_path}/kvtier.sock")
     # no heartbeats: the requests themselves meet each restarted server
     with Client(first.address, heartbeat_interval=3600) as c:
@@ -261,7 +293,7 @@ def test_slots_that_rejoin_a_server_whose_arena_cannot_be_mapped_fail_typed(
         c.store("w", tokens, kv, model="m")
         _restart(third, server_factory)
         with pytest.raises(NotConnectedError, match="cannot map"):
-            c.retrieve_slots("r", tokens, end=2 * CS, **common)  # type: ignore[arg-type]
+            c.retrieve_slots("r", tokens, end=2 * CS, **common)
         out = np.zeros_like(kv)
         assert c.retrieve("r", tokens, out, model="m") == 0  # inline again; nothing stored here
 
@@ -285,14 +317,19 @@ def test_a_lookup_for_two_readers_of_one_shard_holds_its_pin_until_both_retrieve
         assert status(server)["l1"]["pinned_groups"] == 0  # both read: released
         # the slot API names its reader the same way, and a repeated reader does not count twice
         assert c.lookup("r", tokens, model="m", readers=2) == 3 * CS
-        common = {"model": "m", "chunk_shape": SHAPE, "dtype": "float16", "end": 3 * CS}
+        common: SlotRangeArgs = {
+            "model": "m",
+            "chunk_shape": SHAPE,
+            "dtype": "float16",
+            "end": 3 * CS,
+        }
         for _ in range(2):
-            with c.retrieve_slots("r", tokens, reader=1, **common) as got:  # type: ignore[arg-type]
+            with c.retrieve_slots("r", tokens, reader=1, **common) as got:
                 assert got.num_chunks == 3
         assert status(server)["l1"]["pinned_groups"] == 3
         with pytest.raises(InvalidArgumentError, match=r"outside range\(readers=2\)"):
             c.retrieve("r", tokens, np.zeros_like(kv), model="m", reader=2)
-        with c.retrieve_slots("r", tokens, reader=0, **common) as got:  # type: ignore[arg-type]
+        with c.retrieve_slots("r", tokens, reader=0, **common) as got:
             assert got.num_chunks == 3
         assert status(server)["l1"]["pinned_groups"] == 0
         # without readers, world_size ranks: the one rank's retrieve releases the pin

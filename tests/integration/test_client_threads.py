@@ -9,14 +9,15 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
+from testkit.kv import CS, SHAPE, kv_for
+from testkit.servers import ServerProcess
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.errors import NotConnectedError
-
-from ..conftest import ServerProcess
-from .test_serve import CS, SHAPE, kv_for
 
 
 def open_fds() -> int:
@@ -53,10 +54,13 @@ def test_threads_that_end_leave_no_socket_behind(server: ServerProcess) -> None:
             assert c.lookup(f"r{i}", tokens, model="m") == 2 * CS
             c.end_session(f"r{i}")
 
+        def work_in_batch(batch: int, i: int) -> None:
+            work(batch * 4 + i)
+
         assert run_threads(work, 4) == [None] * 4  # the pool grows to the calls in flight
         before = open_fds()
         for batch in range(50):  # 200 threads, 4 at a time, each gone when its batch ends
-            errors = run_threads(lambda i, batch=batch: work(batch * 4 + i), 4)
+            errors = run_threads(partial(work_in_batch, batch), 4)
             assert errors == [None] * 4
         grown = open_fds() - before
         assert grown <= 8, f"{grown} more open files after 200 threads came and went"
@@ -85,7 +89,8 @@ def test_close_while_threads_wait_on_a_stalled_server_ends_their_calls_at_once(
         threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(6)]
         for t in threads:
             t.start()
-        time.sleep(0.5)  # every call sent and waiting for its reply
+        # every call holds a socket of the pool: sent (or shaking hands), waiting for its reply
+        assert wait_for(lambda: c.connection._busy >= 6, timeout=10)
         assert not any(e.is_set() for e in ended)
         t0 = time.monotonic()
         closer = threading.Thread(target=c.close, daemon=True)
@@ -126,10 +131,7 @@ def test_close_while_threads_store_and_retrieve_ends_them_with_not_connected(
         target=lambda: threads_errors.extend(run_threads(work, 6)), daemon=True
     )
     runner.start()
-    deadline = time.monotonic() + 20
-    while min(calls) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert min(calls) >= 3, calls
+    assert wait_for(lambda: min(calls) >= 3, timeout=20, interval=0.05), calls
     c.close()  # the threads are mid-call, or between calls
     runner.join(30)
     stop.set()

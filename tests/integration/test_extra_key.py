@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from testkit.kv import CS, prompt
+from testkit.servers import ServerProcess
+from testkit.trust import SHAPE, kv_for
 
 from kvtier.client import Client
 from kvtier.errors import InvalidArgumentError, UnknownSessionError
-
-from ..conftest import ServerProcess
-from ._trust import CS, SHAPE, kv_for, prompt
 
 ADAPTER_A = b"a" * 32
 ADAPTER_B = b"b" * 32

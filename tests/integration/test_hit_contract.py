@@ -13,14 +13,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from testkit.admin import metric_samples, status, written
+from testkit.kv import CS, SHAPE, kv_for
+from testkit.servers import ServerProcess
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.errors import NoSpaceError
-
-from ..conftest import ServerProcess
-from .test_admin import metric_samples
-from .test_serve import CS, SHAPE, kv_for, status, wait_for
-from .test_tiers import written
 
 PIN_LEASE = 2.0
 # A small L1 (128 pages; a chunk's shard takes one) that a short pin lease and a fast reaper
@@ -47,13 +46,15 @@ def _pressure(c: Client, seed: int) -> None:
     (With an L2, chunks are held until written there: a store that finds no room waits.)"""
     for i in range(24):
         tokens = list(range(seed + i * 1000, seed + i * 1000 + 16 * CS))
-        for _ in range(100):
+
+        def stored(i: int = i, tokens: list[int] = tokens) -> bool:
             try:
                 c.store(f"pressure-{seed}-{i}", tokens, kv_for(seed + i, 16), model="m")
-                break
             except NoSpaceError:
-                time.sleep(0.05)
-        else:
+                return False
+            return True
+
+        if not wait_for(stored, timeout=10, interval=0.05):
             raise AssertionError("the L1 never had room for the pressure's stores")
         c.end_session(f"pressure-{seed}-{i}")
 
@@ -83,6 +84,8 @@ def test_a_live_clients_hit_stays_loadable_past_the_pin_lease_under_eviction_pre
         # both requests wait (queued) for three pin leases while the L1 churns; the
         # scheduler's client heartbeats all along
         _pressure(worker, 200_000)
+        # on purpose, not a synchronization: what is tested is that three pin leases pass
+        # (the L1 churning) without the live client's hits being dropped: nothing to poll for
         time.sleep(3 * PIN_LEASE)
         _pressure(worker, 300_000)
         # the pressure's own chunks are held until the disk tier has them: wait for the writer
@@ -102,7 +105,7 @@ _LOOKUP_THEN_HANG = textwrap.dedent(
     from kvtier.client import Client
     c = Client(sys.argv[1])
     print(c.lookup("dead-req", list(range(400_000, 400_000 + 4 * {cs})), model="m"), flush=True)
-    time.sleep(600)
+    time.sleep(600)  # on purpose: a client that looked up, then hangs until killed
     """
 ).format(cs=CS)
 

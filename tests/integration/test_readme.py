@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as written against a live server.
+"""Every ```python block of README.md and of its guides in docs/ runs as written against a
+live server, and every shell command in them has a test.
 
 The server is started as the README says (`kvtier serve --address ipc:///tmp/kvtier.sock`),
 with no L2 so nothing leaks between runs. Each block runs in its own interpreter, as a reader
@@ -16,63 +17,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import ServerProcess, start_server
+from testkit.readme import DOCUMENTS, python_blocks, shell_blocks
+from testkit.servers import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
 ADDRESS = "ipc:///tmp/kvtier.sock"
-SKIP = re.compile(r"<!--\s*readme-test:\s*skip:\s*(?P<reason>[^>]*?)\s*-->\s*$")
-FENCE = re.compile(r"^```(\w*)\s*$")
 
 
-def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
-    """(line number, code, skip reason or None) of every ```python block."""
-    blocks = []
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if m is None:
-            i += 1
-            continue
-        start = i
-        i += 1
-        body = []
-        while i < len(lines) and not lines[i].startswith("```"):
-            body.append(lines[i])
-            i += 1
-        i += 1
-        if m.group(1) != "python":
-            continue
-        previous = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
-        skip = SKIP.match(previous.strip())
-        blocks.append((start + 1, "\n".join(body) + "\n", skip.group("reason") if skip else None))
-    return blocks
+def where(document: Path, line: int) -> str:
+    """`README.md:12`, `docs/vllm.md:40`: a block's place, as a reader finds it."""
+    return f"{document.relative_to(REPO)}:{line}"
 
 
-def shell_blocks(text: str) -> list[tuple[int, str]]:
-    """(line number, text) of every ```bash block."""
-    out = []
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if m is None:
-            i += 1
-            continue
-        start, body = i, []
-        i += 1
-        while i < len(lines) and not lines[i].startswith("```"):
-            body.append(lines[i])
-            i += 1
-        i += 1
-        if m.group(1) == "bash":
-            out.append((start + 1, "\n".join(body) + "\n"))
-    return out
-
-
-BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+#: (place, code, skip reason or None) of every ```python block of the README and its guides.
+BLOCKS = [
+    (where(document, line), code, skip)
+    for document in DOCUMENTS
+    for line, code, skip in python_blocks(document.read_text(encoding="utf-8"))
+]
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +59,16 @@ def server() -> Iterator[ServerProcess]:
 
 def test_readme_has_runnable_blocks() -> None:
     assert len([b for b in BLOCKS if b[2] is None]) >= 3, BLOCKS
-    for line, _, reason in BLOCKS:
-        assert reason is None or reason.strip(), f"README.md:{line}: a skip needs its reason"
+    for place, _, reason in BLOCKS:
+        assert reason is None or reason.strip(), f"{place}: a skip needs its reason"
 
 
-@pytest.mark.parametrize(
-    ("line", "code", "skip"), BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS]
-)
+@pytest.mark.parametrize(("place", "code", "skip"), BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_readme_block_runs_as_written(
-    server: ServerProcess, line: int, code: str, skip: str | None
+    server: ServerProcess, place: str, code: str, skip: str | None
 ) -> None:
     if skip is not None:
-        pytest.skip(f"README.md:{line} is marked readme-test: skip: {skip}")
+        pytest.skip(f"{place} is marked readme-test: skip: {skip}")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [sys.executable, "-c", code],
@@ -119,8 +79,7 @@ def test_readme_block_runs_as_written(
         timeout=240,
     )
     assert result.returncode == 0, (
-        f"README.md:{line} failed:\n{result.stdout}\n{result.stderr}\n"
-        f"server log:\n{server.output[-3000:]}"
+        f"{place} failed:\n{result.stdout}\n{result.stderr}\nserver log:\n{server.output[-3000:]}"
     )
 
 
@@ -138,8 +97,9 @@ ADMIN = "test_readme.py::test_the_admin_synopsis_names_real_options"
 MAKE_RUN = "test_readme.py::test_make_run_installs_then_serves"
 CLONE = "test_readme.py::test_the_clone_line_clones"
 
-#: Every command of the README's ```bash blocks (by how it starts) and the test that checks it,
-#: as "file::test" (and what that test does when it cannot run the command as written here).
+#: Every command of the ```bash blocks of the README and its guides (by how it starts) and the
+#: test that checks it, as "file::test" (and what that test does when it cannot run the command
+#: as written here).
 SHELL_CHECKS: dict[str, str] = {
     "git clone https://github.com/kvtier/kvtier.git": CLONE,
     "make run": MAKE_RUN,
@@ -171,29 +131,31 @@ SHELL_CHECKS: dict[str, str] = {
 }  # fmt: skip
 
 
-def shell_commands() -> list[tuple[int, str]]:
-    """(line, command) of every command in the README's shell blocks (continuations joined)."""
+def shell_commands() -> list[tuple[str, str]]:
+    """(place, command) of every command in the shell blocks of the README and its guides
+    (continuations joined)."""
     out = []
-    for start, block in shell_blocks(README.read_text(encoding="utf-8")):
-        lines = block.splitlines()
-        i = 0
-        while i < len(lines):
-            line, first = lines[i], i
-            i += 1
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            while line.endswith("\\") or line.count("'") % 2:
-                line = line.rstrip("\\") + "\n" + lines[i]
+    for document in DOCUMENTS:
+        for start, block in shell_blocks(document.read_text(encoding="utf-8")):
+            lines = block.splitlines()
+            i = 0
+            while i < len(lines):
+                line, first = lines[i], i
                 i += 1
-            out.append((start + 1 + first, line))
+                if not line.strip() or line.lstrip().startswith("#"):
+                    continue
+                while line.endswith("\\") or line.count("'") % 2:
+                    line = line.rstrip("\\") + "\n" + lines[i]
+                    i += 1
+                out.append((where(document, start + 1 + first), line))
     return out
 
 
 def test_every_readme_shell_command_has_a_check() -> None:
     tests = Path(__file__).parent
-    for line, command in shell_commands():
+    for place, command in shell_commands():
         key = max((k for k in SHELL_CHECKS if command.startswith(k)), key=len, default=None)
-        assert key is not None, f"README.md:{line}: no test checks {command!r}: add one"
+        assert key is not None, f"{place}: no test checks {command!r}: add one"
         check = SHELL_CHECKS[key]
         if check.startswith("not run: "):
             continue
@@ -227,7 +189,7 @@ def test_every_readme_serve_line_is_a_valid_configuration() -> None:
         assert config is not None, command
     with pytest.raises(ConfigError) as refused:
         _serve_config(["--l1-size", "2"])
-    text = README.read_text(encoding="utf-8")
+    text = "\n".join(document.read_text(encoding="utf-8") for document in DOCUMENTS)
     assert f"kvtier serve: {refused.value}" in text
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--l1-size", "2"],
                          capture_output=True, text=True, timeout=60,

@@ -17,11 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import numpy as np
 import pytest
 import zmq
+from testkit.admin import status
+from testkit.kv import CS, SHAPE, kv_for
+from testkit.raw_peer import RawPeer
+from testkit.servers import ServerProcess
+from testkit.waiting import wait_for
 
 from kvtier import protocol as p
 from kvtier.client import Client
@@ -39,32 +43,6 @@ from kvtier.errors import (
     UnknownSessionError,
 )
 from kvtier.hashing import TokenHasher
-
-from ..conftest import ServerProcess
-
-CS = 16  # the `server` fixture's chunk size
-SHAPE = (2, 2, CS, 4, 8)  # layers, K/V, tokens, heads, head_dim: 2 KiB per chunk in float16
-
-
-def kv_for(seed: int, num_chunks: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
-    """Deterministic KV bytes, so separate processes can check each other's data."""
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((num_chunks, *shape)).astype(np.float16)
-
-
-def status(server: ServerProcess) -> dict[str, Any]:
-    assert server.admin_url is not None
-    return httpx.get(server.admin_url + "/status", timeout=5).json()  # type: ignore[no-any-return]
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
 
 # -- processes: a scheduler and TP workers --------------------------------------------------------
 
@@ -310,15 +288,15 @@ def _die_mid_store(address: str, ready: Any) -> None:
     c = Client(address, timeout=10)
     c.register(model="m", chunk_shape=SHAPE, dtype="float16")
     tokens = np.arange(7000, 7000 + 4 * CS, dtype="<u4").tobytes()
-    reply, _ = c._call(
+    reply, _ = c.connection.call(
         p.Reserve("dying", tokens, "m", 1, 0, 0, 4 * CS, list(SHAPE), "float16", 4, "")
     )
     assert isinstance(reply, p.ReserveReply)
-    arena = c._arena_bytes
+    arena = c.arena_bytes
     assert arena is not None
     arena[reply.offsets[0] : reply.offsets[0] + reply.chunk_nbytes // 2] = 7  # half a chunk
     ready.set()
-    time.sleep(600)  # killed before it commits
+    time.sleep(600)  # on purpose, not a synchronization: a worker that hangs until killed
 
 
 def test_worker_killed_mid_store_leaves_nothing_visible(server: ServerProcess) -> None:
@@ -328,7 +306,7 @@ def test_worker_killed_mid_store_leaves_nothing_visible(server: ServerProcess) -
     proc.start()
     assert ready.wait(30)
     assert status(server)["l1"]["staging_shards"] == 4
-    os.kill(proc.pid, signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]  # started: pid is set
     proc.join()
     tokens = list(range(7000, 7000 + 4 * CS))
     with Client(server.address) as c:
@@ -427,37 +405,6 @@ def test_tcp_address_serves_inline_clients(server_factory: Callable[..., ServerP
 # -- errors ---------------------------------------------------------------------------------------
 
 
-class RawPeer:
-    """A bare DEALER socket that speaks (or garbles) the protocol by hand."""
-
-    def __init__(self, address: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-
-    def send(self, *frames: bytes) -> list[bytes] | None:
-        self.sock.send_multipart(list(frames))
-        if not self.sock.poll(5000):
-            return None
-        return self.sock.recv_multipart()
-
-    def error(self, *frames: bytes) -> int:
-        reply = self.send(*frames)
-        assert reply is not None, "the server did not reply"
-        decoded = p.decode_reply(reply[-1])
-        assert isinstance(decoded, p.ErrorReply), decoded
-        return decoded.code
-
-    def hello(self) -> None:
-        msg = p.Hello(p.PROTOCOL_VERSION, "raw-peer")
-        reply = self.send(b"seq00001", p.encode(msg))
-        assert reply is not None and isinstance(p.decode_reply(reply[1]), p.HelloReply)
-
-    def close(self) -> None:
-        self.ctx.destroy(linger=0)
-
-
 def test_every_error_code_reaches_a_real_client(server: ServerProcess) -> None:
     raw = RawPeer(server.address)
     seen: set[int] = set()
@@ -539,9 +486,9 @@ def test_fuzzed_frames_get_one_reply_each_and_leave_data_intact(server: ServerPr
             msg = rng.choice(valid)
             return [b"seq", msg[: rng.randrange(0, len(msg))]]
         if kind == 2:  # a valid message with a flipped byte
-            msg = bytearray(rng.choice(valid))
-            msg[rng.randrange(len(msg))] ^= 1 << rng.randrange(8)
-            return [b"seq", bytes(msg)]
+            flipped = bytearray(rng.choice(valid))
+            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+            return [b"seq", bytes(flipped)]
         if kind == 3:  # random msgpack structures, some with real tags
             tag = rng.choice(["Lookup", "Reserve", "Retrieve", "Hello", "Nope", 7])
             body = [tag, *[rng.choice([1, -1, "x", b"y", None, [1], {"a": 1}]) for _ in range(5)]]
@@ -680,14 +627,15 @@ def test_sigterm_while_the_arena_is_being_sized_leaves_nothing_in_dev_shm() -> N
 
     name = default_arena_name(argv[argv.index("--address") + 1])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = False
-    deadline = time.monotonic() + 60
-    while proc.poll() is None and time.monotonic() < deadline:
-        if any(n.startswith(name) and n.endswith(".tmp") for n in os.listdir("/dev/shm")):
-            proc.send_signal(signal.SIGTERM)
-            seen = True
-            break
-        time.sleep(0.002)
+
+    def temporary() -> bool:
+        return any(n.startswith(name) and n.endswith(".tmp") for n in os.listdir("/dev/shm"))
+
+    # a tight poll: the temporary segment exists only briefly
+    seen = wait_for(lambda: temporary() or proc.poll() is not None, timeout=60, interval=0.002)
+    seen = seen and proc.poll() is None
+    if seen:
+        proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     left = [n for n in os.listdir("/dev/shm") if n.startswith(name)]
     for n in left:

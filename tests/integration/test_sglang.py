@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-
-from ..conftest import ServerProcess, free_port
-from .sglang_pool import HostPoolStandIn, build_backend, sglang_api
-from .test_serve import status
+from testkit.admin import status
+from testkit.servers import ServerProcess, free_port
+from testkit.sglang_pool import HostPoolStandIn, build_backend, keys_for, sglang_api
+from testkit.waiting import wait_for
 
 PAGE = 64  # SGLang's default page size
 
@@ -36,10 +36,6 @@ def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
 def make_backend(address: str, pool: HostPoolStandIn, **options: Any) -> Any:
     """The backend as SGLang builds it, with short timeouts so failure tests stay quick."""
     return build_backend(address, pool, **{"timeout": 2, "retry_interval": 0.2, **options})
-
-
-def keys_for(prefix: str, n: int) -> list[str]:
-    return [f"{prefix}{i:060d}" for i in range(n)]  # SGLang's keys are 64 hex characters
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
@@ -167,16 +163,13 @@ def test_a_server_restart_costs_misses_then_serves_again(
     try:
         keys = keys_for("restart-", 4)
         assert backend.batch_set_v1(keys, pool.indices([0, 1, 2, 3])) == [True] * 4
-        deadline = time.monotonic() + 15
-        while status(first)["l2"]["written"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: status(first)["l2"]["written"] >= 4, timeout=15, interval=0.05)
         first.stop(signal.SIGKILL)  # a crash
         assert backend.batch_exists(keys) == 0  # a miss, not an exception
         assert backend.batch_get_v1(keys, pool.indices([8, 9, 10, 11])) == [False] * 4
         server_factory(*args, address=first.address)
-        deadline = time.monotonic() + 20
-        while backend.batch_exists(keys) < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)  # the client re-joins once a heartbeat gets through
+        # the client re-joins once a heartbeat gets through
+        wait_for(lambda: backend.batch_exists(keys) >= 4, timeout=20, interval=0.2)
         assert backend.batch_exists(keys) == 4  # from the disk tier, into the new L1
         assert backend.batch_get_v1(keys, pool.indices([8, 9, 10, 11])) == [True] * 4
         for i in range(4):
@@ -200,9 +193,9 @@ def test_pages_come_back_through_the_disk_tier(
         for start in range(0, 32, 4):
             batch = list(range(start, start + 4))
             assert backend.batch_set_v1(keys[start : start + 4], pool.indices(batch)) == [True] * 4
-            deadline = time.monotonic() + 15
-            while status(server)["l2"]["written"] < start + 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(
+                lambda n=start + 4: status(server)["l2"]["written"] >= n, timeout=15, interval=0.05
+            )
         assert status(server)["l1"]["ready_groups"] < 32  # the first pages left L1
         assert backend.batch_exists(keys[:4]) == 4
         assert backend.batch_get_v1(keys[:4], pool.indices([32, 33, 34, 35])) == [True] * 4
@@ -266,10 +259,9 @@ def test_a_server_started_after_sglang_is_used_once_it_answers(
         keys = keys_for("late-", 2)
         assert backend.batch_set_v1(keys, pool.indices([0, 1])) == [False] * 2
         server_factory("--chunk-size", str(PAGE), address=address)
-        deadline = time.monotonic() + 15
-        while not all(backend.batch_set_v1(keys, pool.indices([0, 1]))):
-            assert time.monotonic() < deadline, backend.last_error
-            time.sleep(0.2)
+        assert wait_for(
+            lambda: all(backend.batch_set_v1(keys, pool.indices([0, 1]))), timeout=15, interval=0.2
+        ), backend.last_error
         assert backend.batch_get_v1(keys, pool.indices([4, 5])) == [True] * 2
         assert pool.page_bytes(4 * PAGE) == pool.page_bytes(0)
     finally:
@@ -284,11 +276,14 @@ def test_a_late_server_with_another_chunk_size_disables_the_backend(
     backend = make_backend(address, pool)
     try:
         server_factory("--chunk-size", "16", address=address)
-        deadline = time.monotonic() + 15
-        while backend._disabled is None:
-            assert time.monotonic() < deadline, backend.last_error
+
+        def disabled() -> bool:
+            if backend._disabled is not None:
+                return True
             assert backend.batch_exists(keys_for("x-", 1)) == 0
-            time.sleep(0.2)
+            return False
+
+        assert wait_for(disabled, timeout=15, interval=0.2), backend.last_error
         assert "--chunk-size 64" in backend._disabled
         assert backend.batch_set_v1(keys_for("x-", 1), pool.indices([0])) == [False]
     finally:
@@ -368,7 +363,7 @@ def test_token_and_token_file_reach_a_server_with_an_auth_tokens_file(
 def test_new_weights_at_the_model_path_never_read_the_old_pages(
     server: ServerProcess, tmp_path: Path
 ) -> None:
-    from .vllm_harness import write_tiny_llama
+    from testkit.vllm_harness import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "model", layers=1, hidden=64, weights=True, seed=0)
     pool = HostPoolStandIn()

@@ -10,15 +10,20 @@ trailing keys with `batch_get_v2`. The pools run SGLang's own page methods (sgla
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-
-from ..conftest import ServerProcess, free_port, start_server
-from .sglang_pool import HostPoolStandIn, MambaPoolStandIn, build_backend, sglang_api
+from testkit.servers import ServerProcess, free_port, start_server
+from testkit.sglang_pool import (
+    HostPoolStandIn,
+    MambaPoolStandIn,
+    build_backend,
+    keys_for,
+    sglang_api,
+)
+from testkit.waiting import wait_for
 
 PAGE = 16
 WINDOW = 2  # SWA pages a resume needs
@@ -41,10 +46,6 @@ def api() -> Any:
     from sglang.srt.mem_cache import hicache_storage
 
     return hicache_storage
-
-
-def keys_for(prefix: str, n: int) -> list[str]:
-    return [f"{prefix}{i:060d}" for i in range(n)]
 
 
 def kv_pool(layout: str = "page_first_direct", **kw: Any) -> HostPoolStandIn:
@@ -181,7 +182,8 @@ def test_kv_and_mamba_hit_only_at_a_stored_state_and_round_trip(
 
 def test_an_all_pages_pool_must_hold_every_page_before_the_hit(server: ServerProcess) -> None:
     kv, mamba, indexer = kv_pool(), MambaPoolStandIn(), kv_pool(layer_num=1, head_num=1)
-    for i, pool in enumerate((kv, mamba, indexer)):
+    pools: tuple[HostPoolStandIn | MambaPoolStandIn, ...] = (kv, mamba, indexer)
+    for i, pool in enumerate(pools):
         pool.fill_random(10 + i)
     b = backend(server, kv, pools={"mamba": mamba, "indexer": indexer})
     keys = keys_for("all-", 8)
@@ -315,10 +317,9 @@ def test_a_server_started_after_sglang_learns_every_pool_when_it_answers(
     keys = keys_for("late-hybrid-", 2)
     try:
         server_factory("--chunk-size", str(PAGE), address=address)
-        deadline = time.monotonic() + 15
-        while not all(b.batch_set_v1(keys, kv.indices([0, 1]))):
-            assert time.monotonic() < deadline, b.last_error
-            time.sleep(0.2)
+        assert wait_for(
+            lambda: all(b.batch_set_v1(keys, kv.indices([0, 1]))), timeout=15, interval=0.2
+        ), b.last_error
         assert b.batch_set_v2([side("mamba", keys[1:], mamba.indices([3]))]) == {
             api().PoolName.MAMBA: [True]
         }

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.servers import start_server
 
 from kvtier.client import Client
-from tests.conftest import start_server
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -24,8 +24,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-# The README's picture is refreshed only on request (KVTIER_UPDATE_SCREENSHOT=1), so a test run
-# leaves the work tree as it found it.
+# The operations guide's picture is refreshed only on request (KVTIER_UPDATE_SCREENSHOT=1), so a
+# test run leaves the work tree as it found it.
 SCREENSHOT = REPO / "docs" / "status-page.png"
 TOKEN = "page-token/with?odd&chars"  # typed into the page's sign-in, never put in a URL
 
@@ -188,7 +188,7 @@ def test_status_page_shows_live_numbers(server: tuple[str, str], browser: Any) -
 
 
 def test_status_page_shows_degraded_health(browser: Any) -> None:
-    from tests.conftest import free_port
+    from testkit.servers import free_port
 
     dead = f"redis://127.0.0.1:{free_port()}/0?connect_timeout=0.2&cooldown=0.5"
     srv = start_server("--l1-size", "64MiB", "--l2", dead)

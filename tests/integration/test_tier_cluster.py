@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 import redis
 from redis.crc import key_slot
+from testkit.admin import written
+from testkit.kv import CS, in_process, retrieve_in_process, store_in_process
+from testkit.kv_servers import KINDS
+from testkit.redis_cluster import RedisCluster
+from testkit.servers import ServerProcess
+from testkit.waiting import wait_for
 
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import open_tier
 from kvtier.storage.tiers.redis_cluster import RedisClusterTier, parse_seeds
-
-from ..conftest import ServerProcess
-from ..kv_servers import KINDS
-from .redis_cluster import RedisCluster
-from .test_serve import CS, wait_for
-from .test_tiers import _retrieve_in_process, _store_in_process, in_process, written
 
 LAYOUT = "float16[8,2,64]"
 SIZE = 16384
@@ -152,7 +152,7 @@ def _migrate_slot(
     others = [p for p in cluster.masters() if p not in (src, dst)]
     for port in (dst, src, *others):
         cluster.client(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
-        time.sleep(0.02)
+        time.sleep(0.02)  # on purpose: for a moment the nodes disagree, as in a real resharding
 
 
 def test_a_slot_moved_while_serving(tier: RedisClusterTier, live_cluster: RedisCluster) -> None:
@@ -168,6 +168,7 @@ def test_a_slot_moved_while_serving(tier: RedisClusterTier, live_cluster: RedisC
     wrong: list[int] = []
     missed: list[int] = []
     stop = threading.Event()
+    passes = [0]  # the reader's full passes over every key
 
     crashed: list[BaseException] = []
 
@@ -189,6 +190,7 @@ def test_a_slot_moved_while_serving(tier: RedisClusterTier, live_cluster: RedisC
                     missed.append(i)
                 elif bufs[i].tobytes() != payload(i):
                     wrong.append(i)
+            passes[0] += 1
 
     def halfway() -> None:  # a read and a write of the migrating slot: ASK redirects
         bufs = [memoryview(bytearray(SIZE)) for _ in mates]
@@ -207,7 +209,8 @@ def test_a_slot_moved_while_serving(tier: RedisClusterTier, live_cluster: RedisC
     thread.start()
     try:
         _migrate_slot(live_cluster, slot, src, dst, halfway)
-        time.sleep(0.3)
+        moved = passes[0]  # the reader goes on reading: three full passes after the move
+        assert wait_for(lambda: passes[0] >= moved + 3 or bool(crashed), timeout=30)
     finally:
         stop.set()
         thread.join(30)
@@ -254,7 +257,7 @@ def test_master_killed_then_replica_promoted_while_clients_run(
     for t in threads:
         t.start()
     try:
-        time.sleep(0.3)
+        wait_for(lambda: len(rounds) >= 2, timeout=10)  # both clients are reading
         live_cluster.kill(victim)
         t0 = time.monotonic()
         assert wait_for(lambda: any(r == on_victim for r in rounds[-4:]), 10), "no outage seen"
@@ -285,9 +288,9 @@ def test_two_servers_share_the_cluster(
     a = server_factory("--chunk-size", str(CS), "--l2", url)
     b = server_factory("--chunk-size", str(CS), "--l2", url)
     tokens = list(range(7000, 7000 + 8 * CS))
-    assert in_process(_store_in_process, a.address, tokens, 31) == 8 * CS
+    assert in_process(store_in_process, a.address, tokens, 31) == 8 * CS
     assert wait_for(lambda: written(a, 8))
-    assert in_process(_retrieve_in_process, b.address, tokens, 31) == (8 * CS, 8 * CS, True)
+    assert in_process(retrieve_in_process, b.address, tokens, 31) == (8 * CS, 8 * CS, True)
     t = open_tier(url)
     try:
         assert t.clear() == 8

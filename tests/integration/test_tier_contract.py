@@ -11,20 +11,20 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
 import redis
+from testkit.kv_servers import start_kv_server
+from testkit.mooncake_pool import MooncakeMaster
+from testkit.redis_cluster import RedisCluster
+from testkit.servers import REDIS_HINT, free_port
 
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, TierStats, open_tier
 from kvtier.storage.tiers.format import Hit
 from kvtier.storage.tiers.redis import RespTier
-
-from ..conftest import REDIS_HINT, free_port
-from ..kv_servers import start_kv_server
-from .mooncake_pool import MooncakeMaster
-from .redis_cluster import RedisCluster
 
 LAYOUT = "float16[4,2,16]"
 SIZE = 4096 + 13
@@ -56,7 +56,7 @@ def _redis_flipper(
     def flip(k: ObjectKey) -> None:
         name = tier.redis_key(k).encode()
         client = client_for(name)
-        value = bytearray(client.get(name) or b"")
+        value = bytearray(cast(bytes, client.get(name)) or b"")
         value[-1] ^= 0xFF
         client.set(name, bytes(value))
 

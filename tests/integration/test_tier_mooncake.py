@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.admin import status, written
+from testkit.kv import CS, kv_for
+from testkit.mooncake_pool import MooncakeMaster
+from testkit.servers import ServerProcess, free_port
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.storage.tiers import open_tier
-
-from ..conftest import ServerProcess, free_port
-from .mooncake_pool import MooncakeMaster
-from .test_serve import CS, kv_for, status, wait_for
 
 pytestmark = pytest.mark.mooncake
 
@@ -33,11 +34,6 @@ def _tier(server: ServerProcess) -> dict[str, Any]:
 
 def _serve(factory: Callable[..., ServerProcess], url: str) -> ServerProcess:
     return factory("--chunk-size", str(CS), "--l1-size", "64MiB", "--l2", url)
-
-
-def _written(server: ServerProcess, n: int) -> bool:
-    l2 = status(server)["l2"]
-    return bool(l2["written"] >= n and l2["queue_depth"] == 0)
 
 
 def _store(server: ServerProcess, req: str, tokens: list[int], kv: np.ndarray) -> None:
@@ -70,7 +66,7 @@ def test_two_servers_one_pool_what_one_stores_the_other_serves(
     b = _serve(server_factory, private_mooncake.url(segment="0"))
     tokens, kv = _prompt(12), kv_for(31, 12, BIG)
     _store(a, "w", tokens, kv)
-    assert wait_for(lambda: _written(a, 12))
+    assert wait_for(lambda: written(a, 12))
     assert private_mooncake.figures()["master_key_count"] == 12
     assert _fetch(b, "r", tokens, kv) == 12 * CS
     st = _tier(b)
@@ -80,7 +76,7 @@ def test_two_servers_one_pool_what_one_stores_the_other_serves(
     # and the other way: b (no segment of its own) stores into a's, a serves it
     tokens2, kv2 = _prompt(5), kv_for(32, 5, BIG)
     _store(b, "w2", tokens2, kv2)
-    assert wait_for(lambda: _written(b, 5))
+    assert wait_for(lambda: written(b, 5))
     assert _fetch(a, "r2", tokens2, kv2) == 5 * CS
 
 
@@ -93,7 +89,7 @@ def test_kill_9_of_the_segment_holder_is_a_miss_on_the_other(
     second, kv2 = _prompt(6), kv_for(34, 6, BIG)
     _store(holder, "w1", first, kv1)
     _store(holder, "w2", second, kv2)
-    assert wait_for(lambda: _written(holder, 12))
+    assert wait_for(lambda: written(holder, 12))
     assert _fetch(reader, "r1", first, kv1) == 6 * CS  # served while the holder lives
     holder.stop(signal.SIGKILL)
     t0 = time.monotonic()
@@ -113,7 +109,7 @@ def test_master_killed_and_restarted_misses_then_hits_without_a_stall(
     reader = _serve(server_factory, private_mooncake.url(segment="0", **opts))
     before, kv0 = _prompt(4), kv_for(35, 4, BIG)
     _store(writer, "w0", before, kv0)
-    assert wait_for(lambda: _written(writer, 4))
+    assert wait_for(lambda: written(writer, 4))
     private_mooncake.kill()
     during, kv1 = _prompt(4), kv_for(36, 4, BIG)
     t0 = time.monotonic()
@@ -121,21 +117,21 @@ def test_master_killed_and_restarted_misses_then_hits_without_a_stall(
     assert _fetch(reader, "r0", before, kv0) == 0  # the pool is unreachable: a miss
     assert _fetch(reader, "r1", during, kv1) == 0
     assert time.monotonic() - t0 < 5, "a dead master stalled the clients"
-    assert wait_for(lambda: _written(writer, 8))
+    assert wait_for(lambda: written(writer, 8))
     assert wait_for(lambda: _tier(reader)["errors"] > 0 or _tier(reader)["extra"]["late"] > 0)
     private_mooncake.start()  # the same ports; every object of the old master is gone
-    deadline = time.monotonic() + 30
-    attempt = 0
-    while time.monotonic() < deadline:  # the clients re-register by themselves
-        attempt += 1
-        after, kv2 = _prompt(4), kv_for(37 + attempt, 4, BIG)
-        _store(writer, f"w2-{attempt}", after, kv2)
-        assert wait_for(lambda n=8 + 4 * attempt: _written(writer, n))
-        if private_mooncake.figures().get("master_key_count", 0) >= 4:
-            break
-        time.sleep(0.2)
-    else:
+    stored: list[tuple[list[int], np.ndarray]] = []
+
+    def reached_the_master() -> bool:  # the clients re-register by themselves
+        attempt = len(stored) + 1  # each attempt stores a new prompt
+        stored.append((_prompt(4), kv_for(37 + attempt, 4, BIG)))
+        _store(writer, f"w2-{attempt}", *stored[-1])
+        assert wait_for(lambda: written(writer, 8 + 4 * attempt))
+        return bool(private_mooncake.figures().get("master_key_count", 0) >= 4)
+
+    if not wait_for(reached_the_master, timeout=30, interval=0.2):
         pytest.fail(f"no object reached the restarted master: {_tier(writer)}")
+    after, kv2 = stored[-1]
     assert wait_for(lambda: _fetch(reader, f"r2-{time.monotonic()}", after, kv2) == 4 * CS)
     assert _tier(reader)["corrupt"] == 0
 
@@ -148,7 +144,7 @@ def test_a_stalled_master_costs_the_timeout_not_mooncakes_30_s(
     reader = _serve(server_factory, private_mooncake.url(segment="0", **opts))
     stored, kv0 = _prompt(4), kv_for(60, 4, BIG)
     _store(writer, "w0", stored, kv0)
-    assert wait_for(lambda: _written(writer, 4))
+    assert wait_for(lambda: written(writer, 4))
     private_mooncake.pause()  # takes connections, answers nothing (a call would wait 30 s)
     try:
         t0 = time.monotonic()
@@ -174,7 +170,7 @@ def test_a_full_pool_keeps_storing_and_evicted_chunks_are_misses(
     prompts = [(_prompt(32), kv_for(40 + i, 32, huge)) for i in range(4)]
     for i, (tokens, kv) in enumerate(prompts):
         _store(writer, f"w{i}", tokens, kv)
-    assert wait_for(lambda: _written(writer, 128))
+    assert wait_for(lambda: written(writer, 128))
     st = _tier(writer)
     assert st["errors"] == 0 and st["puts"] + st["extra"]["pool_full"] == 128
     hits = [_fetch(reader, f"r{i}", tokens, kv) for i, (tokens, kv) in enumerate(prompts)]
@@ -188,7 +184,7 @@ def test_a_full_pool_keeps_storing_and_evicted_chunks_are_misses(
     for attempt in range(5):
         later, kv = _prompt(4), kv_for(50 + attempt, 4, huge)
         _store(writer, f"w-later-{attempt}", later, kv)
-        assert wait_for(lambda n=132 + 4 * attempt: _written(writer, n))
+        assert wait_for(lambda n=132 + 4 * attempt: written(writer, n))
         served.append(_fetch(reader, f"r-later-{attempt}", later, kv))
     assert _tier(writer)["puts"] > puts and any(served), f"{served}: {_tier(writer)}"
     assert _tier(reader)["corrupt"] == 0 and _tier(writer)["errors"] == 0

@@ -3,55 +3,19 @@ corruption, all across separate processes (chunk names must be deterministic for
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import pytest
 import redis
+from testkit.admin import status, written
+from testkit.kv import CS, SHAPE, in_process, kv_for, retrieve_in_process, store_in_process
+from testkit.servers import ServerProcess, free_port, start_redis
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.hashing import TokenHasher
 from kvtier.keys import ObjectKey, compose
-
-from ..conftest import ServerProcess, free_port, start_redis
-from .test_serve import CS, SHAPE, kv_for, status, wait_for
-
-
-def written(server: ServerProcess, n: int) -> bool:
-    l2 = status(server)["l2"]
-    return bool(l2["written"] >= n and l2["queue_depth"] == 0)
-
-
-def _store_in_process(address: str, tokens: list[int], seed: int, queue: Any) -> None:
-    with Client(address) as c:
-        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
-        queue.put(c.store("writer", tokens, kv_for(seed, len(tokens) // CS), model="m"))
-
-
-def _retrieve_in_process(address: str, tokens: list[int], seed: int, queue: Any) -> None:
-    with Client(address) as c:
-        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
-        hit = c.lookup("reader", tokens, model="m")
-        expected = kv_for(seed, len(tokens) // CS)[: hit // CS]
-        out = np.zeros_like(expected)
-        got = c.retrieve("reader", tokens, out, model="m") if hit else 0
-        queue.put((hit, got, bool(np.array_equal(out, expected))))
-
-
-def in_process(target: Callable[..., None], *args: Any) -> Any:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
-    proc.start()
-    result = queue.get(timeout=60)
-    proc.join(30)
-    return result
 
 
 def test_disk_tier_serves_after_a_restart(
@@ -60,12 +24,12 @@ def test_disk_tier_serves_after_a_restart(
     disk = f"disk://{tmp_path}/l2?size=64MiB"
     tokens = list(range(8 * CS))
     first = server_factory("--chunk-size", str(CS), "--l1-size", "16MiB", "--l2", disk)
-    assert in_process(_store_in_process, first.address, tokens, 21) == 8 * CS
+    assert in_process(store_in_process, first.address, tokens, 21) == 8 * CS
     assert wait_for(lambda: written(first, 8))
     assert first.stop() == 0
     second = server_factory("--chunk-size", str(CS), "--l1-size", "16MiB", "--l2", disk)
     assert status(second)["l1"]["groups"] == 0  # a new arena: nothing in L1
-    hit, got, equal = in_process(_retrieve_in_process, second.address, tokens, 21)
+    hit, got, equal = in_process(retrieve_in_process, second.address, tokens, 21)
     assert (hit, got, equal) == (8 * CS, 8 * CS, True)
     st = status(second)
     assert st["l1"]["ready_groups"] == 8  # prefetched into L1 by the lookup
@@ -78,7 +42,7 @@ def test_a_corrupted_disk_chunk_is_a_miss_deleted_and_counted(
     disk = f"disk://{tmp_path}/l2?size=64MiB"
     tokens = list(range(6 * CS))
     first = server_factory("--chunk-size", str(CS), "--l2", disk)
-    assert in_process(_store_in_process, first.address, tokens, 22) == 6 * CS
+    assert in_process(store_in_process, first.address, tokens, 22) == 6 * CS
     assert wait_for(lambda: written(first, 6))
     first.stop()
     # flip one payload byte of chunk 3's file
@@ -89,20 +53,10 @@ def test_a_corrupted_disk_chunk_is_a_miss_deleted_and_counted(
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
     second = server_factory("--chunk-size", str(CS), "--l2", disk)
-    hit, got, equal = in_process(_retrieve_in_process, second.address, tokens, 22)
+    hit, got, equal = in_process(retrieve_in_process, second.address, tokens, 22)
     assert (hit, got, equal) == (3 * CS, 3 * CS, True)  # stops before the corrupted chunk
     assert status(second)["l2"]["tiers"][0]["corrupt"] == 1
     assert not path.exists()
-
-
-@pytest.fixture
-def redis_prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield prefix
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        r.delete(*keys)
 
 
 def test_two_servers_share_one_redis(
@@ -112,11 +66,11 @@ def test_two_servers_share_one_redis(
     a = server_factory("--chunk-size", str(CS), "--l2", tier)
     b = server_factory("--chunk-size", str(CS), "--l2", tier)
     tokens = list(range(5000, 5000 + 6 * CS))
-    assert in_process(_store_in_process, a.address, tokens, 23) == 6 * CS
+    assert in_process(store_in_process, a.address, tokens, 23) == 6 * CS
     assert wait_for(lambda: written(a, 6))
     r = redis.Redis.from_url(redis_url)
     assert len(list(r.scan_iter(match=f"{redis_prefix}:*"))) == 6
-    assert in_process(_retrieve_in_process, b.address, tokens, 23) == (6 * CS, 6 * CS, True)
+    assert in_process(retrieve_in_process, b.address, tokens, 23) == (6 * CS, 6 * CS, True)
 
 
 def test_server_keeps_serving_while_redis_is_down_and_recovers(
@@ -144,7 +98,8 @@ def test_server_keeps_serving_while_redis_is_down_and_recovers(
             assert wait_for(lambda: status(server)["l2"]["tiers"][0]["errors"] > 0)
             # Redis is back on the same port: the tier reconnects by itself
             redis_proc = start_redis(port)
-            time.sleep(1.5)  # past the tier's cool-down after a failure
+            # past the tier's cool-down after the failures: healthy again, it writes once more
+            assert wait_for(lambda: status(server)["l2"]["tiers"][0]["healthy"], timeout=20)
             tokens3 = list(range(400, 400 + 2 * CS))
             assert c.store("c", tokens3, kv_for(26, 2), model="m") == 2 * CS
             r = redis.Redis(port=port)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.bench_traffic import SMOKE, measure, report
-
-from tests.integration.vllm_harness import require_vllm
+from testkit.vllm_harness import require_vllm
 
 
 def test_chat_and_no_reuse_through_vllms_openai_server(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from kvtier.errors import NotConnectedError
 from kvtier.integrations.demo import connect, random_model, serve
+from kvtier.integrations.seam import head_range
 from kvtier.integrations.transformers import (
     KVGeometry,
     KVTierCache,
@@ -26,7 +27,6 @@ from kvtier.integrations.transformers import (
     cache_to_chunks,
     chunks_to_cache,
     full_prefill,
-    head_range,
     merge_heads,
     new_cache,
     split_heads,

@@ -10,6 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from testkit.admin import status
+from testkit.kv import CS, prompt
+from testkit.servers import ServerProcess, free_port, start_server
+from testkit.trust import kv_for, register, verify
 
 from kvtier.arena import default_arena_name
 from kvtier.client import Client
@@ -18,9 +22,6 @@ from kvtier.errors import (
     UnauthorizedError,
     UnknownSessionError,
 )
-
-from ..conftest import ServerProcess, free_port, start_server
-from ._trust import CS, kv_for, prompt, register, status, verify
 
 TOKEN_A = "tenant-a-scheduler-0123456789"
 TOKEN_A2 = "tenant-a-worker-salted-0123456789"

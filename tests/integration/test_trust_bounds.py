@@ -12,21 +12,15 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import zmq
+from testkit.admin import status
+from testkit.kv import CS, prompt
+from testkit.servers import ServerProcess, memory_of
+from testkit.trust import SHAPE, kv_for, register, verify
+from testkit.waiting import wait_for
 
 from kvtier import protocol as p
 from kvtier.client import Client
 from kvtier.errors import BadArrayError, InvalidArgumentError, KVTierError, MisalignedRangeError
-
-from ..conftest import ServerProcess
-from ._trust import CS, SHAPE, kv_for, prompt, register, status, verify, wait_for
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def _range(world_size: int = 1, worker_id: int = 0, **over: object) -> p.Reserve:
@@ -56,7 +50,7 @@ def test_huge_counts_are_refused_before_any_work_and_leak_nothing(
         register(c)
         for _ in range(64):
             with pytest.raises(InvalidArgumentError, match="max-world-size"):
-                c._call(_range(world_size=2**34, worker_id=2**33))
+                c.connection.call(_range(world_size=2**34, worker_id=2**33))
         assert status(server)["l1"]["used_bytes"] == 0
         t0 = time.monotonic()
         with pytest.raises(InvalidArgumentError, match="world_size"):
@@ -78,7 +72,7 @@ def test_huge_counts_are_refused_before_any_work_and_leak_nothing(
         ]
         for msg, error in hostile:
             with pytest.raises(error):
-                c._call(msg)
+                c.connection.call(msg)
         # nothing leaked: every slot of the 64 KiB L1 is still there for honest stores
         for n in range(4):
             assert c.store(f"ok{n}", prompt(n), kv_for(n), model="m") == CS
@@ -93,7 +87,7 @@ def test_a_frame_above_the_maximum_is_refused_before_it_is_read(
     server = server_factory(
         "--l1-size", "1MiB", "--chunk-size", str(CS), "--max-frame-bytes", "1MiB"
     )
-    before = _rss_bytes(server.proc.pid)
+    before = memory_of(server.proc.pid)
     ctx = zmq.Context()
     try:
         for _ in range(3):
@@ -106,7 +100,7 @@ def test_a_frame_above_the_maximum_is_refused_before_it_is_read(
             sock.close()
     finally:
         ctx.destroy(linger=0)
-    grown = _rss_bytes(server.proc.pid) - before
+    grown = memory_of(server.proc.pid) - before
     assert grown < 48 << 20, f"RSS grew by {grown} bytes"
     with Client(server.address) as c:
         register(c)

@@ -15,26 +15,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.admin import status
+from testkit.kv import CS, prompt
+from testkit.servers import ServerProcess
+from testkit.trust import SPAWN, kv_for, register, reserve, retrieve_lease, verify
+from testkit.waiting import wait_for
 
 from kvtier import protocol as p
 from kvtier.client import Client
 from kvtier.errors import KVTierError, LeaseExpiredError, UnknownReservationError
 
-from ..conftest import ServerProcess
-from ._trust import (
-    CS,
-    SPAWN,
-    kv_for,
-    prompt,
-    register,
-    reserve,
-    retrieve_lease,
-    status,
-    verify,
-    wait_for,
-)
-
-SMALL = ("--l1-size", "64KiB", "--chunk-size", str(CS), "--staging-lease", "2")
+SMALL: tuple[str, ...] = ("--l1-size", "64KiB", "--chunk-size", str(CS), "--staging-lease", "2")
 SMALL += ("--reap-interval", "0.2")
 
 
@@ -51,12 +42,12 @@ def _late_writer(address: str, queue: Any, go: Any) -> None:
             reply = reserve(c, "a", prompt(0))
             queue.put(("reserved", reply.offsets[0]))
             go.wait(60)
-            arena = c._arena_bytes
+            arena = c.arena_bytes
             assert arena is not None
             offset = reply.offsets[0]
             arena[offset : offset + reply.chunk_nbytes] = 0xAA  # the late copy
             try:
-                c._call(p.Commit(reply.reservation_id))
+                c.connection.call(p.Commit(reply.reservation_id))
                 queue.put(("committed", None))
             except KVTierError as exc:
                 queue.put(("refused", type(exc).__name__))
@@ -140,13 +131,13 @@ def _late_reader(address: str, queue: Any, go: Any) -> None:
             reply = retrieve_lease(c, "r", prompt(0))
             queue.put(("leased", reply.num_chunks))
             go.wait(60)
-            arena = c._arena_bytes
+            arena = c.arena_bytes
             assert arena is not None
             off = reply.offsets[0]
             copied = np.array(arena[off : off + reply.chunk_nbytes])
             same = bool(np.array_equal(copied, kv_for(0).view(np.uint8).reshape(-1)))
             try:
-                c._call(p.RetrieveDone(reply.lease_id))
+                c.connection.call(p.RetrieveDone(reply.lease_id))
                 queue.put(("done", same))
             except KVTierError as exc:
                 queue.put(("refused", type(exc).__name__, same))
@@ -244,9 +235,9 @@ def test_reservation_ids_from_before_a_restart_name_nothing(
             fresh = reserve(other, "y", prompt(2))  # unwritten: zeros
             assert fresh.reservation_id != stale.reservation_id
             with pytest.raises(UnknownReservationError):
-                old._call(p.Commit(stale.reservation_id))  # re-joins, then is refused
+                old.connection.call(p.Commit(stale.reservation_id))  # re-joins, then is refused
             assert other.lookup("y2", prompt(2), model="m") == 0  # still not readable
-            other._call(p.Abort(fresh.reservation_id))
+            other.connection.call(p.Abort(fresh.reservation_id))
     assert second.stop() == 0
 
 
@@ -261,7 +252,7 @@ def test_a_store_of_chunks_another_client_is_storing_does_not_report_them_stored
         register(b)
         held = reserve(a, "a", prompt(3, 2))
         assert b.store("b", prompt(3, 2), kv_for(3, 2), model="m") == 0
-        a._call(p.Abort(held.reservation_id))
+        a.connection.call(p.Abort(held.reservation_id))
         assert b.lookup("b2", prompt(3, 2), model="m") == 0  # B was right not to count them
         assert b.store("b", prompt(3, 2), kv_for(3, 2), model="m") == 2 * CS
         assert verify(b, 3, 3, "b3") in (1,) or b.lookup("b4", prompt(3, 2), model="m") == 2 * CS

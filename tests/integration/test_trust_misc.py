@@ -12,15 +12,16 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 import pytest
+from testkit.admin import changes, status
+from testkit.kv import CS, prompt
+from testkit.servers import REDIS_URL, ServerProcess, free_port, start_server
+from testkit.trust import SHAPE, kv_for, register, verify
+from testkit.waiting import wait_for
 
 from kvtier import protocol as p
 from kvtier.arena import default_arena_name
 from kvtier.client import Client
 from kvtier.errors import BadArrayError, ErrorCode, KVTierError, NotConnectedError
-
-from ..conftest import REDIS_URL, ServerProcess, free_port, start_server
-from ._trust import CS, SHAPE, kv_for, prompt, register, status, verify, wait_for
-from .test_admin import changes
 
 
 def test_the_ipc_socket_is_private_whatever_the_umask(

@@ -14,13 +14,18 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from testkit.admin import status
+from testkit.kv import CS, prompt
+from testkit.servers import ServerProcess, free_port, start_redis
+from testkit.trust import SHAPE, SPAWN, kv_for
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.errors import (
@@ -30,9 +35,6 @@ from kvtier.errors import (
     NotRegisteredError,
     UnknownSessionError,
 )
-
-from ..conftest import ServerProcess, free_port, start_redis
-from ._trust import CS, SHAPE, SPAWN, kv_for, prompt, status, wait_for
 
 TINY = (1, CS, 2)  # 64 bytes a chunk in float16: long prompts, little memory
 LONG = 4096  # tokens: a prompt this long is hashed on a handler thread, concurrently
@@ -65,7 +67,13 @@ def _long_prompt(which: int, i: int) -> list[int]:
 def _hammer(address: str, which: int, seconds: float, queue: Any) -> None:
     """Store then retrieve a new prompt per step under the one request id "shared", checking
     every byte and every lookup, until `seconds` pass; reports the counts."""
-    result = {"which": which, "steps": 0, "checked": 0, "wrong": 0, "short_lookups": 0}
+    result: dict[str, Any] = {
+        "which": which,
+        "steps": 0,
+        "checked": 0,
+        "wrong": 0,
+        "short_lookups": 0,
+    }
     try:
         with Client(address) as c:
             c.register(model="m", chunk_shape=TINY, dtype="float16")
@@ -114,18 +122,6 @@ def test_one_request_id_with_two_prompts_at_once_never_mixes_their_names(
 
 
 # -- composed names -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def redis_prefix(redis_url: str) -> Iterator[str]:
-    """A Redis key prefix of this test's own; its keys are deleted afterwards."""
-    import redis
-
-    prefix = f"kvtier-test-trust-names-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    r = redis.Redis.from_url(redis_url)
-    for key in list(r.scan_iter(match=f"{prefix}:*", count=1000)):
-        r.unlink(key)
 
 
 def test_two_servers_on_one_redis_keep_a_tenants_chunks_from_anonymous_clients(

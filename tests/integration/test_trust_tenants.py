@@ -18,22 +18,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from testkit.admin import status
+from testkit.kv import CS, prompt
+from testkit.servers import ServerProcess
+from testkit.trust import SPAWN, kv_for, register, reserve, retrieve_lease
+from testkit.waiting import wait_for
 
 from kvtier.client import Client
 from kvtier.errors import InvalidArgumentError, KVTierError
-
-from ..conftest import ServerProcess
-from ._trust import (
-    CS,
-    SPAWN,
-    kv_for,
-    prompt,
-    register,
-    reserve,
-    retrieve_lease,
-    status,
-    wait_for,
-)
 
 HONEST = "honest-tenant-token-0123456789"
 LIAR = "lying-tenant-token-0123456789"
@@ -76,7 +68,7 @@ def _reserver(address: str, token: str, prompts: list[int], queue: Any) -> None:
                     queue.put(("reserved", len([o for o in reply.offsets if o >= 0])))
                 except KVTierError as exc:
                     queue.put(("refused", type(exc).__name__, exc.message))
-            time.sleep(600)
+            time.sleep(600)  # on purpose: hold what it got until the test kills it
     except Exception as exc:
         queue.put(("error", repr(exc)))
 
@@ -130,7 +122,7 @@ def test_a_tenants_quarantine_is_bounded_and_never_blocks_another_tenant(
     assert server.admin_url is not None
     metrics = httpx.get(server.admin_url + "/metrics", timeout=5).text
     assert 'kvtier_tenant_l1_bytes{kind="quarantined",tenant="liar"} 32768.0' in metrics
-    os.kill(first.pid, signal.SIGKILL)  # the pidfd ends the quarantine
+    os.kill(first.pid, signal.SIGKILL)  # type: ignore[arg-type]  # the pidfd ends the quarantine
     assert wait_for(lambda: _usage(server, "liar")["fenced_bytes"] == 0, timeout=10)
 
 
@@ -160,7 +152,7 @@ def _reader(address: str, token: str, n: int, queue: Any) -> None:
             register(c)
             c.store(f"s{n}", prompt(n, 2), kv_for(n, 2), model="m")
             queue.put(retrieve_lease(c, f"r{n}", prompt(n, 2)).num_chunks)
-            time.sleep(600)
+            time.sleep(600)  # on purpose: hold what it got until the test kills it
     except Exception as exc:
         queue.put(("error", repr(exc)))
 
@@ -198,7 +190,7 @@ def _pinner(address: str, token: str, queue: Any) -> None:
             for n in range(1, 5):
                 c.store(f"s{n}", prompt(n), kv_for(n), model="m")
             queue.put([c.lookup(f"pin{n}", prompt(n), model="m") for n in range(1, 5)])
-            time.sleep(600)
+            time.sleep(600)  # on purpose: hold what it got until the test kills it
     except Exception as exc:
         queue.put(("error", repr(exc)))
 
@@ -229,7 +221,7 @@ def _looker(address: str, token: str, queue: Any) -> None:
             handles = [c.lookup(f"l{n}", prompt(10 + n), model="m", wait=False) for n in range(4)]
             queue.put("looked")
             queue.put([h.result(timeout=60) for h in handles])
-            time.sleep(600)
+            time.sleep(600)  # on purpose: hold what it got until the test kills it
     except Exception as exc:
         queue.put(("error", repr(exc)))
 

@@ -23,14 +23,15 @@ import httpx
 import numpy as np
 import pytest
 import zmq
+from testkit.admin import changes, status
+from testkit.kv import CS, prompt
+from testkit.servers import REDIS_URL, ServerProcess, free_port, memory_of
+from testkit.trust import SPAWN, kv_for, register, reserve, verify
+from testkit.waiting import wait_for
 
 from kvtier import protocol as p
 from kvtier.client import Client
 from kvtier.errors import ErrorCode, InvalidArgumentError
-
-from ..conftest import REDIS_URL, ServerProcess, free_port
-from ._trust import CS, SPAWN, kv_for, prompt, register, reserve, status, verify, wait_for
-from .test_admin import changes
 
 #: a generous bound on how long anything here may take to be answered (never a tight timing)
 PROMPT_S = 2.0
@@ -92,6 +93,7 @@ class Watchdog:
         self.server = server
         self.client = Client(server.address, **client)
         self.worst = {"heartbeat": 0.0, "lookup": 0.0, "health": 0.0}
+        self.rounds = dict.fromkeys(self.worst, 0)
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._threads = [
@@ -106,10 +108,11 @@ class Watchdog:
         except Exception as exc:  # recorded: the test fails on it
             self.failures.append(f"{what}: {exc!r}")
         self.worst[what] = max(self.worst[what], time.monotonic() - t0)
+        self.rounds[what] += 1
 
     def _beat(self) -> None:
         while not self._stop.wait(0.05):
-            self._time("heartbeat", lambda: self.client._call(p.Heartbeat()))
+            self._time("heartbeat", lambda: self.client.connection.call(p.Heartbeat()))
             self._time("lookup", lambda: self.client.lookup("honest", prompt(7), model="m"))
 
     def _health(self) -> None:
@@ -129,7 +132,8 @@ class Watchdog:
         self.client.close()
 
     def check(self) -> None:
-        time.sleep(0.3)  # one more round of each after the hostile requests
+        before = dict(self.rounds)  # one more round of each after the hostile requests
+        wait_for(lambda: all(self.rounds[w] > n for w, n in before.items()), timeout=PROMPT_S)
         assert not self.failures, self.failures
         assert max(self.worst.values()) < PROMPT_S, self.worst
 
@@ -313,12 +317,12 @@ def _victim(address: str, client_id: str, queue: Any, go: Any) -> None:
             reply = reserve(c, "v", prompt(0))
             queue.put(("reserved", reply.offsets[0]))
             go.wait(60)
-            arena = c._arena_bytes
+            arena = c.arena_bytes
             assert arena is not None
             offset = reply.offsets[0]
             arena[offset : offset + reply.chunk_nbytes] = 0xAA
             try:
-                c._call(p.Commit(reply.reservation_id))
+                c.connection.call(p.Commit(reply.reservation_id))
                 queue.put(("committed", None))
             except Exception as exc:
                 queue.put(("refused", type(exc).__name__))
@@ -398,14 +402,6 @@ def _hello_from_child(address: str, client_id: str) -> int:
 # -- 6. memory before authentication ------------------------------------------------------------
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_big_frames_before_a_hello_are_dropped_unread(
     server_factory: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
@@ -414,17 +410,17 @@ def test_big_frames_before_a_hello_are_dropped_unread(
     server = server_factory(
         "--l1-size", "256MiB", "--no-prefault", "--auth-tokens-file", path,
     )  # fmt: skip
-    before = _peak_rss(server.proc.pid)
+    before = memory_of(server.proc.pid, "VmHWM")
     big = p.encode(hello(token="y" * (200 << 20)))
     with raw(server.address) as evil:
         for _ in range(12):
             evil.send(big)
         replies = [evil.recv(120) for _ in range(12)]
-    grown = _peak_rss(server.proc.pid) - before
+    grown = memory_of(server.proc.pid, "VmHWM") - before
     assert grown < 5 * (200 << 20), f"peak RSS grew {grown >> 20} MiB"
     assert [code(r) for r in replies] == [ErrorCode.NOT_CONNECTED] * 12
     with Client(server.address, token=tokens[0]) as honest:
-        honest._call(p.Heartbeat())
+        honest.connection.call(p.Heartbeat())
 
 
 # -- 7. admin request bodies ---------------------------------------------------------------------
@@ -546,8 +542,9 @@ def test_stopping_while_replies_are_in_flight_is_clean(
         register(c)
         c.store("w", prompt(1, 8), kv_for(1, 8), model="m")
     stop = threading.Event()
+    calls = [0] * 6
 
-    def hammer() -> None:
+    def hammer(i: int) -> None:
         # a short timeout: once the server is gone, the call in flight ends in seconds
         with (
             contextlib.suppress(Exception),
@@ -557,11 +554,13 @@ def test_stopping_while_replies_are_in_flight_is_clean(
             out = np.zeros_like(kv_for(1, 8))
             while not stop.is_set():
                 c.retrieve("r", prompt(1, 8), out, model="m")  # answered by handler threads
+                calls[i] += 1
 
-    threads = [threading.Thread(target=hammer, daemon=True) for _ in range(6)]
+    threads = [threading.Thread(target=hammer, args=(i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    # SIGTERM lands while every hammering thread keeps the server busy
+    assert wait_for(lambda: min(calls) >= 5, timeout=30), calls
     assert server.stop(signal.SIGTERM) == 0
     stop.set()
     for t in threads:
@@ -608,10 +607,10 @@ def test_replies_from_other_threads_never_write_a_closed_wake_up_descriptor(
             threads = [threading.Thread(target=reply) for _ in range(8)]
             for t in threads:
                 t.start()
-            time.sleep(0.01)
+            time.sleep(0.01)  # on purpose: close while the repliers are mid-flight
             transport.close()
             r, w = os.pipe()  # likely takes the closed eventfd's number
-            time.sleep(0.01)
+            time.sleep(0.01)  # on purpose: give a stale reply the chance to write into it
             stop.set()
             for t in threads:
                 t.join(10)

@@ -15,32 +15,16 @@ the variable vLLM finds no device and refuses to build its config.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from testkit.vllm033 import FOLDER, HOW, VERSION, env
 
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-VERSION = "0.33.0"
-FOLDER = REPO / ".venv" / "vllm-0.33"
-HOW = (
-    f"vLLM {VERSION} is not installed in {FOLDER}: run `make engines`, or "
-    f"`.venv/bin/pip install --no-deps --target .venv/vllm-0.33 vllm=={VERSION}`"
-)
-
-
-def _env() -> dict[str, str]:
-    path = [str(FOLDER), str(REPO / "src"), str(REPO)]
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(path),
-        "VLLM_TARGET_DEVICE": "cpu",
-        "PYTHONUNBUFFERED": "1",
-    }
 
 
 @pytest.mark.timeout(1200)
@@ -49,7 +33,7 @@ def test_the_scheduler_tests_pass_against_vllm_033() -> None:
         pytest.fail(HOW, pytrace=False)
     probe = subprocess.run(
         [sys.executable, "-c", "import vllm; print(vllm.__version__); print(vllm.__file__)"],
-        env=_env(),
+        env=env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -61,7 +45,7 @@ def test_the_scheduler_tests_pass_against_vllm_033() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "tests/integration/test_vllm_scheduler.py", "tests/integration/test_vllm_hybrid.py"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1150,
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=1150,
     )  # fmt: skip
     tail = (run.stdout + run.stderr)[-4000:]
     assert run.returncode == 0, tail

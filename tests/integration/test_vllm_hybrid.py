@@ -2,20 +2,21 @@
 worker connectors on CPU caches that vLLM's own grouping and allocation build for a
 sliding-window + full-attention model, an MLA model and a Mamba-type (linear attention + full
 attention) model, against a real `kvtier serve`. Every group's load is checked byte for byte
-against what a recompute writes (vllm_harness.py)."""
+against what a recompute writes (vllm_harness.py). Models with several KV cache groups load
+asynchronously: a request waits for its load in WAITING_FOR_REMOTE_KVS and runs from the step
+after, so these tests step until it is scheduled."""
 
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.conftest import ServerProcess, start_server
-from tests.integration.vllm_harness import Harness, require_vllm, write_tiny_llama
+from testkit.servers import ServerProcess, start_server
+from testkit.vllm_harness import Harness, require_vllm, write_tiny_llama
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -150,6 +151,8 @@ def test_sliding_window_round_trip_is_byte_exact_and_skips_the_null_block(
     out = b.step()
     (load,) = out.kv_connector_metadata.loads
     assert (load.start, load.end) == (0, 256)
+    assert "b" not in out.num_scheduled_tokens  # it waits for its load
+    b.step_until_scheduled("b")
     assert b.num_cached["b"] == 256
     sliding, full = load.block_ids
     assert len(full) == len(sliding) == 256 // BLOCK  # the sliding list keeps its length
@@ -220,16 +223,19 @@ def test_mamba_state_round_trip_is_byte_exact(
     kinds = [g.kind for g in b.groups]
     assert kinds.count("mamba") == 3 and "full" in kinds
     b.add("b", prompt)
-    b.step(forward=False)  # the forward pass would write the state after 300 over the loaded one
+    out = b.step()
+    (load,) = out.kv_connector_metadata.loads
+    # the forward pass would write the state after 300 over the loaded one
+    b.step_until_scheduled("b", forward=False)
     assert b.num_cached["b"] == 256
     _assert_groups_exact(b, "b", prompt[:256])
     for i, g in enumerate(b.groups):
         if g.kind == "mamba":
             want = b.expected_state(prompt[:256], 0, i)
             assert b.read_state("b", 0, 256, i) == want
-            # the step [256, 300) runs from the block of its last token, into which vLLM copies
-            # the state at 256 before the connector's load: the load fills that block too
-            assert b.read_state("b", 0, 300, i) == want, f"group {i}: the running block"
+            # loaded before the request's step is planned: vLLM copies the state at 256 into
+            # the block its step runs from, after the load, so the load fills one block
+            assert len(load.block_ids[i]) == 1, f"group {i}"
     b.run_until_done(["b"])
     assert not b.invalid_blocks_seen
 
@@ -252,7 +258,7 @@ def test_mamba_chunks_without_a_state_at_their_end_are_not_resume_points(
     a.close()
     b = harness(server.address, **kw)
     b.add("b", prompt)
-    b.step()
+    b.step_until_scheduled("b")
     assert b.num_cached["b"] == 256
     for i, g in enumerate(b.groups):
         if g.kind == "mamba":
@@ -296,7 +302,8 @@ def test_mamba_without_prefix_caching_loads_the_running_state(
     _store(harness, server.address, prompt, **kw)
     b = harness(server.address, **kw)
     b.add("b", prompt)
-    b.step(forward=False)  # the forward pass would advance the one state block past 256
+    # the forward pass would advance the one state block past 256
+    b.step_until_scheduled("b", forward=False)
     assert b.num_cached["b"] == 256
     assert not b.invalid_blocks_seen
     mamba = next(i for i, g in enumerate(b.groups) if g.kind == "mamba")
@@ -353,15 +360,16 @@ def test_sliding_window_request_aborted_while_its_save_runs(
         assert "a" in a.scheduler.requests, "blocks were freed while their save still ran"
     finally:
         server.proc.send_signal(signal.SIGCONT)
-    for _ in range(100):
+
+    def freed() -> bool:
         a.step()
-        if "a" not in a.scheduler.requests:
-            break
-        time.sleep(0.05)
+        return "a" not in a.scheduler.requests
+
+    wait_for(freed, timeout=5, interval=0.05)
     assert "a" not in a.scheduler.requests, "the save finished but vLLM never got the blocks back"
     b = harness(server.address, specs=sliding_specs())
     b.add("b", prompt)
-    b.step()
+    b.step_until_scheduled("b")
     assert b.num_cached["b"] == 256
     _assert_groups_exact(b, "b", prompt[:256])
     _null_block_untouched(b)
@@ -423,3 +431,36 @@ def test_pipeline_stages_store_their_own_layers_and_a_hit_needs_every_stage(
     c.add("c", prompt)
     c.step()
     assert c.num_cached["c"] == 0
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_server_lost_between_lookup_and_load_of_a_hybrid_model(
+    server: ServerProcess, harness: Callable[..., Harness], policy: str
+) -> None:
+    """vLLM maps failed blocks to requests only for one KV cache group: a hybrid model's load
+    is asynchronous, and a failed one is reported by request. Under `fail` that request fails
+    and the engine goes on serving; under `recompute` it computes the same tokens."""
+    from vllm.v1.engine import FinishReason
+
+    prompt = _prompt(12, 300)
+    _store(harness, server.address, prompt, specs=sliding_specs())
+    b = harness(server.address, specs=sliding_specs(), kv_load_failure_policy=policy)
+    b.add("b", prompt, max_tokens=5)
+    # the server dies after the scheduler's lookup, before the workers' load
+    out = b.step(after_schedule=lambda: server.stop(signal.SIGKILL))
+    assert [(t.start, t.end) for t in out.kv_connector_metadata.loads] == [(0, 256)]
+    assert b.failed_loads_seen == {"b"} and not b.invalid_blocks_seen
+    other = _prompt(13, 200)
+    b.add("c", other, max_tokens=5)
+    if policy == "fail":
+        b.run_until_done(["b", "c"])
+        assert b.finish_reasons["b"] == FinishReason.ERROR  # that request fails ...
+        assert b.finish_reasons["c"] != FinishReason.ERROR  # ... and the engine goes on
+        assert b.num_cached["c"] == 0
+    else:
+        b.step_until_scheduled("b")
+        assert b.num_cached["b"] == 0  # computed from the start, without kvtier
+        _assert_groups_exact(b, "b", prompt)
+        b.run_until_done(["b", "c"])
+        assert b.finish_reasons["b"] != FinishReason.ERROR
+    _null_block_untouched(b)

@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.conftest import start_server
-from tests.integration.test_vllm_engine import run_engine
-from tests.integration.vllm_harness import require_vllm, write_tiny_model
+from testkit.servers import start_server
+from testkit.vllm_engine import run_engine
+from testkit.vllm_harness import require_vllm, write_tiny_model
 
 pytestmark = pytest.mark.vllm
 

@@ -8,10 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import start_server
-from tests.integration.test_vllm_engine import run_engine
-from tests.integration.vllm_harness import require_vllm, write_lora_adapter, write_tiny_llama
+from testkit.servers import start_server
+from testkit.vllm_engine import run_engine
+from testkit.vllm_harness import require_vllm, write_lora_adapter, write_tiny_llama
 
 pytestmark = pytest.mark.vllm
 

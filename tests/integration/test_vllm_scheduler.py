@@ -5,15 +5,14 @@ CPU tensors shaped like vLLM's paged KV cache (see vllm_harness.py), against a r
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.conftest import ServerProcess, start_server
-from tests.integration.vllm_harness import Harness, require_vllm, write_tiny_llama
+from testkit.servers import ServerProcess, start_server
+from testkit.vllm_harness import Harness, require_vllm, write_tiny_llama
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -150,11 +149,12 @@ def test_request_aborted_while_its_save_runs(
         assert "a" in a.scheduler.requests, "blocks were freed while their save still ran"
     finally:
         server.proc.send_signal(signal.SIGCONT)
-    for _ in range(100):
+
+    def freed() -> bool:
         a.step()
-        if "a" not in a.scheduler.requests:
-            break
-        time.sleep(0.05)
+        return "a" not in a.scheduler.requests
+
+    wait_for(freed, timeout=5, interval=0.05)
     assert "a" not in a.scheduler.requests, "the save finished but vLLM never got the blocks back"
     # what the aborted request computed is in kvtier
     b = harness(server.address)
@@ -189,15 +189,15 @@ def test_server_lost_between_lookup_and_load_costs_a_recompute(
         connector, request = b.scheduler.connector, b.scheduler.requests["b"]
         request.num_preemptions += 1  # as vLLM's preemption counts it
         assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
-        hit: int | None = 0
-        for _ in range(100):
-            if hit == 0:  # a new round (a miss while the client still re-joins the server)
+        last: list[int | None] = [0]
+
+        def hits() -> bool:
+            if last[0] == 0:  # a new round (a miss while the client still re-joins the server)
                 request.num_preemptions += 1
-            hit, _ = connector.get_num_new_matched_tokens(request, 0)
-            if hit == 256:
-                break
-            time.sleep(0.1)
-        assert hit == 256
+            last[0], _ = connector.get_num_new_matched_tokens(request, 0)
+            return last[0] == 256
+
+        assert wait_for(hits, timeout=10), f"the hit after the server came back: {last[0]}"
     finally:
         back.close()
     b.run_until_done(["b"])

@@ -9,15 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from testkit.servers import ServerProcess, free_port, start_server
+from testkit.vllm_harness import Harness, require_vllm, write_lora_adapter, write_tiny_llama
 
 from kvtier.errors import InvalidArgumentError
-from tests.conftest import ServerProcess, free_port, start_server
-from tests.integration.vllm_harness import (
-    Harness,
-    require_vllm,
-    write_lora_adapter,
-    write_tiny_llama,
-)
 
 pytestmark = pytest.mark.vllm
 
@@ -226,8 +221,9 @@ def test_credential_settings_are_checked_at_start(
 
 
 def test_the_default_model_name_carries_the_weights(tmp_path: Path) -> None:
+    from testkit.vllm_harness import vllm_config
+
     from kvtier.integrations.vllm.config import default_model_name
-    from tests.integration.vllm_harness import vllm_config
 
     model = write_tiny_llama(tmp_path / "m", weights=True, seed=0)
     before = default_model_name(vllm_config(model, address="ipc:///x"), 32)

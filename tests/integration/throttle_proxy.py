@@ -48,6 +48,7 @@ class ThrottleProxy:
             for task in asyncio.all_tasks(self._loop):
                 task.cancel()
             with contextlib.suppress(Exception):
+                # one turn of the loop, so the cancelled tasks run their cleanup; no waiting
                 self._loop.run_until_complete(asyncio.sleep(0))
             self._loop.close()
 
@@ -72,6 +73,7 @@ class ThrottleProxy:
                 await dst.drain()
                 if limit:
                     self.bytes_sent += len(data)
+                    # the throttling itself, not a synchronization: pace replies at bytes_per_s
                     await asyncio.sleep(len(data) / self.bytes_per_s)
         except (ConnectionError, OSError):
             pass

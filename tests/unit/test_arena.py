@@ -209,6 +209,7 @@ def test_free_coalesces_neighbours() -> None:
     alloc = Allocator(3 * PAGE_SIZE)
     a, b, c = (alloc.alloc(PAGE_SIZE) for _ in range(3))
     assert (a, b, c) == (0, PAGE_SIZE, 2 * PAGE_SIZE)
+    assert a is not None and b is not None and c is not None  # (mypy: implied above)
     assert alloc.alloc(1) is None
     assert alloc.free(a, PAGE_SIZE) == PAGE_SIZE
     assert alloc.free(c, PAGE_SIZE) == PAGE_SIZE
@@ -233,9 +234,10 @@ def test_first_fit_reuses_the_lowest_hole() -> None:
 
 def test_fragmented_space_does_not_serve_a_large_request() -> None:
     alloc = Allocator(4 * PAGE_SIZE)
-    offsets = [alloc.alloc(PAGE_SIZE) for _ in range(4)]
-    alloc.free(offsets[0], PAGE_SIZE)
-    alloc.free(offsets[2], PAGE_SIZE)
+    first, _, third, _ = (alloc.alloc(PAGE_SIZE) for _ in range(4))
+    assert first is not None and third is not None  # four pages fit (and mypy knows it)
+    alloc.free(first, PAGE_SIZE)
+    alloc.free(third, PAGE_SIZE)
     assert alloc.free_bytes == 2 * PAGE_SIZE
     assert alloc.alloc(2 * PAGE_SIZE) is None
 

@@ -103,7 +103,7 @@ def test_a_failed_copy_returns_only_after_its_running_parts_end() -> None:
     with pytest.raises(ValueError):
         copy_pairs(pairs, threads=2)
     seen = dst_b.copy()
-    time.sleep(0.3)
+    time.sleep(0.3)  # on purpose, not a synchronization: a late write has nothing to wait on
     assert np.array_equal(dst_b, seen), "a part of the failed copy wrote after copy_pairs raised"
 
 
@@ -123,5 +123,5 @@ def test_a_part_that_fails_on_the_pool_is_raised_after_the_others_ended() -> Non
     with pytest.raises(ValueError):
         copy_pairs(pairs, threads=3)
     seen = dst.copy()
-    time.sleep(0.3)
+    time.sleep(0.3)  # on purpose, not a synchronization: a late write has nothing to wait on
     assert np.array_equal(dst, seen), "a part of the failed copy wrote after copy_pairs raised"

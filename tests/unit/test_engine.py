@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.clock import FakeClock
 
 from kvtier import protocol as p
 from kvtier.config import ServerConfig
@@ -17,8 +18,6 @@ from kvtier.hashing import TokenHasher
 from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.server.app import build_engine
 from kvtier.server.engine import Engine
-
-from ..conftest import FakeClock
 
 CS = 16
 SHAPE = [2, 8]  # float32: 64 bytes per chunk

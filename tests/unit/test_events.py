@@ -52,7 +52,7 @@ class Replayer:
 
     def replay(self, start: int) -> list[tuple[str, int, KVEventBatch]]:
         self.sock.send_multipart((b"", start.to_bytes(8, "big")))
-        out = []
+        out: list[tuple[str, int, KVEventBatch]] = []
         while True:
             assert self.sock.poll(10_000), "no replay answer"
             _, topic, seq, payload = self.sock.recv_multipart()
@@ -137,6 +137,7 @@ def test_a_chain_noted_by_two_stores_is_one_event_and_another_chain_starts_a_new
         assert pub.flush()
         ((_, _, batch),) = replay.replay(0)
         first, second = batch.events[1:]
+        assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
         assert first.block_hashes == [low8(k) for k in chain]
         assert first.parent_block_hash is None and first.token_ids == list(range(5 * CS))
         assert second.block_hashes == [low8(k) for k in other]
@@ -178,7 +179,10 @@ def test_a_run_of_removals_from_one_tier_is_one_event_in_order(
         pub.start()
         assert pub.flush()
         ((_, _, batch),) = replay.replay(0)
-        got = [(type(e).__name__, e.medium, e.block_hashes) for e in batch.events[1:]]
+        got = []
+        for e in batch.events[1:]:
+            assert isinstance(e, BlockStored | BlockRemoved), e  # (no AllBlocksCleared here)
+            got.append((type(e).__name__, e.medium, e.block_hashes))
         assert got == [
             ("BlockRemoved", "CPU", [low8(key(i)) for i in range(3)]),
             ("BlockRemoved", "STORAGE", [low8(key(3))]),

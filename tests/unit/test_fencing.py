@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from testkit.clock import FakeClock
+
 from kvtier.keys import ChunkKey
 from kvtier.server.fencing import CopyGuard, watch_process
 from kvtier.server.leases import LeaseBook, Reservation, RetrieveLease
-
-from ..conftest import FakeClock
 
 KEY = ChunkKey("m", "", 1, b"h" * 32)
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from testkit.clock import FakeClock
 
 from kvtier.errors import UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.leases import LeaseBook, Reservation, RetrieveLease
-
-from ..conftest import FakeClock
 
 KEY = ChunkKey("m", "", 1, b"h" * 32)
 

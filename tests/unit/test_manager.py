@@ -7,6 +7,7 @@ import os
 import threading
 import uuid
 from collections.abc import Collection, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.server.app import build_engine
 from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.disk import DiskTier
+from kvtier.storage.tiers.format import Hit
 from kvtier.storage.tiers.redis import RedisTier
 
 LAYOUT = "float16[8,64]"
@@ -54,6 +56,23 @@ class GatedDisk(DiskTier):
         return super().put_many(items, unresumable=unresumable)
 
 
+class BatchedDisk(DiskTier):
+    """A real DiskTier that records how many objects each batch write brought."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        super().__init__(path, 0, name=name)
+        self.batches: list[int] = []
+
+    def put_many(
+        self,
+        items: Sequence[tuple[ObjectKey, Buffer, str]],
+        *,
+        unresumable: Collection[ObjectKey] = (),
+    ) -> int:
+        self.batches.append(len(items))
+        return super().put_many(items, unresumable=unresumable)
+
+
 class BrokenDisk(DiskTier):
     """A real DiskTier whose batch writes always raise."""
 
@@ -75,7 +94,7 @@ class AskedDisk(DiskTier):
         self.asked = list(keys)
         return super().contains_many(keys)
 
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[Hit]:
         self.asked = [k for k, _, _ in items]
         return super().get_many_into(items)
 
@@ -83,7 +102,7 @@ class AskedDisk(DiskTier):
 class BrokenReads(DiskTier):
     """A real DiskTier whose batch reads always raise."""
 
-    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+    def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[Hit]:
         raise OSError("disk on fire")
 
 
@@ -109,22 +128,23 @@ def redis_tier() -> Iterator[RedisTier]:
 
 
 def test_write_through_to_disk_and_redis(tmp_path: Path, redis_tier: RedisTier) -> None:
-    disk = DiskTier(tmp_path, 0)
+    disk = BatchedDisk(tmp_path, name="disk")
     mgr = TierManager([disk, redis_tier], batch_size=4)
     done: list[int] = []
     mgr.start()
     for i in range(10):
-        assert mgr.submit(key(i), payload(i), LAYOUT, on_done=lambda i=i: done.append(i))
+        assert mgr.submit(key(i), payload(i), LAYOUT, on_done=partial(done.append, i))
     assert mgr.flush(10)
     assert sorted(done) == list(range(10))
     for tier in (disk, redis_tier):
         assert tier.contains_many([key(i) for i in range(10)]) == [True] * 10
         buf = memoryview(bytearray(SIZE))
         assert tier.get_into(key(7), buf, LAYOUT) and buf == payload(7)
-    s = mgr.stats()
-    assert (s["submitted"], s["written"], s["dropped"], s["write_errors"]) == (10, 10, 0, 0)
-    assert s["tier_writes"] == {"disk": 10, "redis": 10}
-    assert s["batches"] >= 3 and s["disk"]["objects"] == 10 and s["queue_depth"] == 0
+    s = mgr.summary()
+    assert (s.submitted, s.written, s.dropped, s.write_errors) == (10, 10, 0, 0)
+    assert [(t.name, t.puts) for t in s.tiers] == [("disk", 10), ("redis", 10)]
+    assert sum(disk.batches) == 10 and max(disk.batches) <= 4 and len(disk.batches) >= 3
+    assert s.tiers[0].objects == 10 and s.queue_depth == 0
     assert mgr.clear(model="m") == 20
     mgr.close()
 
@@ -144,8 +164,8 @@ def test_drop_policy_counts_and_calls_on_done_once(tmp_path: Path) -> None:
     assert mgr.submit(key(2), payload(2), LAYOUT, lambda: done(2))
     assert not mgr.submit(key(3), payload(3), LAYOUT, lambda: done(3))
     assert calls == {3: 1}  # a dropped object is released at once
-    s = mgr.stats()
-    assert (s["dropped"], s["queue_depth"], s["queue_capacity"], s["policy"]) == (1, 2, 2, "drop")
+    s = mgr.summary()
+    assert (s.dropped, s.queue_depth, s.queue_capacity, s.policy) == (1, 2, 2, "drop")
     assert not mgr.flush(0.05)
     gated.gate.set()
     assert mgr.flush(10)
@@ -163,10 +183,10 @@ def test_block_policy_waits_then_drops(tmp_path: Path) -> None:
     assert gated.entered.wait(10)
     assert mgr.submit(key(1), payload(1), LAYOUT)
     assert not mgr.submit(key(2), payload(2), LAYOUT)
-    assert mgr.stats()["dropped"] == 1
+    assert mgr.summary().dropped == 1
     gated.gate.set()
     mgr.close()
-    assert mgr.stats()["written"] == 2
+    assert mgr.summary().written == 2
 
 
 def test_failing_tier_does_not_block_others_or_the_writer(tmp_path: Path) -> None:
@@ -176,12 +196,13 @@ def test_failing_tier_does_not_block_others_or_the_writer(tmp_path: Path) -> Non
     done: list[int] = []
     mgr.start()
     for i in range(5):
-        mgr.submit(key(i), payload(i), LAYOUT, lambda i=i: done.append(i))
+        mgr.submit(key(i), payload(i), LAYOUT, partial(done.append, i))
     assert mgr.flush(10)
     assert sorted(done) == list(range(5))
     assert good.contains_many([key(i) for i in range(5)]) == [True] * 5
-    s = mgr.stats()
-    assert s["write_errors"] == 5 and s["written"] == 5 and s["tier_writes"]["good"] == 5
+    s = mgr.summary()
+    assert s.write_errors == 5 and s.written == 5
+    assert [(t.name, t.puts) for t in s.tiers] == [("broken", 0), ("good", 5)]
     mgr.close()
 
 
@@ -220,7 +241,7 @@ def test_batch_read_goes_in_tier_order_past_a_failing_tier(tmp_path: Path) -> No
     assert bufs[0] == payload(1) and bufs[1] == payload(2)
     assert first.asked == [key(1), key(2), key(3), key(4)]
     assert second.asked == [key(2), key(3), key(4)]  # only what the earlier tiers lacked
-    assert mgr.stats()["read_errors"] == 1
+    assert mgr.summary().read_errors == 1
     assert mgr.get_many_into([]) == []
     mgr.close()
 
@@ -230,12 +251,12 @@ def test_close_flushes_queued_work_and_rejects_later_submits(tmp_path: Path) -> 
     mgr = TierManager([disk])
     done: list[int] = []
     for i in range(3):  # queued before the writer starts
-        assert mgr.submit(key(i), payload(i), LAYOUT, lambda i=i: done.append(i))
+        assert mgr.submit(key(i), payload(i), LAYOUT, partial(done.append, i))
     mgr.start()
     mgr.close()
     assert sorted(done) == [0, 1, 2] and disk.stats().objects == 3
     assert not mgr.submit(key(9), payload(9), LAYOUT, lambda: done.append(9))
-    assert done[-1] == 9 and mgr.stats()["dropped"] == 1
+    assert done[-1] == 9 and mgr.summary().dropped == 1
     with pytest.raises(RuntimeError):
         mgr.start()
 
@@ -245,7 +266,7 @@ def test_close_without_start_releases_queued_objects(tmp_path: Path) -> None:
     done: list[int] = []
     mgr.submit(key(0), payload(0), LAYOUT, lambda: done.append(0))
     mgr.close()
-    assert done == [0] and mgr.stats()["dropped"] == 1 and mgr.flush(0)
+    assert done == [0] and mgr.summary().dropped == 1 and mgr.flush(0)
 
 
 def test_bad_arguments_are_rejected(tmp_path: Path) -> None:

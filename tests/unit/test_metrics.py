@@ -15,6 +15,7 @@ from kvtier.server.fencing import FencingStats
 from kvtier.server.observe.metrics import (
     OPERATIONS,
     REQUEST_DURATION_BUCKETS,
+    STATE_METRICS,
     HitRateHistory,
     Metrics,
 )
@@ -26,6 +27,7 @@ from kvtier.server.observe.snapshots import (
     PrefetchStats,
     ServerStatus,
     SessionCounts,
+    TenantUsage,
     Traffic,
 )
 from kvtier.storage.loadrate import LoadRate
@@ -151,6 +153,34 @@ def test_request_instruments_use_user_facing_operations() -> None:
     assert set(OPERATIONS) >= {"Reserve", "Commit", "Retrieve", "RetrieveDone", "StoreInline"}
 
 
+def test_every_request_has_its_labels_and_they_never_change() -> None:
+    """Dashboards key on these values: the routes declare them, this table pins them."""
+    assert OPERATIONS == {
+        "Hello": ("connect", "hello"),
+        "Heartbeat": ("heartbeat", "heartbeat"),
+        "Goodbye": ("disconnect", "goodbye"),
+        "Register": ("register", "register"),
+        "Lookup": ("lookup", "lookup"),
+        "LookupPoll": ("lookup", "poll"),
+        "Reserve": ("store", "reserve"),
+        "Commit": ("store", "commit"),
+        "Abort": ("store", "abort"),
+        "StoreInline": ("store", "inline"),
+        "Retrieve": ("retrieve", "start"),
+        "RetrieveDone": ("retrieve", "done"),
+        "Release": ("release", "release"),
+        "EndSession": ("end_session", "end_session"),
+        "ExistsKeys": ("exists_keys", "exists_keys"),
+        "ReserveKeys": ("reserve_keys", "reserve_keys"),
+        "StoreKeysInline": ("store_keys_inline", "store_keys_inline"),
+        "RetrieveKeys": ("retrieve_keys", "retrieve_keys"),
+    }
+    m = Metrics()
+    m.count_error("unknown", "MALFORMED_FRAME")  # a request that could not be decoded
+    errors = (("code", "MALFORMED_FRAME"), ("operation", "unknown"))
+    assert samples(m)[("kvtier_request_errors_total", errors)] == 1
+
+
 def test_latency_summary_per_operation() -> None:
     m = Metrics()
     for _ in range(99):
@@ -205,10 +235,10 @@ def test_missed_tokens_by_reason_and_tier() -> None:
     m.observe_misses({("evicted", "l1"): 32, ("partial_chunk", ""): 5})
     m.observe_misses({("evicted", "l1"): 16, ("slower_than_recompute", "redis"): 64})
     got = samples(m)
-    miss = lambda reason, tier: (  # noqa: E731
-        "kvtier_lookup_miss_tokens_total",
-        (("reason", reason), ("tier", tier)),
-    )
+
+    def miss(reason: str, tier: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return "kvtier_lookup_miss_tokens_total", (("reason", reason), ("tier", tier))
+
     assert got[miss("evicted", "l1")] == 48
     assert got[miss("partial_chunk", "")] == 5
     assert got[miss("slower_than_recompute", "redis")] == 64
@@ -274,7 +304,10 @@ def test_state_collector_exports_status_at_scrape_time() -> None:
     for name, value in expected.items():
         if value is not None:
             assert got[(name, ())] == value, name
-    tier = lambda name: (("tier", name),)  # noqa: E731
+
+    def tier(name: str) -> tuple[tuple[str, str], ...]:
+        return (("tier", name),)
+
     assert got[("kvtier_evictions_total", tier("l1"))] == 11
     assert got[("kvtier_evictions_total", tier("disk"))] == 6
     assert got[("kvtier_evicted_bytes_total", tier("l1"))] == 5 << 20
@@ -300,6 +333,66 @@ def test_state_collector_exports_status_at_scrape_time() -> None:
     assert got[("kvtier_l1_used_bytes", ())] == 5 << 20
     assert got[("kvtier_sessions_active", ())] == 0
     assert got[("kvtier_clients_connected", ())] == 1
+
+
+def test_state_metric_names_types_and_labels_never_change() -> None:
+    """Dashboards and the README name these: every state metric, its type and its labels."""
+    tenants = [TenantUsage(tenant="t", staging_bytes=1, fenced_bytes=2, pinned_bytes=3)]
+    status = msgspec.structs.replace(STATUS, l1=msgspec.structs.replace(STATUS.l1, tenants=tenants))
+    m = Metrics()
+    m.bind_state(lambda: status)
+    names = {metric.name for metric in STATE_METRICS}
+    got = {
+        family.name: (
+            family.type,
+            tuple(sorted({k for s in family.samples for k in s.labels} - {"le"})),
+        )
+        for family in text_string_to_metric_families(m.render().decode())
+        if family.name in names
+    }
+    assert got == {
+        "kvtier_ready": ("gauge", ()),
+        "kvtier_degraded": ("gauge", ()),
+        "kvtier_uptime_seconds": ("gauge", ()),
+        "kvtier_l1_used_bytes": ("gauge", ()),
+        "kvtier_l1_capacity_bytes": ("gauge", ()),
+        "kvtier_l1_groups": ("gauge", ()),
+        "kvtier_l1_pinned_groups": ("gauge", ()),
+        "kvtier_tenant_l1_bytes": ("gauge", ("kind", "tenant")),
+        "kvtier_evictions": ("counter", ("tier",)),
+        "kvtier_evicted_bytes": ("counter", ("tier",)),
+        "kvtier_l2_used_bytes": ("gauge", ("tier",)),
+        "kvtier_l2_capacity_bytes": ("gauge", ("tier",)),
+        "kvtier_l2_objects": ("gauge", ("tier",)),
+        "kvtier_l2_hits": ("counter", ("tier",)),
+        "kvtier_l2_misses": ("counter", ("tier",)),
+        "kvtier_l2_errors": ("counter", ("tier",)),
+        "kvtier_l2_corrupt": ("counter", ("tier",)),
+        "kvtier_l2_failing": ("gauge", ("tier",)),
+        "kvtier_l2_operation_duration_seconds": ("histogram", ("operation", "tier")),
+        "kvtier_l2_load_bytes_per_second": ("gauge", ("tier",)),
+        "kvtier_l2_load_latency_seconds": ("gauge", ("tier",)),
+        "kvtier_write_queue_depth": ("gauge", ()),
+        "kvtier_write_queue_capacity": ("gauge", ()),
+        "kvtier_write_queue_dropped": ("counter", ()),
+        "kvtier_write_queue_written": ("counter", ()),
+        "kvtier_l2_write_errors": ("counter", ()),
+        "kvtier_sessions_active": ("gauge", ()),
+        "kvtier_sessions_created": ("counter", ()),
+        "kvtier_sessions_expired": ("counter", ()),
+        "kvtier_sessions_orphaned": ("counter", ()),
+        "kvtier_session_tokens": ("gauge", ()),
+        "kvtier_sessions_shed": ("counter", ()),
+        "kvtier_fenced_slots": ("gauge", ()),
+        "kvtier_lease_expired": ("counter", ()),
+        "kvtier_clients_connected": ("gauge", ()),
+    }
+
+    def tenant(kind: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return "kvtier_tenant_l1_bytes", (("kind", kind), ("tenant", "t"))
+
+    got_samples = samples(m)
+    assert [got_samples[tenant(k)] for k in ("staging", "quarantined", "pinned")] == [1, 2, 3]
 
 
 def test_l2_latency_per_tier_from_the_tiers_stats() -> None:

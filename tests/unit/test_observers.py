@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+from testkit.kv_servers import start_kv_server
+from testkit.servers import free_port
+from testkit.waiting import wait_for
 
 from kvtier.arena import PAGE_SIZE
 from kvtier.keys import ChunkKey
@@ -17,9 +19,6 @@ from kvtier.storage.observers import L1_TIER, Observers, Removal
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.disk import DiskTier
 from kvtier.storage.tiers.redis import RedisTier
-
-from ..conftest import free_port
-from ..kv_servers import start_kv_server
 
 LAYOUT = "uint8[4096]"
 
@@ -150,12 +149,11 @@ def test_disk_tier_reports_groups_written_evicted_corrupt_cleared_and_survivors(
         again.close()
 
 
-def wait_for(
+def reports_once(
     seen: Record, n: int, timeout: float = 10.0
 ) -> list[tuple[str, str, tuple[ChunkKey, ...], str]]:
-    deadline = time.monotonic() + timeout
-    while len(seen.reports) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
+    """The reports `seen` took, once there are `n` of them (or `timeout` has passed)."""
+    wait_for(lambda: len(seen.reports) >= n, timeout, interval=0.05)
     return seen.take()
 
 
@@ -173,13 +171,13 @@ def test_redis_tier_reports_the_servers_expiries_and_its_corrupt_deletes() -> No
         tiers.submit(key(1).shard(0), piece(1), LAYOUT)
         other.put(key(2).shard(0), piece(2), LAYOUT)  # another prefix: not this tier's
         assert tiers.flush()
-        assert wait_for(seen, 1) == [("stored", "redis", (key(1),), "")]
-        assert wait_for(seen, 1) == [("removed", "redis", (key(1),), "expired")]
+        assert reports_once(seen, 1) == [("stored", "redis", (key(1),), "")]
+        assert reports_once(seen, 1) == [("removed", "redis", (key(1),), "expired")]
         name = tier.redis_key(key(3).shard(0)).encode()
         tier.put(key(3).shard(0), piece(3), LAYOUT)
         redis.Redis(port=port).setrange(name, 200, b"\xff\xfe")  # damage the stored object
         assert not tier.get_into(key(3).shard(0), memoryview(bytearray(4096)), LAYOUT)
-        reports = wait_for(seen, 1)
+        reports = reports_once(seen, 1)
         assert reports[0] == ("removed", "redis", (key(3),), "corrupt")
     finally:
         tiers.close()

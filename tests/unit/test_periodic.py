@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from testkit.clock import FakeClock
 
 from kvtier.periodic import (
     IrrecoverableException,
@@ -19,8 +20,6 @@ from kvtier.periodic import (
     ThreadRunSummary,
     create_periodic_thread,
 )
-
-from ..conftest import FakeClock
 
 # Long enough that no cycle but the immediate first one runs by itself during a test.
 NEVER = 60.0

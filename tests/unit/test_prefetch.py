@@ -16,7 +16,7 @@ from kvtier.arena import Arena
 from kvtier.keys import ChunkKey, ObjectKey
 from kvtier.storage import prefetch as prefetch_mod
 from kvtier.storage.l1 import L1Store
-from kvtier.storage.manager import TierManager
+from kvtier.storage.manager import Found, TierManager
 from kvtier.storage.prefetch import LoadOutcome, Prefetcher
 from kvtier.storage.tiers.disk import DiskTier
 
@@ -121,7 +121,9 @@ def test_tier_reads_run_at_a_lower_cpu_priority_and_the_lock_work_does_not(
     seen: dict[str, int] = {}
 
     class Recording(TierManager):
-        def get_many_into(self, items: Sequence[tuple[ObjectKey, memoryview, str]]) -> list[bool]:
+        def get_many_into(
+            self, items: Sequence[tuple[ObjectKey, memoryview, str]]
+        ) -> list[Found | None]:
             seen["read"] = nice()
             return super().get_many_into(items)
 

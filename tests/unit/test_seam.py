@@ -1,7 +1,9 @@
-"""The integration seam shared by the transformers adapter and the vLLM connector."""
+"""The integration seam shared by the transformers adapter, the vLLM connector and the SGLang
+backend."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -91,6 +93,24 @@ def test_a_kvtier_failure_reads_as_the_fallback_until_reset() -> None:
     assert r.call("lookup", 0, lambda: 7) == 7
 
 
+def test_calls_that_stand_alone_are_each_attempted_and_an_outage_logs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = Recompute("test", per_unit=False)
+
+    def failing() -> int:
+        raise NotConnectedError("down")
+
+    caplog.set_level(logging.DEBUG, logger="kvtier.integrations.seam")
+    assert r.call("lookup", 0, failing) == 0
+    assert r.call("lookup", 0, failing) == 0
+    assert r.call("lookup", 0, lambda: 7) == 7  # attempted: no unit holds the failure
+    assert isinstance(r.last_error, NotConnectedError)  # kept: what the last miss came from
+    levels = [rec.levelno for rec in caplog.records]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.INFO]
+    assert "answers again" in caplog.records[-1].getMessage()
+
+
 def test_lazy_client_fails_fast_then_retries(tmp_path: object) -> None:
     lazy = LazyClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.3, retry_s=60)
     t0 = time.monotonic()
@@ -109,3 +129,18 @@ def test_a_stated_prefill_speed_is_a_finite_number_of_tokens_per_second() -> Non
             InvalidArgumentError, match=r"cfg: prefill_tokens_per_s=.* must be >= 0"
         ):
             prefill_speed({"prefill_tokens_per_s": bad}, "cfg")
+
+
+def test_lazy_client_hands_a_failed_connect_to_recompute_and_refuses_misfits(
+    tmp_path: object,
+) -> None:
+    r = Recompute("test", per_unit=False)
+    lazy = LazyClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.3, connect_timeout=0.3)
+    assert lazy.try_connect("test", r) is None
+    assert isinstance(r.last_error, NotConnectedError)
+    assert lazy.connected is None
+    lazy.close()
+
+    misfit = LazyClient("nowhere", timeout=0.3, refused=(ValueError,))
+    with pytest.raises(InvalidArgumentError, match="needs a scheme"):
+        misfit.try_connect("test")  # an address to fix, never waited out

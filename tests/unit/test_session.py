@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testkit.clock import FakeClock
 
 from kvtier.errors import MisalignedRangeError
 from kvtier.hashing import TokenHasher, TokenIds
 from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.session import Session, SessionManager
-
-from ..conftest import FakeClock
 
 CS = 4  # a small chunk size keeps the property tests' sequences short
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -89,7 +88,6 @@ def test_new_session_fields(clock: FakeClock, hasher: CountingHasher) -> None:
     assert s.last_prefix_hash is None
     assert s.num_chunks_processed == 0
     assert s.created_at == s.last_access == clock.now
-    assert s.lookup_ipc_key is None
     assert s.extras == {}
     assert s.get_hashes(0) == []
 
@@ -332,16 +330,12 @@ def test_use_moves_last_access_not_created_at(clock: FakeClock, hasher: Counting
         assert s.created_at == created
 
 
-def test_to_dict_and_repr(hasher: CountingHasher) -> None:
+def test_what_a_session_shows_and_its_repr(hasher: CountingHasher) -> None:
+    """The fields the admin API lists a session by (tests/unit/test_views.py reads them there)."""
     s = Session("r", hasher)
     s.set_tokens(list(range(9)))
     s.get_hashes(0)
-    s.lookup_ipc_key = "ipc-1"
-    summary = s.to_dict()
-    assert summary["request_id"] == "r"
-    assert summary["num_tokens"] == 9
-    assert summary["num_chunks_hashed"] == 2
-    assert summary["lookup_ipc_key"] == "ipc-1"
+    assert (s.request_id, s.num_tokens, s.num_chunks_processed) == ("r", 9, 2)
     assert "tokens=9" in repr(s)
 
 

@@ -74,13 +74,19 @@ def test_counters_rate_limit_warnings_and_report_health(
     caplog.set_level("WARNING", logger=log.name)
     for i in range(1000):
         counters.failed("write", f"disk full #{i}")
-    assert len(caplog.records) == 1 and counters.suppressed_warnings == 999
+    assert len(caplog.records) == 1
     s = counters.snapshot(name="t", kind="disk", url="disk:///x", objects=0, used_bytes=0,
                           capacity_bytes=0)  # fmt: skip
     assert s.errors == 1000 and s.last_error == "write: disk full #999" and not s.healthy
+    # once the interval has passed, the next warning says how many were held back
+    monkeypatch.setattr(accounting, "WARN_EVERY_S", 0.0)
+    counters.failed("write", "disk full again")
+    assert caplog.records[-1].getMessage() == (
+        "write: disk full again (999 similar warnings suppressed)"
+    )
     monkeypatch.setattr(accounting, "UNHEALTHY_FOR_S", 0.0)
     s = counters.snapshot(name="t", kind="disk", url="", objects=0, used_bytes=0, capacity_bytes=0)
-    assert s.healthy and s.extra == {"evictions": 0}
+    assert s.healthy and s.errors == 1001 and s.extra == {"evictions": 0}
 
 
 def test_settle_counts_each_verdict() -> None:

@@ -9,15 +9,16 @@ import os
 import shutil
 import subprocess
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from testkit.waiting import wait_for
 
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import disk as disk_mod
 from kvtier.storage.tiers import files as files_mod
+from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers import open_tier, parse_size
 from kvtier.storage.tiers.disk import DiskTier
 
@@ -211,7 +212,7 @@ def test_failed_write_leaves_nothing_under_the_real_name(
         real_writev(fd, [bufs[0]])
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(disk_mod.os, "writev", half_then_eio)
+    monkeypatch.setattr(os, "writev", half_then_eio)  # the os module the tier writes with
     with pytest.raises(OSError):
         tier.put(key(1), payload(1), LAYOUT)
     assert tier.put_many([(key(2), payload(2), LAYOUT)]) == 0
@@ -443,15 +444,20 @@ def test_full_filesystem_evicts_shrinks_capacity_and_rate_limits_warnings(
     assert filler.stat().st_size == 2 << 20
     # once the other program frees its space, the effective capacity grows back
     filler.unlink()
-    time.sleep(1.1)
-    tier.put(key(999), payload(999, big), LAYOUT)
-    assert tier.stats().extra["effective_capacity"] > s.extra["effective_capacity"]
+
+    fresh = iter(range(1000, 2000))  # a put of an object the tier holds already writes nothing
+
+    def grown() -> bool:  # the tier measures the free space again (at most once a second) on a put
+        tier.put(key(next(fresh)), payload(999, big), LAYOUT)
+        return bool(tier.stats().extra["effective_capacity"] > s.extra["effective_capacity"])
+
+    assert wait_for(grown, timeout=10)
 
 
 def test_batch_read_of_large_objects_checks_each_digest(tmp_path: Path) -> None:
     """Objects of a block or more are read whole and hashed on the digest thread: a flipped
     byte, a truncated file, a wrong layout and a missing key are misses, the rest exact."""
-    big = disk_mod.fmt.BLOCK + 4096 * 3
+    big = fmt.BLOCK + 4096 * 3
     tier = DiskTier(tmp_path, 0)
     try:
         tier.put_many([(key(i), payload(i, big), LAYOUT) for i in range(6)])
@@ -481,16 +487,17 @@ def test_payload_starts_page_aligned_and_files_from_before_alignment_still_read(
     tier = DiskTier(tmp_path, 0)
     tier.put(key(1), payload(1), LAYOUT)
     path = file_of(tier, key(1))
-    assert (path.stat().st_size - SIZE) % disk_mod.fmt.ALIGN == 0
+    assert (path.stat().st_size - SIZE) % fmt.ALIGN == 0
     out = aligned()
     assert tier.get_into(key(1), out, LAYOUT) and out.tobytes() == payload(1)
     # an object as kvtier wrote it before the payload was aligned: no padding, flags 0
     text = key(1).to_str()
-    path.write_bytes(disk_mod.fmt.encode_header(text, LAYOUT, payload(2)) + payload(2))
-    for read in (
+    path.write_bytes(fmt.encode_header(text, LAYOUT, payload(2)) + payload(2))
+    reads: tuple[Callable[[], object], ...] = (
         lambda: tier.get_into(key(1), out, LAYOUT),
         lambda: tier.get_many_into([(key(1), out, LAYOUT), (key(1), out, LAYOUT)])[0],
-    ):
+    )
+    for read in reads:
         out[:] = bytes(SIZE)
         assert read() and out.tobytes() == payload(2)
     assert tier.stats().corrupt == 0

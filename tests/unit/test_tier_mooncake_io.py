@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from testkit.waiting import wait_for
 
 from kvtier.storage.tiers.mooncake_io import (
     STAGING_ALIGN,
@@ -39,11 +40,14 @@ def test_a_late_call_raises_and_gives_back_only_when_it_really_ends() -> None:
         calls.run(lambda: release.wait(5), lambda: after.append(time.monotonic()))
     assert time.monotonic() - t0 < 1 and after == [] and calls.late == 1
     # the deadline grows for calls that move bytes
-    assert calls.run(lambda: time.sleep(0.1) or 7, extra_s=1.0) == 7
+
+    def slow() -> int:  # a call that takes 0.1 s
+        time.sleep(0.1)  # the slow call under test, not a synchronization
+        return 7
+
+    assert calls.run(slow, extra_s=1.0) == 7
     release.set()
-    deadline = time.monotonic() + 5
-    while calls.late and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert wait_for(lambda: not calls.late, timeout=5, interval=0.01)
     assert calls.late == 0 and len(after) == 1  # given back once the call ended
     calls.close()
 

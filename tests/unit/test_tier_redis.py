@@ -9,20 +9,19 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import redis
+from testkit.kv_servers import KINDS, start_kv_server
+from testkit.servers import free_port
+from testkit.waiting import wait_for
 
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import open_tier
 from kvtier.storage.tiers.redis import RedisTier
-
-from ..conftest import free_port
-from ..kv_servers import KINDS, start_kv_server
 
 pytestmark = pytest.mark.redis
 
@@ -231,13 +230,17 @@ def test_redis_down_is_a_miss_then_recovers_without_new_tier(kind: str) -> None:
         assert not t.delete(key(1)) and t.clear() == 0
         s = t.stats()
         assert s.extra["skipped"] >= 6 and s.errors == 1
-        time.sleep(0.35)
-        assert not t.get_into(key(1), out(), LAYOUT)  # cool-down over: tries, fails again
+
+        def tried_again() -> bool:  # skipped until the cool-down lapses; then tries, fails again
+            assert not t.get_into(key(1), out(), LAYOUT)
+            return t.stats().errors == 2
+
+        assert wait_for(tried_again, timeout=10, interval=0.05)
         assert t.stats().errors == 2
 
         proc = start_kv_server(kind, port)
-        time.sleep(0.35)
-        t.put(key(4), payload(4), LAYOUT)
+        # skipped until the cool-down after the last failure lapses; then written
+        assert wait_for(lambda: t.put_many([(key(4), payload(4), LAYOUT)]) == 1, timeout=10)
         buf = out()
         assert t.get_into(key(4), buf, LAYOUT) and buf.tobytes() == payload(4)
         assert t.contains_many([key(4), key(1)]) == [True, False]

@@ -122,6 +122,7 @@ def test_one_pidfd_per_process_and_none_past_the_bound() -> None:
     a = watches.watch(os.getpid())
     b = watches.watch(os.getpid())
     assert a is b and a is not None and len(watches) == 1
+    # a live process to watch, killed below: its sleep is no synchronization
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         with pytest.raises(NoSpaceError, match="max-watched-processes"):
@@ -129,7 +130,8 @@ def test_one_pidfd_per_process_and_none_past_the_bound() -> None:
     finally:
         child.kill()
         child.wait()
-    a.release()
+    a.release()  # (mypy: a is b and not None, asserted above)
+    assert b is not None
     b.release()
     assert len(watches) == 0
 

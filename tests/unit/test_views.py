@@ -1,15 +1,27 @@
-"""server.observe.views.TierWatch: failing tiers become health, recent errors and few log lines."""
+"""server.observe.views: TierWatch turns failing tiers into health, recent errors and few log
+lines; AdminViews builds the status, health and session views of a real engine."""
 
 from __future__ import annotations
 
 import logging
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvtier.config import ServerConfig
+from kvtier.keys import compose
+from kvtier.periodic import PeriodicThreadRegistry
+from kvtier.server.app import build_engine
+from kvtier.server.engine import Engine
 from kvtier.server.observe.snapshots import L2Summary
-from kvtier.server.observe.views import TierWatch
+from kvtier.server.observe.views import AdminViews, TierWatch
+from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.base import Latency, TierStats
+from kvtier.storage.tiers.disk import DiskTier
 
 
 def tier(name: str = "redis", **fields: Any) -> TierStats:
@@ -68,3 +80,63 @@ def test_corruption_is_recorded_but_does_not_fail_the_tier() -> None:
     records = watch.observe(summary(tier("disk", corrupt=2)), now=2.0, wall=2.0)
     assert [r.code for r in records] == ["L2_CORRUPT"] and "2 corrupt" in records[0].message
     assert watch.annotate(summary(tier("disk", corrupt=2)), now=2.0).failing == []
+
+
+# -- the views of a real engine -------------------------------------------------------------------
+
+
+class CountedDisk(DiskTier):
+    """A real DiskTier that counts how often its stats are read."""
+
+    reads = 0
+
+    def stats(self) -> TierStats:
+        self.reads += 1
+        return super().stats()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> CountedDisk:
+    return CountedDisk(tmp_path / "l2", 0, name="disk")
+
+
+@pytest.fixture
+def engine(tmp_path: Path, disk: CountedDisk) -> Iterator[Engine]:
+    config = ServerConfig(
+        address=[f"ipc://{tmp_path}/kvtier.sock"],
+        l1_size=1 << 20,
+        chunk_size=4,
+        arena_name=f"kvtier-views-test-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        prefault=False,
+    )
+    registry = PeriodicThreadRegistry()
+    engine = build_engine(config, tiers=TierManager([disk]), registry=registry, start_threads=False)
+    yield engine
+    engine.close()
+
+
+def test_a_status_reads_each_tiers_stats_once(engine: Engine, disk: CountedDisk) -> None:
+    views = AdminViews(engine, registry=PeriodicThreadRegistry())
+    disk.reads = 0
+    status = views.status()
+    assert disk.reads == 1 and [t.name for t in status.l2.tiers] == ["disk"]
+    assert status.health == "ok" and status.l2.failing == []
+    disk.reads = 0
+    assert b"kvtier_l2_objects" in views.metrics.render()  # a scrape builds one status
+    assert disk.reads == 1
+    disk.reads = 0
+    assert views.check_tiers().success and disk.reads == 1
+    disk.reads = 0
+    assert views.health().state == "ok" and disk.reads == 1
+
+
+def test_a_session_as_the_admin_api_shows_it(engine: Engine) -> None:
+    views = AdminViews(engine, registry=PeriodicThreadRegistry())
+    session = engine.sessions.get_or_create(compose("", "", "r"))
+    session.set_tokens(list(range(9)))
+    session.get_hashes(0)
+    info = views.get_session("r")  # a bare request id names the anonymous tenant's session
+    assert info is not None
+    assert (info.session_id, info.request_id, info.num_tokens) == (session.request_id, "r", 9)
+    assert (info.num_chunks_hashed, info.pinned_chunks) == (2, 0)
+    assert views.list_sessions(0, 10) == (1, [info])

@@ -1,10 +1,14 @@
 """The client library engines use: one `Client` per process, thread-safe.
 
-`client` holds the connection, its rejoin after a server restart and the request API; `slots`
-the context managers over arena slots a store or retrieve hands out.
+`connection` holds the connection (socket pool, handshake, heartbeats, the rejoin after a
+server restart, the arena mapping); `client` the request API built on it; `ranges` the
+`ChunkRange` that names the chunks a store or retrieve moves; `slots` the context managers over
+the arena slots a store or retrieve hands out.
 """
 
-from kvtier.client.client import Client, LookupHandle, Transfer
+from kvtier.client.client import Client, LookupHandle
+from kvtier.client.connection import Transfer
+from kvtier.client.ranges import ChunkRange
 from kvtier.client.slots import RetrievedSlots, StoreSlots
 
-__all__ = ["Client", "LookupHandle", "RetrievedSlots", "StoreSlots", "Transfer"]
+__all__ = ["ChunkRange", "Client", "LookupHandle", "RetrievedSlots", "StoreSlots", "Transfer"]

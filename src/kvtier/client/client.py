@@ -1,49 +1,37 @@
-"""The client library used by schedulers and workers.
+"""The client library used by schedulers and workers: `Client`, the request API.
 
-One `Client` per process is enough: it is thread-safe (each call takes a ZMQ socket from a small
-pool and gives it back, all under one client id, so TP workers in threads do not serialize on a
-lock, and threads that end leave no socket behind). On the server's
-machine the KV bytes go straight between the caller's arrays and the server's shared-memory
-arena; elsewhere they travel inline as ZMQ frames. Both paths give the same results.
+One `Client` per process is enough: it is thread-safe (see `kvtier.client.connection`). On the
+server's machine the KV bytes go straight between the caller's arrays and the server's
+shared-memory arena; elsewhere they travel inline as ZMQ frames. Both paths give the same
+results.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 import math
-import os
-import threading
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
-import zmq
 
 from kvtier import protocol as p
-from kvtier.arena import Arena
-from kvtier.client.slots import RetrievedSlots, StoreSlots, reply_as
+from kvtier.client.connection import Connection, NoReply, Transfer, reply_as
+from kvtier.client.ranges import ChunkRange, range_of
+from kvtier.client.slots import RetrievedSlots, StoreSlots
 from kvtier.copying import copy_pairs
 from kvtier.errors import (
     BadArrayError,
-    ErrorCode,
     InvalidArgumentError,
     KVTierError,
     NotConnectedError,
     ProtocolVersionError,
-    error_from_code,
 )
 from kvtier.hashing import TokenHasher, TokenIds, token_bytes
 from kvtier.names import ChunkName, check_names
 
-__all__ = ["Client", "LookupHandle", "RetrievedSlots", "StoreSlots"]
-
-logger = logging.getLogger(__name__)
-
-Transfer = Literal["auto", "shm", "inline"]
+__all__ = ["Client", "LookupHandle"]
 
 
 def _tokens(tokens: TokenIds) -> bytes:
@@ -57,15 +45,6 @@ def _tokens(tokens: TokenIds) -> bytes:
             f"bytes: {exc}"
         ) from None
     return raw if isinstance(raw, bytes) else bytes(raw)
-
-
-def _encode(msg: Any) -> bytes:
-    """The request header; a value msgpack cannot carry (an int past 64 bits, a string with
-    lone surrogates) is the caller's error, raised as kvtier's typed error."""
-    try:
-        return p.encode(msg)
-    except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
-        raise InvalidArgumentError(f"{type(msg).__name__} cannot be sent: {exc}") from None
 
 
 def _chunk_rows(
@@ -108,39 +87,23 @@ def _chunk_rows(
     raise BadArrayError(f"{what} must be a numpy array or a CPU torch tensor, got {type(array)}")
 
 
-class _Forgotten(NotConnectedError):
-    """The server answered "send Hello first": it restarted and no longer knows this client."""
+def _range_and_array(
+    request: ChunkRange | str, second: Any, third: Any, short: dict[str, Any]
+) -> tuple[ChunkRange, Any]:
+    """The range and array of a store or retrieve: `(span, array)` or the short form
+    `(request_id, tokens, array, **range keywords)`."""
+    if not isinstance(request, ChunkRange):
+        return range_of(request, second, short), third
+    if third is not None:
+        raise InvalidArgumentError("a store or retrieve given a ChunkRange takes one array")
+    return range_of(request, None, short), second
 
 
-class _NoReply(NotConnectedError):
-    """No reply within the timeout: the server is down, stalled or unreachable."""
-
-
-_PROBE_TIMEOUT = 5.0  # how long a heartbeat waits before it calls the server unreachable
-_GOODBYE_TIMEOUT = 0.5  # how long close() waits for the server to hear its goodbye
-_CLOSE_WAIT_S = 2.0  # how long close() waits for woken calls to give their sockets back
-_MAX_IDLE_SOCKETS = 32  # idle sockets kept for later calls; more are closed when given back
-
-
-class _Conn:
-    """One DEALER socket of the pool, and a poller that waits on it and on close()'s wake-up."""
-
-    __slots__ = ("poller", "sock")
-
-    def __init__(self, sock: zmq.Socket[bytes], wake_fd: int) -> None:
-        self.sock = sock
-        self.poller = zmq.Poller()
-        self.poller.register(sock, zmq.POLLIN)
-        self.poller.register(wake_fd, zmq.POLLIN)
-
-
-def _check_address(address: object) -> None:
-    """A ZMQ address kvtier can connect to, or InvalidArgumentError naming the fix."""
-    if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
-        raise InvalidArgumentError(
-            f"address {address!r} needs a scheme: ipc:///tmp/kvtier.sock or tcp://host:port "
-            "(the --address the server was started with)"
-        )
+def _slot_end(span: ChunkRange, call: str) -> int:
+    """The range's end, which a slot call needs (it has no array to count chunks from)."""
+    if span.end is None:
+        raise InvalidArgumentError(f"{call} needs the range's end")
+    return span.end
 
 
 class LookupHandle:
@@ -148,9 +111,13 @@ class LookupHandle:
     `result()` waits on the server for the answer."""
 
     def __init__(
-        self, client: Client, request_id: str, hit_tokens: int | None, cache_salt: str = ""
+        self,
+        connection: Connection,
+        request_id: str,
+        hit_tokens: int | None,
+        cache_salt: str = "",
     ) -> None:
-        self._client = client
+        self._connection = connection
         self.request_id = request_id
         self._hit_tokens = hit_tokens
         self._cache_salt = cache_salt
@@ -159,7 +126,7 @@ class LookupHandle:
         """The hit tokens once known, else None; one round trip at most, never waits."""
         if self._hit_tokens is None:
             poll = p.LookupPoll(self.request_id, cache_salt=self._cache_salt)
-            reply, _ = self._client._call(poll)
+            reply, _ = self._connection.call(poll)
             done = reply_as(reply, p.LookupReply, "LookupPoll")
             if not done.pending:
                 self._hit_tokens = done.hit_tokens
@@ -174,19 +141,19 @@ class LookupHandle:
         """
         if self._hit_tokens is not None:
             return self._hit_tokens
-        client = self._client
+        connection = self._connection
         poll = p.LookupPoll(self.request_id, wait=True, cache_salt=self._cache_salt)
         while True:
-            wait_s = client.timeout if timeout is None else timeout
+            wait_s = connection.timeout if timeout is None else timeout
             try:
                 if wait_s <= 0:  # no time to wait: one look, then the timeout's error
                     hit = self.poll()
                     if hit is not None:
                         return hit
-                    raise _NoReply("no time to wait")
-                reply, _ = client._call(poll, wait_s=wait_s)
+                    raise NoReply("no time to wait")
+                reply, _ = connection.call(poll, wait_s=wait_s)
                 break
-            except _NoReply:
+            except NoReply:
                 if timeout is not None:
                     raise NotConnectedError(
                         f"lookup of request {self.request_id!r} still loading from L2 after "
@@ -203,7 +170,11 @@ class LookupHandle:
 
 
 class Client:
-    """A connection to one `kvtier serve`. See the README for the flow of one request."""
+    """A connection to one `kvtier serve`. docs/client.md shows the flow of one request.
+
+    Stores and retrieves name their chunks with a `ChunkRange` (`client.store(span, kv)`), or
+    in the short form with its fields as keywords (`client.store("r", tokens, kv, model="m")`).
+    """
 
     def __init__(
         self,
@@ -218,71 +189,65 @@ class Client:
         token: str = "",
     ) -> None:
         """`token`: a credential from the server's --auth-tokens-file, when it has one."""
-        if transfer not in ("auto", "shm", "inline"):
-            raise InvalidArgumentError(
-                f"transfer must be 'auto', 'shm' or 'inline', got {transfer!r}"
-            )
-        self._token = token
-        _check_address(address)
-        for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-            if not value > 0:
-                raise InvalidArgumentError(f"{name} must be > 0 seconds, got {value!r}")
-        self.address = address
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.hasher = hasher
-        self.client_id = client_id or uuid.uuid4().hex
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._idle: list[_Conn] = []  # the socket pool: sockets no call holds now
-        self._busy = 0  # sockets checked out by calls in flight
-        self._pool_lock = threading.Lock()
-        self._pool_changed = threading.Condition(self._pool_lock)
-        self._wake_r, self._wake_w = os.pipe()  # written once by close(): wakes every call
-        self._released = False
-        self._seq = itertools.count(1)
-        self._world_sizes: dict[str, int] = {}
-        self._registrations: dict[tuple[str, int, int], p.Register] = {}
-        self._closing = False  # close() began: no new call, no new handshake
-        self._closed = False  # calls in flight end with NotConnectedError
-        self._hello_timeout = connect_timeout  # the first handshake fails fast
-        self._transfer = transfer
-        self._arena: Arena | None = None
-        self._arena_bytes: npt.NDArray[np.uint8] | None = None
-        self._rejoin_lock = threading.Lock()
-        self._unreachable_since: float | None = None  # monotonic time of the first missed reply
-        try:
-            try:
-                conn, self.server = self._open()
-            except _NoReply as exc:
-                raise NotConnectedError(exc.message) from None
-            self._idle.append(conn)
-            if transfer != "inline":
-                self._attach_arena(transfer)
-        except BaseException:
-            self._closing = self._closed = True
-            self._release_sockets()
-            raise
-        self._hello_timeout = timeout
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop,
-            args=(heartbeat_interval,),
-            name=f"kvtier-client-heartbeat-{self.client_id[:8]}",
-            daemon=True,
+        self._connection = Connection(
+            address,
+            hasher=hasher,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            transfer=transfer,
+            heartbeat_interval=heartbeat_interval,
+            client_id=client_id or uuid.uuid4().hex,
+            token=token,
         )
-        self._heartbeat.start()
+        self._world_sizes: dict[str, int] = {}  # per model, as registered: a range's default
 
     # -- connection -----------------------------------------------------------------------------
 
     @property
+    def connection(self) -> Connection:
+        """The connection under this client: `call` sends any protocol message (for tools and
+        tests that speak the wire protocol directly)."""
+        return self._connection
+
+    @property
+    def address(self) -> str:
+        """The server's ZMQ address."""
+        return self._connection.address
+
+    @property
+    def client_id(self) -> str:
+        """This client's id, the same on every socket (the server's status lists it)."""
+        return self._connection.client_id
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a request waits for its reply."""
+        return self._connection.timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds the first handshake waits."""
+        return self._connection.connect_timeout
+
+    @property
+    def hasher(self) -> TokenHasher | None:
+        """The chunk hasher whose contract the server checks at the handshake, if any."""
+        return self._connection.hasher
+
+    @property
+    def server(self) -> p.HelloReply:
+        """The server's handshake reply (its id, chunk size, arena); a new one after a rejoin."""
+        return self._connection.server
+
+    @property
     def chunk_size(self) -> int:
         """Tokens per chunk, as the server names chunks."""
-        return self.server.chunk_size
+        return self._connection.chunk_size
 
     @property
     def transfer(self) -> str:
         """ "shm" when bytes go through the server's arena, "inline" when they go as frames."""
-        return "shm" if self._arena is not None else "inline"
+        return self._connection.transfer
 
     @property
     def arena_bytes(self) -> npt.NDArray[np.uint8] | None:
@@ -290,248 +255,7 @@ class Client:
         None when bytes go inline. A re-join after a server restart maps a new arena: read it
         again rather than keeping it across calls. For callers that register the arena with a
         device (pinned host memory); slot views come from `store_slots` / `retrieve_slots`."""
-        return self._arena_bytes
-
-    def _attach_arena(self, transfer: Transfer) -> None:
-        if self.server.host_id == p.local_host_id():
-            try:
-                self._arena = Arena.attach(self.server.arena_name, self.server.arena_size)
-                self._arena_bytes = self._arena.ndarray(0, self._arena.size)
-                return
-            except OSError as exc:
-                if transfer == "shm":
-                    raise NotConnectedError(
-                        f"cannot map the server's arena {self.server.arena_name!r}: {exc}"
-                    ) from exc
-                logger.info("arena not mappable (%s); moving bytes inline", exc)
-        elif transfer == "shm":
-            raise NotConnectedError(
-                f"transfer='shm' needs the server on this machine; it runs on "
-                f"{self.server.host_id!r}, this is {p.local_host_id()!r}"
-            )
-
-    # -- sockets --------------------------------------------------------------------------------
-    #
-    # A call checks a socket out of the pool and gives it back when it ends, so a thread that
-    # ends leaves nothing behind and the sockets number at most the calls in flight at once.
-    # Each socket says Hello once, when it is opened. A late reply to a call that timed out
-    # can still arrive on a socket; the sequence number in every reply tells it apart, so the
-    # next call on that socket skips it.
-
-    def _checkout(self, *, closing: bool = False) -> _Conn:
-        """A socket for one call: an idle one, else a new one that shook hands; `closing`
-        lets close() have one for its goodbye."""
-        with self._pool_lock:
-            if self._closed or (self._closing and not closing):
-                raise NotConnectedError(f"the client is closed: a new Client({self.address!r})")
-            self._busy += 1
-            conn = self._idle.pop() if self._idle else None
-        if conn is not None:
-            return conn
-        try:
-            conn, hello = self._open()
-            if hello.server_id != self.server.server_id:
-                self._rejoin(conn, hello)  # the server restarted: its arena, our registrations
-        except BaseException:
-            self._checkin(None)
-            raise
-        return conn
-
-    def _checkin(self, conn: _Conn | None, *, broken: bool = False) -> None:
-        """Give a socket back after its call; closed instead when the client closed, when it
-        failed (`broken`), or when enough sockets are idle already."""
-        with self._pool_lock:
-            self._busy -= 1
-            keep = not (broken or self._closed) and len(self._idle) < _MAX_IDLE_SOCKETS
-            if conn is not None and keep:
-                self._idle.append(conn)
-                conn = None
-            finish = self._closed and self._busy == 0
-            self._pool_changed.notify_all()
-        if conn is not None:
-            conn.sock.close(linger=0)
-        if finish:
-            self._release_sockets()
-
-    def _open(self) -> tuple[_Conn, p.HelloReply]:
-        """A new socket, connected, after its Hello (closed again if that fails)."""
-        try:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.address)
-        except zmq.ZMQError as exc:
-            raise NotConnectedError(f"cannot connect to {self.address!r}: {exc}") from exc
-        conn = _Conn(sock, self._wake_r)
-        try:
-            return conn, self._hello_on(conn)
-        except BaseException:
-            sock.close(linger=0)
-            raise
-
-    def _release_sockets(self) -> None:
-        """Once the client is closed and no call holds a socket: close them all, end the
-        context. Runs once, on whichever thread gave the last socket back (or in close())."""
-        with self._pool_lock:
-            if self._released:
-                return
-            self._released = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.sock.close(linger=0)
-        self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def _hello_on(self, conn: _Conn) -> p.HelloReply:
-        hello = p.Hello(
-            protocol_version=p.PROTOCOL_VERSION,
-            client_id=self.client_id,
-            contract=self.hasher.contract() if self.hasher else None,
-            contract_info=dict(self.hasher.contract_info()) if self.hasher else {},
-            host_id=p.local_host_id(),
-            pid=os.getpid(),  # the server fences our arena slots by this process
-            token=self._token,
-        )
-        reply, _ = self._call_on(conn, hello, timeout=self._hello_timeout)
-        return reply_as(reply, p.HelloReply, "Hello")
-
-    def _call(
-        self,
-        msg: Any,
-        payloads: Sequence[Any] = (),
-        *,
-        probe: bool = False,
-        wait_s: float | None = None,
-    ) -> tuple[p.Reply, list[zmq.Frame]]:
-        """One request, re-joining a restarted server once; fails fast while it is unreachable.
-
-        A request that timed out, or a heartbeat (`probe`) that did, marks the server
-        unreachable: later requests raise NotConnectedError at once instead of each waiting out
-        the timeout, until a heartbeat gets an answer again. `wait_s`: a request the server
-        answers only once something ends (a lookup's loads); its silence for that long is no
-        sign of an unreachable server, and is raised as `_NoReply`.
-        """
-        if self._closing:
-            raise NotConnectedError(
-                f"the client is closed: {type(msg).__name__} needs a new Client({self.address!r})"
-            )
-        if self._unreachable_since is not None and not probe:
-            raise NotConnectedError(
-                f"kvtier at {self.address} has not answered for "
-                f"{time.monotonic() - self._unreachable_since:.1f}s; failing fast until a "
-                "heartbeat gets through"
-            )
-        if wait_s is not None:
-            timeout = wait_s
-        else:
-            timeout = min(self.timeout, _PROBE_TIMEOUT) if probe else self.timeout
-        try:
-            conn = self._checkout()
-        except _NoReply as exc:  # a new socket's Hello went unanswered
-            self._unreachable_since = self._unreachable_since or time.monotonic()
-            raise NotConnectedError(exc.message) from None
-        broken = False
-        try:
-            try:
-                result = self._call_on(conn, msg, payloads, timeout)
-            except _Forgotten:
-                self._rejoin(conn)  # the server restarted: shake hands again, then retry once
-                result = self._call_on(conn, msg, payloads, timeout)
-        except _NoReply as exc:
-            if wait_s is not None:
-                raise
-            if self._unreachable_since is None:
-                self._unreachable_since = time.monotonic()
-            raise NotConnectedError(exc.message) from None
-        except zmq.ZMQError as exc:
-            broken = True
-            raise NotConnectedError(f"kvtier at {self.address}: socket failed ({exc})") from None
-        finally:
-            self._checkin(conn, broken=broken)
-        self._unreachable_since = None
-        return result
-
-    def _rejoin(self, conn: _Conn, hello: p.HelloReply | None = None) -> None:
-        """Hello again on `conn` (or take the `hello` it just got); if the server is a new one,
-        map its arena and re-register.
-
-        The old mapping is closed at once: a thread still copying through it holds its own
-        reference, which keeps those pages mapped until the copy ends (its store's commit is then
-        refused, since the new server never reserved it). So no restart leaves a whole old L1
-        mapped in a long-lived client.
-        """
-        with self._rejoin_lock:
-            if self._closing:  # a goodbye was said: never shake hands again
-                raise NotConnectedError(f"the client is closed: a new Client({self.address!r})")
-            if hello is None:
-                hello = self._hello_on(conn)
-            if hello.server_id == self.server.server_id:
-                return  # another thread already re-joined this server
-            logger.info("kvtier at %s restarted: re-joining", self.address)
-            self.server = hello
-            if self._arena is not None:
-                old, self._arena, self._arena_bytes = self._arena, None, None
-                old.close()
-            if self._transfer != "inline":
-                self._attach_arena(self._transfer)
-            for register in self._registrations.values():
-                self._call_on(conn, register)
-
-    def _call_on(
-        self,
-        conn: _Conn,
-        msg: Any,
-        payloads: Sequence[Any] = (),
-        timeout: float | None = None,
-    ) -> tuple[p.Reply, list[zmq.Frame]]:
-        """Send on `conn` and wait for the reply of the same sequence number; close() wakes
-        the wait (NotConnectedError), so no call outlives the client."""
-        timeout = self.timeout if timeout is None else timeout
-        if self._closed:
-            raise NotConnectedError("the client is closed")
-        seq = next(self._seq).to_bytes(8, "little")
-        sock = conn.sock
-        # The header is copied, even a 16k-token lookup's 64 KiB: pyzmq sends a frame from 64
-        # KiB on without a copy and frees it on its garbage-collector thread, a wake-up and a
-        # GIL hand-off per request that cost more CPU than the copy. KV payloads go uncopied.
-        header = _encode(msg)
-        if payloads:
-            sock.send_multipart([seq, zmq.Frame(header, copy=True), *payloads], copy=False)
-        else:
-            sock.send_multipart([seq, header])
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            ready = conn.poller.poll(int(remaining * 1000) + 1) if remaining > 0 else []
-            if self._closed:
-                raise NotConnectedError(
-                    f"the client was closed while {type(msg).__name__} waited for its reply"
-                )
-            if not any(item is sock for item, _ in ready):
-                if remaining > 0 and time.monotonic() < deadline:
-                    continue
-                raise _NoReply(
-                    f"no reply from kvtier at {self.address} within {timeout:g}s to "
-                    f"{type(msg).__name__}: is `kvtier serve --address {self.address}` running?"
-                )
-            frames = sock.recv_multipart(copy=False)
-            if frames[0].bytes != seq:
-                continue  # the late answer to a request that already timed out
-            reply = p.decode_reply(frames[1].buffer)
-            if isinstance(reply, p.ErrorReply):
-                if reply.code == ErrorCode.NOT_CONNECTED and not isinstance(msg, p.Hello):
-                    raise _Forgotten(reply.message)
-                raise error_from_code(reply.code, reply.message)
-            return reply, frames[2:]
-
-    def _heartbeat_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                self._call(p.Heartbeat(), probe=True)
-            except KVTierError as exc:
-                logger.debug("heartbeat failed: %s", exc)
-            except zmq.ZMQError:
-                return  # the context is being destroyed
+        return self._connection.arena_bytes
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -551,8 +275,7 @@ class Client:
         except (TypeError, ValueError) as exc:
             raise BadArrayError(f"chunk_shape {chunk_shape!r} must be a sequence of ints") from exc
         register = p.Register(model, world_size, worker_id, shape, dtype)
-        self._call(register)
-        self._registrations[model, world_size, worker_id] = register  # replayed on a rejoin
+        self._connection.register(register)  # sent again to a restarted server
         self._world_sizes[model] = world_size
 
     @overload
@@ -618,13 +341,27 @@ class Client:
             readers,
             prefill_tokens_per_s,
         )
-        raw, _ = self._call(msg)
+        raw, _ = self._connection.call(msg)
         reply = reply_as(raw, p.LookupReply, "Lookup")
         if wait:
             return reply.hit_tokens
         hit = None if reply.pending else reply.hit_tokens
-        return LookupHandle(self, request_id, hit, cache_salt)
+        return LookupHandle(self._connection, request_id, hit, cache_salt)
 
+    # -- ranges of a prompt ---------------------------------------------------------------------
+
+    @overload
+    def store_slots(
+        self,
+        span: ChunkRange,
+        /,
+        *,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        resumable: Sequence[bool] = (),
+    ) -> StoreSlots: ...
+
+    @overload
     def store_slots(
         self,
         request_id: str,
@@ -640,19 +377,43 @@ class Client:
         extra_key: bytes = b"",
         world_size: int | None = None,
         resumable: Sequence[bool] = (),
+    ) -> StoreSlots: ...
+
+    def store_slots(
+        self,
+        request_id: ChunkRange | str,
+        tokens: TokenIds | None = None,
+        *,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        resumable: Sequence[bool] = (),
+        **short: Any,
     ) -> StoreSlots:
-        """Slots to write this rank's chunks [start, end) into; commits on leaving `with`.
+        """Slots to write this rank's chunks of the range into; commits on leaving `with`.
 
-        `resumable[i]`: whether chunk i is a point the engine can resume from (empty: every
-        chunk is); a lookup's hit ends at the last resume point of its leading stored chunks.
+        `store_slots(span, chunk_shape=..., dtype=...)`, or the short form with the range's
+        fields as keywords (`end` required). `resumable[i]`: whether chunk i is a point the
+        engine can resume from (empty: every chunk is); a lookup's hit ends at the last resume
+        point of its leading stored chunks.
         """
-        num_chunks = max(0, (end - start) // self.chunk_size)
-        fields = self._fields(
-            request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
-            cache_salt, extra_key, world_size,
-        )  # fmt: skip
-        return StoreSlots(self, {**fields, "resumable": [bool(r) for r in resumable]})
+        span = range_of(request_id, tokens, short)
+        end = _slot_end(span, "store_slots")
+        num_chunks = max(0, (end - span.start) // self.chunk_size)
+        fields = self._fields(span, end, chunk_shape, dtype, num_chunks)
+        return StoreSlots(self._connection, {**fields, "resumable": [bool(r) for r in resumable]})
 
+    @overload
+    def retrieve_slots(
+        self,
+        span: ChunkRange,
+        /,
+        *,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        reader: int = -1,
+    ) -> RetrievedSlots: ...
+
+    @overload
     def retrieve_slots(
         self,
         request_id: str,
@@ -668,16 +429,34 @@ class Client:
         extra_key: bytes = b"",
         world_size: int | None = None,
         reader: int = -1,
-    ) -> RetrievedSlots:
-        """Read-only views of this rank's leading cached chunks of [start, end); `reader` is
-        the rank marked done on the lookup's pin (-1: worker_id)."""
-        num_chunks = max(0, (end - start) // self.chunk_size)
-        fields = self._fields(
-            request_id, tokens, model, worker_id, start, end, chunk_shape, dtype, num_chunks,
-            cache_salt, extra_key, world_size,
-        )  # fmt: skip
-        return RetrievedSlots(self, {**fields, "reader": reader})
+    ) -> RetrievedSlots: ...
 
+    def retrieve_slots(
+        self,
+        request_id: ChunkRange | str,
+        tokens: TokenIds | None = None,
+        *,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        reader: int = -1,
+        **short: Any,
+    ) -> RetrievedSlots:
+        """Read-only views of this rank's leading cached chunks of the range.
+
+        `retrieve_slots(span, chunk_shape=..., dtype=...)`, or the short form with the range's
+        fields as keywords (`end` required). `reader` is the rank marked done on the lookup's
+        pin (-1: worker_id).
+        """
+        span = range_of(request_id, tokens, short)
+        end = _slot_end(span, "retrieve_slots")
+        num_chunks = max(0, (end - span.start) // self.chunk_size)
+        fields = self._fields(span, end, chunk_shape, dtype, num_chunks)
+        return RetrievedSlots(self._connection, {**fields, "reader": reader})
+
+    @overload
+    def store(self, span: ChunkRange, kv: Any, /, *, resumable: Sequence[bool] = ()) -> int: ...
+
+    @overload
     def store(
         self,
         request_id: str,
@@ -692,21 +471,34 @@ class Client:
         extra_key: bytes = b"",
         world_size: int | None = None,
         resumable: Sequence[bool] = (),
-    ) -> int:
-        """Store chunks [start, end) of this rank from `kv` (num_chunks, *chunk_shape).
+    ) -> int: ...
 
-        `end` defaults to start + num_chunks * chunk_size. Returns the tokens now stored.
-        `resumable` as in `store_slots`.
+    def store(
+        self,
+        request_id: ChunkRange | str,
+        tokens: Any = None,
+        kv: Any = None,
+        *,
+        resumable: Sequence[bool] = (),
+        **short: Any,
+    ) -> int:
+        """Store this rank's chunks of the range from `kv` (num_chunks, *chunk_shape).
+
+        `store(span, kv)`, or the short form `store(request_id, tokens, kv, model=..., ...)`.
+        `end` None: start + num_chunks * chunk_size. Returns the tokens now stored from
+        `start`. `resumable` as in `store_slots`.
         """
-        rows, fields = self._range(
-            request_id, tokens, kv, "kv", model, worker_id, start, end, cache_salt, extra_key,
-            world_size,
-        )  # fmt: skip
+        span, kv = _range_and_array(request_id, tokens, kv, short)
+        rows, fields = self._rows(span, kv, "kv")
         fields["resumable"] = [bool(r) for r in resumable]
-        with StoreSlots(self, fields) as slots:
+        with StoreSlots(self._connection, fields) as slots:
             copy_pairs([(view, rows[i]) for i, view in slots.targets()])
             return slots.commit()
 
+    @overload
+    def retrieve(self, span: ChunkRange, out: Any, /, *, reader: int = -1) -> int: ...
+
+    @overload
     def retrieve(
         self,
         request_id: str,
@@ -721,78 +513,66 @@ class Client:
         extra_key: bytes = b"",
         world_size: int | None = None,
         reader: int = -1,
-    ) -> int:
-        """Copy this rank's shards of chunks [start, end) into `out` (num_chunks, *chunk_shape).
+    ) -> int: ...
 
-        Returns the tokens retrieved from `start`: it stops at the first chunk not cached.
-        Raises LeaseExpiredError when the server's lease on the slots lapsed during the copy.
-        `reader`: the rank marked done on the lookup's pin (-1: worker_id).
+    def retrieve(
+        self,
+        request_id: ChunkRange | str,
+        tokens: Any = None,
+        out: Any = None,
+        *,
+        reader: int = -1,
+        **short: Any,
+    ) -> int:
+        """Copy this rank's shards of the range's chunks into `out` (num_chunks, *chunk_shape).
+
+        `retrieve(span, out)`, or the short form `retrieve(request_id, tokens, out, model=...,
+        ...)`. Returns the tokens retrieved from `start`: it stops at the first chunk not
+        cached. Raises LeaseExpiredError when the server's lease on the slots lapsed during the
+        copy. `reader`: the rank marked done on the lookup's pin (-1: worker_id).
         """
-        rows, fields = self._range(
-            request_id, tokens, out, "out", model, worker_id, start, end, cache_salt, extra_key,
-            world_size,
-        )  # fmt: skip
-        with RetrievedSlots(self, {**fields, "reader": reader}) as got:
+        span, out = _range_and_array(request_id, tokens, out, short)
+        rows, fields = self._rows(span, out, "out")
+        with RetrievedSlots(self._connection, {**fields, "reader": reader}) as got:
             copy_pairs([(rows[i], view) for i, view in enumerate(got.views)])
         return got.num_tokens
 
-    def _range(
-        self,
-        request_id: str,
-        tokens: TokenIds,
-        array: Any,
-        what: str,
-        model: str,
-        worker_id: int,
-        start: int,
-        end: int | None,
-        cache_salt: str,
-        extra_key: bytes,
-        world_size: int | None,
+    def _rows(
+        self, span: ChunkRange, array: Any, what: str
     ) -> tuple[npt.NDArray[np.uint8], dict[str, Any]]:
         """The array's chunk rows and the fields of a RangeRequest for it."""
         rows, shape, dtype = _chunk_rows(array, what, writable=what == "out")
+        start, end = span.start, span.end
         if end is not None and (end - start) % self.chunk_size == 0:
             # an explicit range may use only the leading rows of a larger array (e.g. `out`
             # sized for the whole prompt, `end=hit`); a smaller array is the server's to refuse
             rows = rows[: max(0, (end - start) // self.chunk_size)]
         num_chunks = rows.shape[0]
         end = start + num_chunks * self.chunk_size if end is None else end
-        fields = self._fields(
-            request_id, tokens, model, worker_id, start, end, shape, dtype, num_chunks,
-            cache_salt, extra_key, world_size,
-        )  # fmt: skip
-        return rows, fields
+        return rows, self._fields(span, end, shape, dtype, num_chunks)
 
     def _fields(
         self,
-        request_id: str,
-        tokens: TokenIds,
-        model: str,
-        worker_id: int,
-        start: int,
+        span: ChunkRange,
         end: int,
         chunk_shape: Sequence[int],
         dtype: str,
         num_chunks: int,
-        cache_salt: str,
-        extra_key: bytes,
-        world_size: int | None,
     ) -> dict[str, Any]:
         """The fields of a RangeRequest (the server checks them against the layout)."""
         return {
-            "request_id": request_id,
-            "tokens": _tokens(tokens),
-            "model": model,
-            "world_size": world_size or self._world_sizes.get(model, 1),
-            "worker_id": worker_id,
-            "start": start,
+            "request_id": span.request_id,
+            "tokens": _tokens(span.tokens),
+            "model": span.model,
+            "world_size": span.world_size or self._world_sizes.get(span.model, 1),
+            "worker_id": span.worker_id,
+            "start": span.start,
             "end": end,
             "chunk_shape": [int(d) for d in chunk_shape],
             "dtype": str(dtype).removeprefix("torch."),
             "num_chunks": num_chunks,
-            "cache_salt": cache_salt,
-            "extra_key": extra_key,
+            "cache_salt": span.cache_salt,
+            "extra_key": span.extra_key,
         }
 
     # -- key-addressed chunks (named by the caller, e.g. SGLang's page hashes) ---------------------
@@ -818,7 +598,7 @@ class Client:
             extra_key,
             prefill_tokens_per_s=prefill_tokens_per_s,
         )
-        raw, _ = self._call(msg)
+        raw, _ = self._connection.call(msg)
         return reply_as(raw, p.ExistsReply, "ExistsKeys").num_chunks
 
     def exists_each_key(
@@ -834,7 +614,7 @@ class Client:
         are loaded into L1)."""
         names = check_names(names)
         request = p.ExistsKeys(names, model, world_size, cache_salt, extra_key, each=True)
-        raw, _ = self._call(request)
+        raw, _ = self._connection.call(request)
         present = reply_as(raw, p.ExistsReply, "ExistsKeys").present
         if len(present) != len(names):
             raise ProtocolVersionError(
@@ -863,7 +643,9 @@ class Client:
         fields = self._key_fields(
             names, model, worker_id, chunk_shape, dtype, cache_salt, extra_key, world_size
         )
-        return StoreSlots(self, fields, reserve=p.ReserveKeys, store_inline=p.StoreKeysInline)
+        return StoreSlots(
+            self._connection, fields, reserve=p.ReserveKeys, store_inline=p.StoreKeysInline
+        )
 
     def retrieve_key_slots(
         self,
@@ -881,7 +663,7 @@ class Client:
         fields = self._key_fields(
             names, model, worker_id, chunk_shape, dtype, cache_salt, extra_key, world_size
         )
-        return RetrievedSlots(self, fields, retrieve=p.RetrieveKeys)
+        return RetrievedSlots(self._connection, fields, retrieve=p.RetrieveKeys)
 
     def put_keys(
         self,
@@ -902,11 +684,13 @@ class Client:
         rows, shape, dtype = _chunk_rows(chunks, "chunks", writable=False)
         if rows.shape[0] != len(names):
             raise BadArrayError(f"{len(names)} names but {rows.shape[0]} chunks in the array")
-        if self._arena_bytes is None:  # inline: send the rows themselves, no staging copy
+        if self.arena_bytes is None:  # inline: send the rows themselves, no staging copy
             fields = self._key_fields(
                 names, model, worker_id, shape, dtype, cache_salt, extra_key, world_size
             )
-            raw, _ = self._call(p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))])
+            raw, _ = self._connection.call(
+                p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))]
+            )
             return reply_as(raw, p.StoreReply, "StoreKeysInline").stored_chunks
         slots = self.store_key_slots(
             names,
@@ -981,52 +765,22 @@ class Client:
 
     def release(self, request_id: str, *, cache_salt: str = "") -> None:
         """Drop the request's lookup pins (the engine computed those chunks itself)."""
-        self._call(p.Release(request_id, cache_salt))
+        self._connection.call(p.Release(request_id, cache_salt))
 
     def end_session(self, request_id: str, *, cache_salt: str = "") -> None:
         """The request is finished: the server forgets its session and releases its pins.
 
         Without a credential, sessions are scoped by cache salt: pass the request's salt."""
-        self._call(p.EndSession(request_id, cache_salt))
+        self._connection.call(p.EndSession(request_id, cache_salt))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Say goodbye and disconnect; idempotent. The server reclaims what this client holds.
 
-        Safe while other threads are mid-call: they are woken and raise NotConnectedError, and
-        each socket is closed by the thread holding it (a ZMQ socket is never touched by two
-        threads at once), the last one ending the context.
+        Safe while other threads are mid-call: they are woken and raise NotConnectedError.
         """
-        with self._pool_lock:
-            if self._closing:
-                return
-            self._closing = True  # no new call from here on
-        self._stop.set()
-        if self._unreachable_since is None:
-            self._hello_timeout = _GOODBYE_TIMEOUT  # if every socket is in use
-            try:  # best effort: a server that does not hear it notices the missing heartbeats
-                conn = self._checkout(closing=True)
-                try:
-                    self._call_on(conn, p.Goodbye(), timeout=_GOODBYE_TIMEOUT)
-                finally:
-                    self._checkin(conn)
-            except (KVTierError, zmq.ZMQError) as exc:
-                logger.debug("goodbye not answered: %s", exc)
-        with self._pool_lock:
-            self._closed = True
-            os.write(self._wake_w, b"\0")  # every poll in flight returns, now and later
-            self._pool_changed.wait_for(lambda: self._busy == 0, timeout=_CLOSE_WAIT_S)
-            idle = self._busy == 0
-        if idle:
-            self._release_sockets()
-        # else: a call still holds its socket; the last one given back ends the context
-        if self._heartbeat.is_alive() and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=_CLOSE_WAIT_S)
-        self._arena_bytes = None
-        if self._arena is not None:
-            self._arena.close()
-        self._arena = None
+        self._connection.close()
 
     def __enter__(self) -> Client:
         return self

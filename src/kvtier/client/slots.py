@@ -11,38 +11,24 @@ from __future__ import annotations
 
 import contextlib
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier import protocol as p
-from kvtier.errors import InternalError, KVTierError, NotConnectedError
+from kvtier.client.connection import Connection, reply_as
+from kvtier.errors import KVTierError, NotConnectedError
 from kvtier.layouts import Layout
 
-if TYPE_CHECKING:
-    from kvtier.client import Client
-
-__all__ = ["RetrievedSlots", "StoreSlots", "reply_as"]
+__all__ = ["RetrievedSlots", "StoreSlots"]
 
 Bytes = npt.NDArray[np.uint8]
-R = TypeVar("R", bound=p.Reply)
 
 
-def reply_as(reply: p.Reply, kind: type[R], request: str) -> R:
-    """`reply` as the reply type `request` gets; InternalError (a kvtier error, so the engine
-    adapters recompute) when the server answered with another."""
-    if not isinstance(reply, kind):
-        raise InternalError(
-            f"{request} was answered with {type(reply).__name__}, not {kind.__name__}: the "
-            "server at the other end does not speak this client's protocol"
-        )
-    return reply
-
-
-def _arena_gone(client: Client, request: str) -> NotConnectedError:
+def _arena_gone(connection: Connection, request: str) -> NotConnectedError:
     """The error of a request answered with arena slots this process no longer maps."""
-    if client._closing:
+    if connection.closing:
         return NotConnectedError(f"the client was closed during {request}")
     return NotConnectedError(
         f"{request} re-joined a restarted kvtier whose arena this process cannot map: "
@@ -59,14 +45,14 @@ class StoreSlots:
 
     def __init__(
         self,
-        client: Client,
+        connection: Connection,
         fields: dict[str, Any],
         *,
         reserve: type[p.Reserve | p.ReserveKeys] = p.Reserve,
         store_inline: type[p.StoreInline | p.StoreKeysInline] = p.StoreInline,
     ) -> None:
         """`reserve` / `store_inline`: the key-addressed requests for chunks named by the caller."""
-        self._client = client
+        self._connection = connection
         self._fields = fields
         self._store_inline = store_inline
         self.num_chunks: int = fields["num_chunks"]
@@ -76,7 +62,7 @@ class StoreSlots:
         self._reservation_id = 0
         self._targets: list[tuple[int, Bytes]] = []
         self._inline: list[Bytes] | None = None
-        arena = client._arena_bytes
+        arena = connection.arena_bytes
         if arena is None:  # bytes travel inline: local buffers, sent with the commit
             self.chunk_nbytes = Layout.of(fields["chunk_shape"], fields["dtype"]).nbytes
             self._inline = [
@@ -84,7 +70,7 @@ class StoreSlots:
             ]
             self._targets = list(enumerate(self._inline))
             return
-        answer, _ = client._call(reserve(**fields))
+        answer, _ = connection.call(reserve(**fields))
         reply = reply_as(answer, p.ReserveReply, reserve.__name__)
         self.chunk_nbytes = nbytes = reply.chunk_nbytes
         self._reservation_id = reply.reservation_id
@@ -96,14 +82,14 @@ class StoreSlots:
                 (i for i, off in enumerate(reply.offsets) if off == p.IN_FLIGHT),
                 len(reply.offsets),
             )
-            self._stored_tokens = self.stored_chunks * client.chunk_size
+            self._stored_tokens = self.stored_chunks * connection.chunk_size
             return
-        arena = client._arena_bytes  # again: the call may have re-joined a restarted server
+        arena = connection.arena_bytes  # again: the call may have re-joined a restarted server
         if arena is None:  # ... whose arena is not mappable here, or close() ran meanwhile
             self._done = True
             with contextlib.suppress(KVTierError):
-                client._call(p.Abort(reply.reservation_id))
-            raise _arena_gone(client, reserve.__name__)
+                connection.call(p.Abort(reply.reservation_id))
+            raise _arena_gone(connection, reserve.__name__)
         self._targets = [
             (i, arena[offset : offset + nbytes])
             for i, offset in enumerate(reply.offsets)
@@ -127,15 +113,15 @@ class StoreSlots:
         if self._done:
             return self._stored_tokens
         self._done = True
-        client = self._client
+        connection = self._connection
         if self._inline is not None:
-            reply, _ = client._call(self._store_inline(**self._fields), self._inline)
+            reply, _ = connection.call(self._store_inline(**self._fields), self._inline)
         else:
-            reply, _ = client._call(p.Commit(self._reservation_id))
+            reply, _ = connection.call(p.Commit(self._reservation_id))
         request = "Commit" if self._inline is None else self._store_inline.__name__
         stored = reply_as(reply, p.StoreReply, request)
         self.stored_chunks = stored.stored_chunks
-        self._stored_tokens = stored.stored_chunks * client.chunk_size
+        self._stored_tokens = stored.stored_chunks * connection.chunk_size
         return self._stored_tokens
 
     def abort(self) -> None:
@@ -144,7 +130,7 @@ class StoreSlots:
             return
         self._done = True
         if self._reservation_id:
-            self._client._call(p.Abort(self._reservation_id))
+            self._connection.call(p.Abort(self._reservation_id))
 
     def __enter__(self) -> StoreSlots:
         return self
@@ -174,19 +160,19 @@ class RetrievedSlots:
 
     def __init__(
         self,
-        client: Client,
+        connection: Connection,
         fields: dict[str, Any],
         *,
         retrieve: type[p.Retrieve | p.RetrieveKeys] = p.Retrieve,
     ) -> None:
         """`retrieve`: the key-addressed request for chunks named by the caller."""
-        self._client = client
-        inline = client._arena_bytes is None
-        answer, frames = client._call(retrieve(**fields, inline=inline))
+        self._connection = connection
+        inline = connection.arena_bytes is None
+        answer, frames = connection.call(retrieve(**fields, inline=inline))
         reply = reply_as(answer, p.RetrieveReply, retrieve.__name__)
         self.num_chunks: int = reply.num_chunks
         self.chunk_nbytes: int = reply.chunk_nbytes
-        self.num_tokens: int = reply.num_chunks * client.chunk_size
+        self.num_tokens: int = reply.num_chunks * connection.chunk_size
         self._lease_id = reply.lease_id
         self._done = False
         views: list[Bytes] = []
@@ -195,13 +181,13 @@ class RetrievedSlots:
             for view in views:
                 view.flags.writeable = False
         else:
-            arena = client._arena_bytes  # None: the call re-joined a server not mappable here
+            arena = connection.arena_bytes  # None: the call re-joined a server not mappable here
             if arena is None:
                 self._done = True
                 if reply.lease_id:
                     with contextlib.suppress(KVTierError):
-                        client._call(p.RetrieveDone(reply.lease_id))
-                raise _arena_gone(client, retrieve.__name__)
+                        connection.call(p.RetrieveDone(reply.lease_id))
+                raise _arena_gone(connection, retrieve.__name__)
             nbytes = reply.chunk_nbytes
             for offset in reply.offsets:
                 view = arena[offset : offset + nbytes]
@@ -216,7 +202,7 @@ class RetrievedSlots:
         self._done = True
         self.views = []
         if self._lease_id:
-            self._client._call(p.RetrieveDone(self._lease_id))
+            self._connection.call(p.RetrieveDone(self._lease_id))
 
     def __enter__(self) -> RetrievedSlots:
         return self

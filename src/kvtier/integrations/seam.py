@@ -1,6 +1,7 @@
-"""The policy every engine adapter shares: a kvtier failure costs a recompute, tensor-parallel
-ranks split KV heads evenly and agree on one reuse span, a chunk is whole blocks, and a hit ends
-only where every part of the KV can resume.
+"""The policy every engine adapter shares: the connection opens lazily and is retried while
+kvtier is away, a kvtier failure costs a recompute, tensor-parallel ranks split KV heads evenly
+and agree on one reuse span, a chunk is whole blocks, and a hit ends only where every part of
+the KV can resume.
 
 The transformers adapter (`integrations.transformers`), the vLLM connector
 (`integrations.vllm`) and the SGLang backend (`integrations.sglang`) go through this module, so
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from kvtier.client import Client
+from kvtier.client import Client, Transfer
 from kvtier.errors import InvalidArgumentError, KVTierError, NotConnectedError
 
 __all__ = [
@@ -175,11 +176,18 @@ class Recompute:
 
     Once a call failed, later calls until `reset()` return their fallback at once, so one
     request does not wait on an unreachable server again and again.
+
+    An engine whose calls each stand alone (no request or step to reset at) passes
+    `per_unit=False`: every call is attempted (the client itself fails fast while the server
+    is away), and an outage is logged once: its first failure as a warning, the failures
+    after it at debug level, and the first success after it at info level.
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, per_unit: bool = True) -> None:
         self.what = what
+        self.per_unit = per_unit
         self.last_error: KVTierError | None = None
+        self._failing = False  # per_unit=False: an outage is under way
 
     def reset(self) -> None:
         """Start a new unit of work (a request, a step): calls are attempted again."""
@@ -187,18 +195,24 @@ class Recompute:
 
     def call(self, name: str, fallback: T, fn: Callable[..., T], *args: object, **kw: object) -> T:
         """`fn(*args, **kw)`, or `fallback` when kvtier failed (now or earlier in this unit)."""
-        if self.last_error is not None:
+        if self.per_unit and self.last_error is not None:
             return fallback
         try:
-            return fn(*args, **kw)
+            result = fn(*args, **kw)
         except KVTierError as exc:
             self.fail(name, exc)
             return fallback
+        if self._failing:
+            logger.info("%s: kvtier answers again", self.what)
+            self._failing = False
+        return result
 
     def fail(self, name: str, exc: KVTierError) -> None:
         """Record a kvtier failure that the caller handled itself."""
-        logger.warning("%s: kvtier %s failed, recomputing instead: %s", self.what, name, exc)
+        log = logger.debug if self._failing else logger.warning
+        log("%s: kvtier %s failed, recomputing instead: %s", self.what, name, exc)
         self.last_error = exc
+        self._failing = not self.per_unit
 
 
 class _NotYet(NotConnectedError):
@@ -211,7 +225,9 @@ class LazyClient:
     An engine must start (and recompute) while kvtier is down: a connect that fails is logged
     and retried on a later use, at most every `retry_s` seconds. `on_connect` runs on each new
     client (registration, checks); an error it raises other than a `KVTierError` (a refused
-    configuration) propagates.
+    configuration) propagates. `try_connect` lets the `refused` errors propagate too: settings
+    the operator must fix, never waited out. `timeout`, `connect_timeout`, `transfer` and `token`
+    are the `Client`'s.
     """
 
     def __init__(
@@ -222,12 +238,18 @@ class LazyClient:
         on_connect: Callable[[Client], None] | None = None,
         retry_s: float = 5.0,
         token: str = "",
+        connect_timeout: float = 2.0,
+        transfer: Transfer = "auto",
+        refused: tuple[type[Exception], ...] = (InvalidArgumentError,),
     ) -> None:
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.transfer: Transfer = transfer
         self._token = token
         self.on_connect = on_connect
         self.retry_s = retry_s
+        self.refused = refused
         self._client: Client | None = None
         self._next_try = 0.0
         self._lock = threading.Lock()
@@ -247,7 +269,13 @@ class LazyClient:
                     f"{self._next_try - now:.1f}s"
                 )
             self._next_try = now + self.retry_s
-            client = Client(self.address, timeout=self.timeout, token=self._token)
+            client = Client(
+                self.address,
+                timeout=self.timeout,
+                connect_timeout=self.connect_timeout,
+                transfer=self.transfer,
+                token=self._token,
+            )
             try:
                 if self.on_connect is not None:
                     self.on_connect(client)
@@ -257,18 +285,27 @@ class LazyClient:
             self._client = client
             return client
 
-    def try_connect(self, what: str) -> Client | None:
-        """`get()`, or None (logged) when kvtier cannot be reached now."""
+    @property
+    def connected(self) -> Client | None:
+        """The client when one is connected, else None; never connects."""
+        return self._client
+
+    def try_connect(self, what: str, recompute: Recompute | None = None) -> Client | None:
+        """`get()`, or None when kvtier cannot be reached now: logged, or with `recompute`,
+        recorded there as a failed connect (its log, its `last_error`)."""
         try:
             return self.get()
-        except InvalidArgumentError:
+        except self.refused:
             raise  # a refused configuration is the operator's to fix, not a recompute
         except _NotYet:
             return None  # said once, when the attempt failed
         except KVTierError as exc:
-            logger.warning(
-                "%s: kvtier at %s is not reachable, recomputing: %s", what, self.address, exc
-            )
+            if recompute is not None:
+                recompute.fail("connect", exc)
+            else:
+                logger.warning(
+                    "%s: kvtier at %s is not reachable, recomputing: %s", what, self.address, exc
+                )
             return None
 
     def close(self) -> None:

@@ -24,10 +24,13 @@ moves SGLang's flat data-page tensors.
   layout, the KV dtype and the path (v1 or flat) besides SGLang's model name, so pages of other
   weights or other byte orders never alias. SGLang's page keys already carry each request's
   extra key (its LoRA adapter's id) and cache salt, so nothing is added per request.
-- A kvtier failure (server down, no space) is a miss or a failed write, logged, never an
-  exception into SGLang; the client re-joins a restarted server by itself.
+- A kvtier failure (server down, no space) is a miss or a failed write, logged once per outage,
+  never an exception into SGLang (`seam.Recompute`). The connection is the seam's `LazyClient`:
+  opened at start, tried again every `retry_interval` while the server is away, and it re-joins
+  a restarted server by itself. A setting found not to fit once SGLang runs (a late server with
+  another chunk size) turns the backend off: misses, the reason logged as an error.
 
-Launch (see README "Use with SGLang"):
+Launch (see docs/sglang.md):
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
     '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
       "class_name": "KVTierHiCacheStorage", "interface_v1": 1, "address": "ipc:///tmp/kvtier.sock"}'
@@ -39,13 +42,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-import zmq
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -62,6 +62,8 @@ from kvtier.integrations.fingerprint import model_identity
 from kvtier.integrations.seam import (
     CREDENTIAL_KEYS,
     PREFILL_KEY,
+    LazyClient,
+    Recompute,
     common_resume_points,
     credential,
     prefill_speed,
@@ -80,7 +82,8 @@ __all__ = ["EXTRA_CONFIG_KEYS", "KVTierHiCacheStorage", "PageGeometry"]
 
 logger = logging.getLogger(__name__)
 
-_FAILURES = (KVTierError, zmq.ZMQError, OSError)
+T = TypeVar("T")
+
 #: settings that do not fit the server: fixed by the operator, not by waiting
 _MISFITS = (ValueError, BadArrayError, LayoutMismatchError)
 #: pools whose pieces are split across TP ranks even when the KV is one shared MLA copy
@@ -152,13 +155,25 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.pool_geometry: dict[str, PageGeometry] = {}  # the other v2 pools', by name
         self._host_pools: dict[str, Any] = {}  # those pools, by name
         self._label = ""
-        self.last_error: BaseException | None = None
-        self._client: Client | None = None
-        self._connect_lock = threading.Lock()  # SGLang calls from its prefetch and backup threads
-        self._next_attempt = 0.0
-        self._failing = False
+        # every SGLang call stands alone: each is attempted, an outage is logged once
+        self.recompute = Recompute(f"kvtier HiCache backend at {self.address}", per_unit=False)
+        self.client = LazyClient(
+            self.address,
+            timeout=self.timeout,
+            connect_timeout=min(self.timeout, 2.0),
+            transfer=self.transfer,
+            token=self.token,
+            retry_s=self.retry_interval,
+            on_connect=self._on_connect,
+            refused=_MISFITS,
+        )
         self._disabled: str | None = None  # a configuration error found after start
         self._connect()
+
+    @property
+    def last_error(self) -> KVTierError | None:
+        """The kvtier failure the last miss or failed write came from."""
+        return self.recompute.last_error
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -195,17 +210,17 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._register_now()
 
     def _register_now(self) -> None:
-        client = self._client
+        client = self.client.connected
         if client is None:
-            return
+            return  # registered on connect
         try:
             self._check_and_register(client)
         except _MISFITS:
             self.close()
             raise
-        except _FAILURES as exc:
+        except KVTierError as exc:
             self.close()  # connect again later, checking again then
-            self._fail("register", exc)
+            self.recompute.fail("register", exc)
 
     def _label_of(self, kv_pool: Any) -> str:
         weights = "" if self.explicit_model else f" {self._weights(kv_pool)}"
@@ -259,52 +274,32 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 dtype=g.dtype,
             )
 
+    def _on_connect(self, client: Client) -> None:
+        """On each new connection, once SGLang registered its pools: check and register them."""
+        if self.geometry is not None:
+            self._check_and_register(client)
+
     def _connect(self) -> Client | None:
-        """The client, connecting at most every `retry_interval` while the server is away."""
-        if self._client is not None or self._disabled:
-            return self._client
-        with self._connect_lock:
-            now = time.monotonic()
-            if self._client is not None or now < self._next_attempt:
-                return self._client
-            self._next_attempt = now + self.retry_interval
-            try:
-                client = Client(
-                    self.address,
-                    timeout=self.timeout,
-                    connect_timeout=min(self.timeout, 2.0),
-                    transfer=self.transfer,
-                    token=self.token,
-                )
-            except _FAILURES as exc:
-                self._fail("connect", exc)
-                return None
-            if self.geometry is not None:
-                try:
-                    self._check_and_register(client)
-                except _MISFITS as exc:
-                    client.close()
-                    self._disabled = str(exc)  # a setting to fix, found after start: misses
-                    logger.error("kvtier storage disabled: %s", exc)
-                    return None
-                except _FAILURES as exc:
-                    client.close()
-                    self._fail("connect", exc)
-                    return None
-            self._client = client
-            return client
+        """The client; None (a miss) while kvtier is away or once a setting was found not to fit
+        (after start: SGLang runs on without the backend, the error logged)."""
+        if self._disabled is not None:
+            return None
+        try:
+            return self.client.try_connect("kvtier HiCache backend", self.recompute)
+        except _MISFITS as exc:
+            self._disabled = str(exc)
+            logger.error("kvtier storage disabled: %s", exc)
+            return None
 
-    def _fail(self, operation: str, exc: BaseException) -> None:
-        """A failed operation costs a miss; the first of a run is a warning, the rest debug."""
-        self.last_error = exc
-        log = logger.debug if self._failing else logger.warning
-        log("kvtier %s failed (pages count as misses): %s", operation, exc)
-        self._failing = True
-
-    def _ok(self) -> None:
-        if self._failing:
-            logger.info("kvtier at %s answers again", self.address)
-        self._failing = False
+    def _attempt(self, operation: str, fallback: T, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, or `fallback` (a miss, a failed write): a kvtier failure is the seam's
+        (logged once per outage, kept in `last_error`); a request this backend cannot serve
+        (a pool it does not know, pages that are not the pool's) is logged as an error."""
+        try:
+            return self.recompute.call(operation, fallback, fn, *args)
+        except ValueError as exc:
+            logger.error("kvtier %s: %s", operation, exc)
+            return fallback
 
     def _ready(self) -> tuple[Client, PageGeometry] | None:
         client = self._connect()
@@ -322,13 +317,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if ready is None or not keys:
             return 0
         client, geometry = ready
-        try:
-            hit = self._count(client, geometry, keys)
-        except _FAILURES as exc:
-            self._fail("batch_exists", exc)
-            return 0
-        self._ok()
-        return hit
+        return self._attempt("batch_exists", 0, self._count, client, geometry, keys)
 
     def _count(self, client: Client, geometry: PageGeometry, keys: list[str]) -> int:
         return client.exists_keys(
@@ -384,13 +373,12 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         if not keys or not geometry.writer:
             return [True] * len(keys)  # MLA: another rank writes the one shared copy
-        try:
+
+        def store() -> bool:
             store_pages(client, geometry, pool, keys, host_indices, self.cache_salt)
-        except (*_FAILURES, ValueError) as exc:
-            self._fail(operation, exc)
-            return [False] * len(keys)
-        self._ok()
-        return [True] * len(keys)
+            return True
+
+        return [self._attempt(operation, False, store)] * len(keys)
 
     def _get(
         self,
@@ -401,12 +389,10 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         host_indices: torch.Tensor,
         operation: str,
     ) -> list[bool]:
-        try:
-            hit = load_pages(client, geometry, pool, keys, host_indices, self.cache_salt)
-        except (*_FAILURES, ValueError) as exc:  # a lapsed lease too: bytes not vouched for
-            self._fail(operation, exc)
-            return [False] * len(keys)
-        self._ok()
+        # a lapsed lease fails too: bytes kvtier no longer vouches for are misses
+        hit = self._attempt(
+            operation, 0, load_pages, client, geometry, pool, keys, host_indices, self.cache_salt
+        )
         return [i < hit for i in range(len(keys))]
 
     # -- v2: hybrid host pools (KV plus SWA, Mamba, ...) ------------------------------------------
@@ -427,24 +413,21 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if ready is None or not keys:
             return PoolTransferResult(0, {}, [])
         client, kv = ready
-        try:
+
+        def hits() -> PoolTransferResult:
             kv_pages = self._count(client, kv, keys)
-            hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+            pool_hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
             parts = [list(range(1, kv_pages + 1))]
             for transfer in (pool_transfers or []) if kv_pages else []:
                 points = self._resume_points(client, transfer, keys[:kv_pages])
                 if points:
-                    hits[transfer.name] = points[-1]
+                    pool_hits[transfer.name] = points[-1]
                 parts.append(points)
-        except _FAILURES as exc:
-            self._fail("batch_exists_v2", exc)
-            return PoolTransferResult(0, {}, [])
-        except ValueError as exc:  # a pool or hit rule this backend does not know: a miss
-            logger.error("kvtier batch_exists_v2: %s", exc)
-            return PoolTransferResult(0, {}, [])
-        self._ok()
-        restorable = common_resume_points(kv_pages, parts)
-        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+            restorable = common_resume_points(kv_pages, parts)
+            return PoolTransferResult(restorable[-1] if restorable else 0, pool_hits, restorable)
+
+        # a pool or hit rule this backend does not know is a miss too
+        return self._attempt("batch_exists_v2", PoolTransferResult(0, {}, []), hits)
 
     def _resume_points(self, client: Client, transfer: PoolTransfer, keys: list[str]) -> list[int]:
         """The prefixes of `keys` (in pages) the transfer's pool holds what a resume needs."""
@@ -533,15 +516,14 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 logger.warning("kvtier batch_set: a page is not %d CPU bytes", geometry.nbytes)
                 return False
             pages.append(address)
-        try:
+
+        def store() -> bool:
             with client.store_key_slots(keys, **geometry.layout_args(self.cache_salt)) as slots:
                 for i, view in slots.targets():
                     ctypes.memmove(view.ctypes.data, pages[i], geometry.nbytes)
-        except _FAILURES as exc:
-            self._fail("batch_set", exc)
-            return False
-        self._ok()
-        return True
+            return True
+
+        return self._attempt("batch_set", False, store)
 
     def set(
         self,
@@ -563,8 +545,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if ready is None or not keys:
             return [None] * len(keys)
         client, geometry = ready
-        result: list[torch.Tensor | None] = [None] * len(keys)
-        try:
+
+        def load() -> list[torch.Tensor | None]:
+            result: list[torch.Tensor | None] = [None] * len(keys)
             with client.retrieve_key_slots(keys, **geometry.layout_args(self.cache_salt)) as got:
                 for i, view in enumerate(got.views):
                     target = self._target(target_locations, i)
@@ -573,11 +556,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                         break
                     ctypes.memmove(address, view.ctypes.data, geometry.nbytes)
                     result[i] = target
-        except _FAILURES as exc:
-            self._fail("batch_get", exc)
-            return [None] * len(keys)
-        self._ok()
-        return result
+            return result
+
+        return self._attempt("batch_get", [None] * len(keys), load)
 
     def _target(self, target_locations: Sequence[torch.Tensor] | None, i: int) -> torch.Tensor:
         if target_locations is not None and i < len(target_locations):
@@ -595,9 +576,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Nothing: kvtier's chunks are shared and named by content (`kvtier clear` drops them)."""
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self.client.close()
 
 
 def _sglang_revision() -> str | None:

@@ -32,7 +32,7 @@ except ModuleNotFoundError as exc:  # the core package never installs torch or t
     ) from None
 
 from kvtier import hashing
-from kvtier.client import Client
+from kvtier.client import ChunkRange, Client
 from kvtier.errors import KVTierError
 from kvtier.integrations.seam import Recompute, agree_min, head_range
 
@@ -369,14 +369,8 @@ class KVTierCache:
             stored = self._or_zero(
                 "store",
                 self.client.store,
-                request_id,
-                tokens[:end],
+                self._chunks(request_id, tokens, start, end),
                 cache_to_chunks(cache, start, end, c, heads=self.heads),
-                model=self.model_name,
-                worker_id=self.worker_id,
-                start=start,
-                end=end,
-                cache_salt=self.cache_salt,
             )
         # A barrier: no rank of a group looks up again before every rank's shards are stored.
         self._agree(0)
@@ -388,22 +382,27 @@ class KVTierCache:
         shape = self.geometry.chunk_shape(c, self.world_size)
         out = torch.empty((end // c, *shape), dtype=self.geometry.dtype)
         got = self._or_zero(
-            "retrieve",
-            self.client.retrieve,
-            request_id,
-            tokens[:end],
-            out,
-            model=self.model_name,
-            worker_id=self.worker_id,
-            start=0,
-            end=end,
-            cache_salt=self.cache_salt,
+            "retrieve", self.client.retrieve, self._chunks(request_id, tokens, 0, end), out
         )
         got = self._agree(got)
         out = out[: got // c]
         if self.exchange is None:
             return out
         return merge_heads(self.exchange(out.contiguous()))
+
+    def _chunks(
+        self, request_id: str, tokens: npt.NDArray[np.uint32], start: int, end: int
+    ) -> ChunkRange:
+        """This rank's chunks [start, end) of the request's tokens, as kvtier names them."""
+        return ChunkRange(
+            request_id,
+            tokens[:end],
+            model=self.model_name,
+            start=start,
+            end=end,
+            worker_id=self.worker_id,
+            cache_salt=self.cache_salt,
+        )
 
     @property
     def last_error(self) -> KVTierError | None:

@@ -3,8 +3,9 @@
 `build_engine` builds the engine's parts (hasher, arena, L1, sessions, tiers, the lock, the
 prefetch and handler threads, the write-through) and hands them to the `Engine`, then starts the
 lease reaper for it. `KVTierServer` adds the admin API and the ZMQ transport, starts everything
-in order and stops it in reverse. With no L2 the engine gets an empty TierManager: nothing
-anywhere asks whether there is one.
+in order and stops it in reverse. With no L2 the engine gets an empty TierManager; the few
+places that skip L2 work (a lookup's prefetch, a commit's write-through, the shutdown flush)
+ask `tiers.tiers`.
 """
 
 from __future__ import annotations

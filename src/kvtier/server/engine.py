@@ -5,12 +5,13 @@ through `respond(frames)` exactly once (see `answers.py`): at once for most requ
 (from another thread) for a lookup that waits on L2 loads or a commit that waits for room in a
 full L2 queue. Every failure becomes a typed error reply.
 
-The engine keeps the routing, Goodbye, reaping and the admin accessors. Each request family has
-its own module, built here and handed the parts it needs: `handshake.py` (Hello, Register),
-`tenants.py` (every request in its client's namespace), `lookups.py` (Lookup, LookupPoll,
-ExistsKeys), `stores.py` (Reserve, Commit, Abort, StoreInline and their key-addressed forms),
-`retrieves.py` (Retrieve, RetrieveDone), `sessions.py` (a request's session and chunk names,
-the session bounds, a session's end).
+Each request type has one route (`routes.py`): its bounds, whether a handler thread takes it,
+its tenant scoping and its handler. The engine looks the route up and runs it in that order, and
+keeps the reaping and the admin accessors. Each request family has its own module, built here
+and handed the parts it needs: `handshake.py` (Hello, Register), `lookups.py` (Lookup,
+LookupPoll, ExistsKeys), `stores.py` (Reserve, Commit, Abort, StoreInline and their
+key-addressed forms), `retrieves.py` (Retrieve, RetrieveDone), `sessions.py` (a request's session
+and chunk names, the session bounds, a session's end).
 
 State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
 L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
@@ -30,27 +31,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvtier import protocol as p
 from kvtier.arena import Arena
 from kvtier.config import ServerConfig
-from kvtier.errors import (
-    InternalError,
-    InvalidArgumentError,
-    KVTierError,
-    NotConnectedError,
-)
+from kvtier.errors import KVTierError, NotConnectedError
 from kvtier.hashing import TokenHasher
 from kvtier.layouts import LayoutRegistry
-from kvtier.names import named_chunk_keys
 from kvtier.periodic import PeriodicThread, PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.redaction import redact
-from kvtier.server import naming, tenants
-from kvtier.server.answers import Answer, Respond, offloaded
+from kvtier.server import tenants
+from kvtier.server.answers import Answer, Respond
 from kvtier.server.auth import Authenticator
 from kvtier.server.fencing import FencingStats
-from kvtier.server.leases import Expired, LeaseBook, Peer
+from kvtier.server.leases import Expired, LeaseBook
 from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
 from kvtier.server.observe.chunkmemory import ChunkMemory
@@ -62,6 +55,7 @@ from kvtier.server.requests.lookups import LookupBook
 from kvtier.server.requests.retrieves import RetrieveBook
 from kvtier.server.requests.sessions import SessionBook
 from kvtier.server.requests.stores import StoreBook
+from kvtier.server.routes import Call, Route, route_of
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
 from kvtier.storage.l1 import L1Store
@@ -99,7 +93,7 @@ class EngineParts:
 
 
 class Engine:
-    """The server's state and request handlers (transport-agnostic)."""
+    """The server's state and the request families (transport-agnostic)."""
 
     def __init__(
         self,
@@ -132,7 +126,7 @@ class Engine:
             max_lookup_shards=config.max_lookup_shards,
         )
         # Requests with big prompts or inline bytes run here, so the transport thread only
-        # decodes, routes and replies (see `answers.offloaded`).
+        # decodes, routes and replies (see `Route.offloaded`).
         self._handlers = parts.handlers
         self.sessions = parts.sessions
         self.layouts = LayoutRegistry()
@@ -201,23 +195,29 @@ class Engine:
         try:
             request = p.decode_request(header)
             answer.operation = type(request).__name__
-            self.limits.check(request)  # every count and size, before any work
+            route = route_of(request)
+            route.bounds(self.limits, request)  # every count and size, before any work
         except Exception as exc:
             answer.error(exc)
             return
-        if offloaded(request, self.chunk_size):
+        if route.offloaded(request, self.chunk_size):
             try:
-                self._handlers.submit(self._run, identity, request, payloads, answer)
+                self._handlers.submit(self._run, identity, route, request, payloads, answer)
                 return
             except RuntimeError:  # the pool is shut down: the server is closing
                 pass
-        self._run(identity, request, payloads, answer)
+        self._run(identity, route, request, payloads, answer)
 
     def _run(
-        self, identity: bytes, request: p.Request, payloads: Sequence[Any], answer: Answer
+        self,
+        identity: bytes,
+        route: Route[Any],
+        request: p.Request,
+        payloads: Sequence[Any],
+        answer: Answer,
     ) -> None:
         try:
-            frames = self._dispatch(identity, request, payloads, answer)
+            frames = self._dispatch(identity, route, request, payloads, answer)
         except Exception as exc:
             answer.error(exc)
             return
@@ -251,138 +251,37 @@ class Engine:
         )
 
     def _dispatch(
-        self, identity: bytes, req: p.Request, payloads: Sequence[Any], answer: Answer
+        self,
+        identity: bytes,
+        route: Route[Any],
+        req: p.Request,
+        payloads: Sequence[Any],
+        answer: Answer,
     ) -> list[Any] | None:
-        """Route a request; the reply's frames, or None when `answer` is kept for later."""
-        op = answer.operation
-        if isinstance(req, p.Hello):
-            with self._lock.hold(op):
-                return [p.encode(self.handshake.hello(identity, req))]
-        with self._lock.hold(op):
-            client = self.leases.peer(identity)
-        if client is None:
-            raise NotConnectedError(f"send Hello before {type(req).__name__}: no handshake yet")
-        client_id = client.client_id
-        match req:
-            case p.Heartbeat():
-                reply: p.Reply | None = p.Ok()
-            case p.Register():
-                with self._lock.hold(op):
-                    reply = self.handshake.register(client, req)
-            case p.Lookup():
-                reply = self._lookup(tenants.scope(client, req), answer, client)
-            case p.LookupPoll():
-                poll = msgspec.structs.replace(
-                    req, request_id=tenants.session_id(client, req.request_id, req.cache_salt)
-                )
-                with self._lock.hold(op):
-                    reply = self.lookups.poll(poll, answer)
-            case p.Reserve():
-                tenants.require_watch(client, "Reserve")
-                req = tenants.scope(client, req)
-                # refuse a bad array before its session is made and its tokens counted
-                self.layouts.check(
-                    req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
-                )
-                keys, parent = self.session_book.range_chain(req)
-                reply = self.stores.reserve(client_id, req, keys, client.watch, parent)
-            case p.Commit():
-                with self._lock.hold(op):
-                    committed = self.stores.commit(client_id, req.reservation_id)
-                reply = self.stores.write_committed(committed, answer)
-            case p.Abort():
-                with self._lock.hold(op):
-                    reply = self.stores.abort(client_id, req.reservation_id)
-            case p.StoreInline():
-                req = tenants.scope(client, req)
-                reply = self.stores.store_inline(client_id, req, payloads, answer)
-            case p.Retrieve():
-                if not req.inline:
-                    tenants.require_watch(client, "Retrieve")
-                return self.retrieves.retrieve(client_id, tenants.scope(client, req), client.watch)
-            case p.RetrieveDone():
-                with self._lock.hold(op):
-                    reply = self.retrieves.done(client_id, req.lease_id)
-            case p.Release():
-                request_id = tenants.session_id(client, req.request_id, req.cache_salt)
-                self.session_book.require(request_id)
-                with self._lock.hold(op):
-                    self.l1.unpin(request_id)
-                reply = p.Ok()
-            case p.EndSession():
-                request_id = tenants.session_id(client, req.request_id, req.cache_salt)
-                self.session_book.require(request_id)
-                with self._lock.hold(op):
-                    self.session_book.remove(request_id)
-                reply = p.Ok()
-            case p.Goodbye():
-                with self._lock.hold(op):
-                    self._goodbye(client_id)
-                reply = p.Ok()
-            case p.ExistsKeys():
-                reply = self._exists_keys(tenants.scope_names(client, req), answer, client.tenant)
-            case p.ReserveKeys():
-                tenants.require_watch(client, "ReserveKeys")
-                req = tenants.scope_names(client, req)
-                keys = self.session_book.range_keys(req)
-                reply = self.stores.reserve(client_id, req, keys, client.watch)
-            case p.StoreKeysInline():
-                req = tenants.scope_names(client, req)
-                reply = self.stores.store_inline(client_id, req, payloads, answer)
-            case p.RetrieveKeys():
-                if not req.inline:
-                    tenants.require_watch(client, "RetrieveKeys")
-                req = tenants.scope_names(client, req)
-                return self.retrieves.retrieve(client_id, req, client.watch)
-            case _:
-                raise InternalError(f"no handler for {type(req).__name__}")
-        if reply is None:
-            return None
+        """Run a request's route; the reply's frames, or None when `answer` is kept for later.
+
+        Every request but Hello comes from a client that said Hello; one that hands out arena
+        slots from a client the server can watch; and it is put in its client's tenant before
+        its handler makes any session for it."""
+        client = None
+        if route.connected:
+            with self._lock.hold(answer.operation):
+                client = self.leases.peer(identity)
+            if client is None:
+                raise NotConnectedError(f"send Hello before {answer.operation}: no handshake yet")
+            if route.watched(req):
+                tenants.require_watch(client, answer.operation)
+            req = route.scope(client, req)
+        reply = route.handle(self, Call(identity, req, client, payloads, answer))
+        if reply is None or isinstance(reply, list):
+            return reply
         return [_OK if type(reply) is p.Ok else p.encode(reply)]
 
-    def _goodbye(self, client_id: str) -> None:
-        """A client closed on purpose: forget it and reclaim what it still holds."""
+    def goodbye(self, client_id: str) -> None:
+        """Under the lock: a client closed on purpose; forget it and reclaim what it still
+        holds."""
         logger.info("client %s closed", client_id)
         self._reclaim(self.leases.disconnect(client_id))
-
-    # -- lookup ---------------------------------------------------------------------------------
-
-    def _lookup(self, req: p.Lookup, answer: Answer, client: Peer) -> p.LookupReply | None:
-        """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
-        if req.world_size < 1:
-            raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
-        # The prompt's own tokens and hashes: another request of this id may be setting its
-        # session's tokens to another prompt right now (see `naming.py`).
-        session, hashes = self.session_book.session(req.request_id, req.tokens)
-        num_tokens = len(req.tokens) // 4
-        keys = naming.chunk_keys(
-            session, hashes, req.model, req.cache_salt, req.world_size, extra_key=req.extra_key
-        )
-        layout = self.layouts.get(req.model, req.world_size)
-        with self._lock.hold(answer.operation):
-            return self.lookups.lookup(
-                req, keys, num_tokens, layout, answer, tenant=client.tenant, owner=client.client_id
-            )
-
-    def _exists_keys(self, req: p.ExistsKeys, answer: Answer, tenant: str) -> p.ExistsReply | None:
-        """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
-        keys = named_chunk_keys(
-            req.names,
-            model=req.model,
-            cache_salt=req.cache_salt,
-            world_size=req.world_size,
-            extra_key=req.extra_key,
-        )
-        layout = self.layouts.get(req.model, req.world_size)
-        with self._lock.hold(answer.operation):
-            return self.lookups.exists(
-                keys,
-                layout,
-                answer,
-                tenant=tenant,
-                each=req.each,
-                prefill_tokens_per_s=req.prefill_tokens_per_s,
-            )
 
     # -- background -----------------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """Bounds on every count and size a request carries, checked before the server does any work.
 
-A request is decoded by msgspec (types only), then `Limits.check` refuses any value that would
-make the server allocate or loop in proportion to a number the client chose: a world size of
-2**31, a range of 2**40 tokens, a chunk shape whose product exceeds the arena, a megabyte model
-name. Only then does a handler touch the L1, the sessions or the tiers. Frames themselves are
-bounded earlier, by ZMQ (`max_frame_bytes` becomes the socket's MAXMSGSIZE, so an oversized
-frame is refused before it is read into memory).
+A request is decoded by msgspec (types only), then its bounds (the `Limits` method its route in
+`routes.py` names) refuse any value that would make the server allocate or loop in proportion to
+a number the client chose: a world size of 2**31, a range of 2**40 tokens, a chunk shape whose
+product exceeds the arena, a megabyte model name. Only then does a handler touch the L1, the
+sessions or the tiers. Frames themselves are bounded earlier, by ZMQ (`max_frame_bytes` becomes
+the socket's MAXMSGSIZE, so an oversized frame is refused before it is read into memory).
 
 Size alone does not bound work: a lookup asks the tiers about every shard of every chunk, so a
 prompt of 4096 chunks at world size 1024 is 4 million tier lookups (seconds of prefetch work and
@@ -85,32 +85,6 @@ def _name(field: str, value: str, limit: int = MAX_NAME_BYTES, *, quote: bool = 
         raise InvalidArgumentError(f"{field} is longer than {limit} bytes{shown}")
 
 
-def _hello(req: p.Hello) -> None:
-    """Every field of a Hello bounded: it comes before any credential, from anyone."""
-    _name("token", req.token, MAX_TOKEN_BYTES, quote=False)
-    _name("client_id", req.client_id, MAX_CLIENT_ID_BYTES)
-    _name("host_id", req.host_id, MAX_HOST_ID_BYTES)
-    if req.contract is not None:
-        _name("contract", req.contract, MAX_CONTRACT_BYTES)
-    if len(req.contract_info) > MAX_CONTRACT_FIELDS:
-        raise InvalidArgumentError(
-            f"contract_info has {len(req.contract_info)} entries; at most {MAX_CONTRACT_FIELDS}"
-        )
-    for key, value in req.contract_info.items():
-        _name("a contract_info key", key, MAX_CONTRACT_KEY_BYTES)
-        if isinstance(value, str):
-            _name(f"contract_info[{key!r}]", value, MAX_CONTRACT_VALUE_BYTES)
-        elif not (value is None or isinstance(value, bool | int | float)):
-            raise InvalidArgumentError(
-                f"contract_info[{key!r}] must be a number, a bool, null or a text, got "
-                f"{type(value).__name__}"
-            )
-        elif isinstance(value, int) and not -(2**63) <= value < 2**64:
-            raise InvalidArgumentError(f"contract_info[{key!r}] is out of range")
-    if not 0 <= req.pid < 2**31:
-        raise InvalidArgumentError(f"pid {req.pid} is not a process id")
-
-
 def _extra_key(value: bytes) -> None:
     if len(value) > MAX_EXTRA_KEY_BYTES:
         raise InvalidArgumentError(
@@ -141,52 +115,89 @@ class Limits:
     def max_request_chunks(self) -> int:
         return self.max_request_tokens // self.chunk_size
 
-    def check(self, req: p.Request) -> None:
-        """Raise a typed error naming the value and the knob when `req` is out of bounds."""
-        match req:
-            case p.Hello():
-                _hello(req)
-            case p.Register():
-                _name("model", req.model)
-                self._world(req.world_size, req.worker_id)
-                self._shape(req.chunk_shape, req.dtype)
-            case p.Lookup():
-                self._strings(req.request_id, req.model, req.cache_salt)
-                _extra_key(req.extra_key)
-                _prefill_speed(req.prefill_tokens_per_s)
-                self._world(req.world_size, 0)
-                self._readers(req.readers)
-                self._tokens(req.tokens)
-                self._lookup_work(len(req.tokens) // 4 // self.chunk_size, req.world_size)
-            case p.RangeRequest():
-                self._strings(req.request_id, req.model, req.cache_salt)
-                _extra_key(req.extra_key)
-                self._world(req.world_size, req.worker_id)
-                self._shape(req.chunk_shape, req.dtype)
-                self._tokens(req.tokens)
-                self._range(req.start, req.end, req.num_chunks)
-                if isinstance(req, p.Retrieve):
-                    self._reader(req.reader)
-                elif isinstance(req, p.Reserve | p.StoreInline):
-                    self._resumable(req.resumable, req.num_chunks)
-            case p.KeyRequest():
-                self._strings(req.request_id, req.model, req.cache_salt)
-                _extra_key(req.extra_key)
-                self._world(req.world_size, req.worker_id)
-                self._shape(req.chunk_shape, req.dtype)
-            case p.ExistsKeys():
-                self._strings("", req.model, req.cache_salt)
-                _extra_key(req.extra_key)
-                _prefill_speed(req.prefill_tokens_per_s)
-                self._world(req.world_size, 0)
-                self._lookup_work(len(req.names), req.world_size)
-            case p.Release() | p.EndSession():
-                _name("request_id", req.request_id)
-            case p.LookupPoll():
-                _name("request_id", req.request_id)
-                _name("cache_salt", req.cache_salt)
-            case _:
-                pass  # ids and empty messages: nothing to bound
+    # -- each request's bounds: its route (`server/routes.py`) names which ---------------------
+
+    def hello(self, req: p.Hello) -> None:
+        """Every field of a Hello bounded: it comes before any credential, from anyone."""
+        _name("token", req.token, MAX_TOKEN_BYTES, quote=False)
+        _name("client_id", req.client_id, MAX_CLIENT_ID_BYTES)
+        _name("host_id", req.host_id, MAX_HOST_ID_BYTES)
+        if req.contract is not None:
+            _name("contract", req.contract, MAX_CONTRACT_BYTES)
+        if len(req.contract_info) > MAX_CONTRACT_FIELDS:
+            raise InvalidArgumentError(
+                f"contract_info has {len(req.contract_info)} entries; at most {MAX_CONTRACT_FIELDS}"
+            )
+        for key, value in req.contract_info.items():
+            _name("a contract_info key", key, MAX_CONTRACT_KEY_BYTES)
+            if isinstance(value, str):
+                _name(f"contract_info[{key!r}]", value, MAX_CONTRACT_VALUE_BYTES)
+            elif not (value is None or isinstance(value, bool | int | float)):
+                raise InvalidArgumentError(
+                    f"contract_info[{key!r}] must be a number, a bool, null or a text, got "
+                    f"{type(value).__name__}"
+                )
+            elif isinstance(value, int) and not -(2**63) <= value < 2**64:
+                raise InvalidArgumentError(f"contract_info[{key!r}] is out of range")
+        if not 0 <= req.pid < 2**31:
+            raise InvalidArgumentError(f"pid {req.pid} is not a process id")
+
+    def register(self, req: p.Register) -> None:
+        _name("model", req.model)
+        self._world(req.world_size, req.worker_id)
+        self._shape(req.chunk_shape, req.dtype)
+
+    def lookup(self, req: p.Lookup) -> None:
+        self._strings(req.request_id, req.model, req.cache_salt)
+        _extra_key(req.extra_key)
+        _prefill_speed(req.prefill_tokens_per_s)
+        self._world(req.world_size, 0)
+        self._readers(req.readers)
+        self._tokens(req.tokens)
+        self._lookup_work(len(req.tokens) // 4 // self.chunk_size, req.world_size)
+
+    def poll(self, req: p.LookupPoll) -> None:
+        _name("request_id", req.request_id)
+        _name("cache_salt", req.cache_salt)
+
+    def exists(self, req: p.ExistsKeys) -> None:
+        self._strings("", req.model, req.cache_salt)
+        _extra_key(req.extra_key)
+        _prefill_speed(req.prefill_tokens_per_s)
+        self._world(req.world_size, 0)
+        self._lookup_work(len(req.names), req.world_size)
+
+    def store(self, req: p.Reserve | p.StoreInline) -> None:
+        self._range_request(req)
+        self._resumable(req.resumable, req.num_chunks)
+
+    def retrieve(self, req: p.Retrieve) -> None:
+        self._range_request(req)
+        self._reader(req.reader)
+
+    def named(self, req: p.KeyRequest) -> None:
+        """A request that moves chunks the caller names (ReserveKeys, StoreKeysInline,
+        RetrieveKeys)."""
+        self._strings(req.request_id, req.model, req.cache_salt)
+        _extra_key(req.extra_key)
+        self._world(req.world_size, req.worker_id)
+        self._shape(req.chunk_shape, req.dtype)
+
+    def session(self, req: p.Release | p.EndSession) -> None:
+        _name("request_id", req.request_id)
+
+    def nothing(self, req: object) -> None:
+        """Ids and empty messages: nothing to bound."""
+
+    # -- the bounds of each kind of field -------------------------------------------------------
+
+    def _range_request(self, req: p.RangeRequest) -> None:
+        self._strings(req.request_id, req.model, req.cache_salt)
+        _extra_key(req.extra_key)
+        self._world(req.world_size, req.worker_id)
+        self._shape(req.chunk_shape, req.dtype)
+        self._tokens(req.tokens)
+        self._range(req.start, req.end, req.num_chunks)
 
     def _strings(self, request_id: str, model: str, cache_salt: str) -> None:
         _name("request_id", request_id)

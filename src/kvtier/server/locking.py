@@ -88,8 +88,3 @@ class TimedLock:
         """A copy of the hold statistics, by operation."""
         with self._stats_lock:
             return {op: HoldStats(s.count, s.total_s, s.max_s) for op, s in self._stats.items()}
-
-    def reset_stats(self) -> None:
-        """Forget the statistics (a benchmark measures one phase at a time)."""
-        with self._stats_lock:
-            self._stats.clear()

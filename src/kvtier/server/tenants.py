@@ -6,7 +6,8 @@ injective): a model becomes (tenant, model), a cache salt (tenant, salt), a sess
 the salt for the anonymous tenant, request id). So no tenant can see, end or evict another's
 state by choosing its names, whatever strings it sends. A credential must allow the salt it
 uses. (A request's extra key goes into its chunk hashes instead: `keys.with_extra_key`.) Pure
-functions of the client and the request: no state, no lock.
+functions of the client and the request: no state, no lock. Each request's route (`routes.py`)
+names the one that puts it in its tenant.
 """
 
 from __future__ import annotations
@@ -20,10 +21,18 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.keys import compose
 from kvtier.server.leases import Peer
 
-__all__ = ["require_watch", "scope", "scope_names", "scoped_model", "session_id"]
+__all__ = [
+    "require_watch",
+    "scope",
+    "scope_names",
+    "scope_session",
+    "scoped_model",
+    "session_id",
+]
 
 Scoped = TypeVar("Scoped", p.Lookup, p.Reserve, p.StoreInline, p.Retrieve)
 ScopedNames = TypeVar("ScopedNames", p.ExistsKeys, p.ReserveKeys, p.StoreKeysInline, p.RetrieveKeys)
+ScopedSession = TypeVar("ScopedSession", p.LookupPoll, p.Release, p.EndSession)
 
 
 def session_id(client: Peer, request_id: str, cache_salt: str) -> str:
@@ -64,6 +73,14 @@ def scope_names(client: Peer, req: ScopedNames) -> ScopedNames:
         req,
         model=scoped_model(client, req.model),
         cache_salt=scoped_salt(client, req.cache_salt),
+    )
+
+
+def scope_session(client: Peer, req: ScopedSession) -> ScopedSession:
+    """A request about an existing session (poll, release, end) with its session id in the
+    client's tenant; its salt only picks the session (see `session_id`)."""
+    return msgspec.structs.replace(
+        req, request_id=session_id(client, req.request_id, req.cache_salt)
     )
 
 

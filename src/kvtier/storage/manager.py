@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple, cast
+from typing import Literal, NamedTuple, cast
 
 import msgspec
 
@@ -115,9 +115,8 @@ class TierManager:
         self._cond = threading.Condition()
         self._pending = 0  # submitted and neither written nor dropped yet
         self._n = dict.fromkeys(
-            ("submitted", "written", "dropped", "write_errors", "read_errors", "batches"), 0
+            ("submitted", "written", "dropped", "write_errors", "read_errors"), 0
         )
-        self._tier_writes = dict.fromkeys(names, 0)
         #: each tier's load latency and throughput, measured by the reads below
         self.rates = LoadRates(names)
         self._observer = observer
@@ -279,7 +278,6 @@ class TierManager:
                 logger.exception("tier manager: tier %s failed a batch write", tier.name)
                 written = 0
             with self._cond:
-                self._tier_writes[tier.name] += written
                 self._n["write_errors"] += len(items) - written
             if self._observer and written:
                 self._report_stored(tier, [j.key for j in batch], all_written=written == len(items))
@@ -307,7 +305,6 @@ class TierManager:
             _call(job.on_done)
         with self._cond:
             self._n["dropped" if dropped else "written"] += len(jobs)
-            self._n["batches"] += 0 if dropped else 1
             self._pending -= len(jobs)
             self._cond.notify_all()
 
@@ -394,22 +391,6 @@ class TierManager:
             self._n["read_errors"] += 1
 
     # -- admin ---------------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """Queue and writer counters, per-tier write counts, and each tier's own stats."""
-        with self._cond:
-            out: dict[str, Any] = dict(self._n)
-            out["pending"] = self._pending
-            out["tier_writes"] = dict(self._tier_writes)
-        out.update(
-            queue_depth=self._queue.qsize(),
-            queue_capacity=self.queue_size,
-            policy=self.policy,
-            batch_size=self.batch_size,
-        )
-        for tier in self._tiers:  # typed TierStats as plain values until ops reads the Structs
-            out[tier.name] = msgspec.to_builtins(tier.stats())
-        return out
 
     def summary(self) -> L2Summary:
         """The L2 part of the server's status: the queue, the writer, then each tier's stats."""

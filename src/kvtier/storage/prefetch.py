@@ -50,6 +50,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvtier.arena import Arena
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
@@ -107,6 +109,15 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _READ_NICE)
     except OSError as exc:
         logger.warning("L2 reader thread keeps its CPU priority: %s", exc)
+
+
+class PrefetchStats(msgspec.Struct, frozen=True, kw_only=True):
+    """L2 loads that lookups started (jobs run off the request path, at most N at once)."""
+
+    in_flight: int
+    started: int
+    refused: int  # lookups answered from L1 alone because N jobs were running
+    loaded_groups: int
 
 
 class Prefetcher:
@@ -200,6 +211,16 @@ class Prefetcher:
             else:
                 del self._tenant_jobs[tenant]
             self.loaded_groups += loaded
+
+    def stats(self) -> PrefetchStats:
+        """The jobs in flight now and the counts since start (the server's status shows them)."""
+        with self._count_lock:
+            return PrefetchStats(
+                in_flight=self.in_flight,
+                started=self.started,
+                refused=self.refused,
+                loaded_groups=self.loaded_groups,
+            )
 
     def close(self) -> None:
         """Wait for the running jobs and stop the workers."""

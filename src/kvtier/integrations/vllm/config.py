@@ -87,6 +87,13 @@ class ConnectorConfig:
         return self.block_size if all(g.kind in ("full", "mla") for g in self.groups) else 0
 
     @property
+    def async_loads(self) -> bool:
+        """Loads are reported to vLLM as asynchronous when the model has several KV cache groups:
+        vLLM maps failed blocks back to requests only for one group, so a failed load must name
+        its request (`failed_recving`), which only an asynchronous load can."""
+        return len(self.groups) > 1
+
+    @property
     def world_size(self) -> int:
         """The shards a chunk is split over: each pipeline stage its own layers, each TP rank
         its heads; MLA stages store one shard, read by all their TP ranks."""

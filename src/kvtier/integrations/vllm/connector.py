@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -56,7 +57,8 @@ def pipeline_parallel_rank(vllm_config: Any) -> int:
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Reuses KV that kvtier holds for a prompt's leading chunks and stores the full chunks a
-    request computes. Every kvtier failure costs a recompute (see README "Use with vLLM").
+    request computes. A kvtier failure costs a recompute, or under vLLM's
+    `kv_load_failure_policy` `fail` a failed load fails its request (docs/vllm.md).
 
     Declares `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and hands the connector
     every KV cache group: full attention, sliding window, MLA, Mamba / linear attention."""
@@ -119,6 +121,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves done, asynchronous loads done, and those of them that failed (vLLM fails or
+        recomputes those requests, as its kv_load_failure_policy says)."""
+        sending, recving = self.worker_side.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self.worker_side.take_failed_loads(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()

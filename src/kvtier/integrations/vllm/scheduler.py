@@ -53,6 +53,7 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._finished_pending: dict[str, _Request] = {}  # blocks held until saves finish
         self._loading: dict[str, tuple[_Request, frozenset[int]]] = {}  # loads of the last step
+        self._async: list[str] = []  # requests whose asynchronous load this step plans
         self._adapters = AdapterFingerprints()
         self.chunk_size = 0
         self.client = LazyClient(
@@ -73,7 +74,9 @@ class SchedulerSide:
         """Tokens beyond `num_computed_tokens` kvtier can load; None while the lookup is pending.
 
         One lookup per request (per scheduling round after a preemption): the scheduler may ask
-        again and again while it waits, and each answer comes from the same lookup.
+        again and again while it waits, and each answer comes from the same lookup. Models with
+        several KV cache groups load asynchronously (`ConnectorConfig.async_loads`): the request
+        waits for its load in vLLM's WAITING_FOR_REMOTE_KVS, and a failed load names it.
         """
         state = self._state(request)
         if state.load_failed:  # a miss, once: vLLM never loops lookup, failed load, lookup
@@ -119,7 +122,8 @@ class SchedulerSide:
             usable = (request.num_tokens - 1) // unit * unit
             state.hit = min(int(hit), usable)
             state.saved_end = max(state.saved_end, int(hit))  # chunk-aligned: stored already
-        return max(0, state.hit - num_computed_tokens), False
+        new = max(0, state.hit - num_computed_tokens)
+        return new, bool(new) and self.config.async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Remember the load for the next step's metadata; drop pins kvtier will not need."""
@@ -127,6 +131,8 @@ class SchedulerSide:
         if num_external_tokens > 0:
             end = state.hit
             state.load = (end - num_external_tokens, end)
+            if self.config.async_loads:  # not scheduled this step: planned by build_connector_meta
+                self._async.append(request.request_id)
         elif state.hit > 0:
             self._quietly(
                 state,
@@ -137,6 +143,11 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
         """This step's loads (allocated blocks to fill) and saves (chunks completed by it)."""
         meta = KVTierConnectorMetadata(preempted=list(scheduler_output.preempted_req_ids or ()))
+        for req_id in self._async:  # loads vLLM waits for; their steps run once they are done
+            state = self._requests.get(req_id)
+            if state is not None and state.load is not None:
+                self._plan_load(meta, req_id, state, self._block_ids(req_id), running=0)
+        self._async.clear()
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
@@ -145,10 +156,7 @@ class SchedulerSide:
             if state.load is not None:
                 # align mode: the step runs from the state block of its last token
                 running = state.request.num_computed_tokens + num_new
-                meta.loads.append(self._transfer(state, *state.load, block_ids, running=running))
-                loaded = frozenset(b for ids in meta.loads[-1].block_ids for b in ids if b)
-                self._loading[req_id] = (state, loaded)
-                state.load = None
+                self._plan_load(meta, req_id, state, block_ids, running=running)
             if not self.chunk_size or state.recompute.last_error is not None:
                 continue  # kvtier never answered, or failed this request: no saves
             if not self._cacheable(state):
@@ -166,6 +174,21 @@ class SchedulerSide:
                 state.saved_end = end
                 state.saves_planned = True
         return meta
+
+    def _plan_load(
+        self,
+        meta: KVTierConnectorMetadata,
+        req_id: str,
+        state: _Request,
+        block_ids: tuple[list[int], ...],
+        *,
+        running: int,
+    ) -> None:
+        assert state.load is not None
+        meta.loads.append(self._transfer(state, *state.load, block_ids, running=running))
+        loaded = frozenset(b for ids in meta.loads[-1].block_ids for b in ids if b)
+        self._loading[req_id] = (state, loaded)
+        state.load = None
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """True (blocks held) while the workers still save the request's chunks; else the

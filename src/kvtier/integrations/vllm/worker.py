@@ -1,7 +1,9 @@
 """The worker half of the connector: registers this rank's paged layout with kvtier, loads
 chunks from the arena into vLLM's blocks before the forward pass, and saves full chunks from
 vLLM's blocks into arena slots on a background thread, so a save never holds up the forward
-pass. A failed load reports its blocks to vLLM, which recomputes them."""
+pass. A failed load reports its blocks to vLLM (one KV cache group) or its request (several
+groups, whose loads vLLM waits for asynchronously); vLLM then fails the request or recomputes,
+as its `kv_load_failure_policy` says."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.client import Client
+from kvtier.client import ChunkRange, Client
 from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
@@ -62,6 +64,8 @@ class WorkerSide:
         self.layout: PagedLayout | None = None
         self._copier: Copier | None = None
         self._load_errors: set[int] = set()
+        self._received: set[str] = set()  # asynchronous loads done since get_finished
+        self._failed: set[str] = set()  # ... and those of them that failed
         # saves: one background thread; counts of queued saves per vLLM request id
         self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
         self._pending: dict[str, int] = {}
@@ -112,6 +116,20 @@ class WorkerSide:
             return None
         return client, self.layout, self._copier
 
+    def _chunks(self, transfer: Transfer) -> ChunkRange:
+        """This rank's chunks of a load or save, as kvtier names them."""
+        return ChunkRange(
+            transfer.kv_request_id,
+            np.frombuffer(transfer.tokens, dtype=TOKEN_DTYPE),
+            model=self.config.model,
+            start=transfer.chunk_start,
+            end=transfer.chunk_end,
+            worker_id=self.worker_id,
+            world_size=self.config.world_size,
+            cache_salt=transfer.cache_salt,
+            extra_key=transfer.extra_key,
+        )
+
     def _group_index(self, group: CacheGroup) -> int:
         """A group's position in the config (the index of its block ids in a Transfer)."""
         return self.config.groups.index(group)
@@ -119,11 +137,17 @@ class WorkerSide:
     # -- loads ------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
-        """Copy this step's loads from the arena into vLLM's blocks before the forward pass."""
+        """Copy this step's loads from the arena into vLLM's blocks before the forward pass.
+        Asynchronous loads (several KV cache groups) are done here too; get_finished reports
+        them, so vLLM schedules their requests from the next step on."""
         for load in meta.loads:
             t0 = time.perf_counter()
             ok = self._load(load)
-            if not ok:
+            if self.config.async_loads:
+                self._received.add(load.request_id)
+                if not ok:
+                    self._failed.add(load.request_id)
+            elif not ok:
                 self._load_errors.update(b for ids in load.block_ids for b in ids if b)
             logger.info(
                 "kvtier load of %s: %d tokens %s in %.2f ms",
@@ -139,21 +163,13 @@ class WorkerSide:
             return False
         client, layout, copier = ready
         c = layout.chunk_size
-        reader = {"reader": self.reader} if self.config.readers else {}
+        reader = self.reader if self.config.readers else -1  # -1: this rank's worker_id
         try:
             with client.retrieve_slots(
-                load.kv_request_id,
-                np.frombuffer(load.tokens, dtype=TOKEN_DTYPE),
-                model=self.config.model,
-                worker_id=self.worker_id,
-                start=load.chunk_start,
-                end=load.chunk_end,
+                self._chunks(load),
                 chunk_shape=layout.chunk_shape,
                 dtype=layout.dtype_name,
-                cache_salt=load.cache_salt,
-                extra_key=load.extra_key,
-                world_size=self.config.world_size,
-                **reader,
+                reader=reader,
             ) as got:
                 wanted = (load.chunk_end - load.chunk_start) // c
                 if got.num_chunks < wanted:
@@ -220,9 +236,15 @@ class WorkerSide:
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call: vLLM recomputes them."""
+        """Blocks whose load failed since the last call (one KV cache group only)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call; get_finished reports
+        them as received too, in the same call or an earlier one."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     # -- saves ------------------------------------------------------------------------------------
 
@@ -274,8 +296,9 @@ class WorkerSide:
         with self._cond:
             self._cond.wait_for(lambda: not any(self._pending.get(r) for r in meta.preempted))
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        """Finished requests whose saves are all done: vLLM may free their blocks now."""
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished requests whose saves are all done: vLLM may free their blocks now,
+        requests whose asynchronous load is done)."""
         with self._cond:
             self._finishing.update(r for r in finished_req_ids if r in self._saved_any)
             done = {r for r in self._finishing if not self._pending.get(r)}
@@ -283,7 +306,8 @@ class WorkerSide:
             self._saved_any -= done
             for r in done:
                 self._pending.pop(r, None)
-        return (done or None), None
+        received, self._received = self._received, set()
+        return (done or None), (received or None)
 
     def _save_loop(self) -> None:
         while True:
@@ -317,21 +341,13 @@ class WorkerSide:
         save, tail_at = job.save, layout.staged_offset
         num = (save.chunk_end - save.chunk_start) // layout.chunk_size
         flags = self._resumable(save, num)
-        resumable = {} if all(flags) else {"resumable": flags}
+        resumable = [] if all(flags) else flags  # empty: every chunk is
         try:
             with client.store_slots(
-                save.kv_request_id,
-                np.frombuffer(save.tokens, dtype=TOKEN_DTYPE),
-                model=self.config.model,
-                worker_id=self.worker_id,
-                start=save.chunk_start,
-                end=save.chunk_end,
+                self._chunks(save),
                 chunk_shape=layout.chunk_shape,
                 dtype=layout.dtype_name,
-                cache_salt=save.cache_salt,
-                extra_key=save.extra_key,
-                world_size=self.config.world_size,
-                **resumable,
+                resumable=resumable,
             ) as slots:
                 copier.wait(job.event)
                 for li, group in enumerate(layout.groups):

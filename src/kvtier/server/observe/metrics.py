@@ -17,11 +17,11 @@ import bisect
 import logging
 import math
 import platform
-import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -42,7 +42,8 @@ from kvtier.server.observe.snapshots import (
     ServerStatus,
     Traffic,
 )
-from kvtier.storage.tiers.base import LATENCY_BOUNDS_S
+from kvtier.server.routes import ROUTES
+from kvtier.storage.tiers.base import LATENCY_BOUNDS_S, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +72,12 @@ REQUEST_DURATION_BUCKETS: tuple[float, ...] = (
     5.0,
 )
 
-#: wire request -> (what the user did, which step of it); the labels metrics carry
-OPERATIONS: dict[str, tuple[str, str]] = {
-    "Hello": ("connect", "hello"),
-    "Heartbeat": ("heartbeat", "heartbeat"),
-    "Goodbye": ("disconnect", "goodbye"),
-    "Register": ("register", "register"),
-    "Lookup": ("lookup", "lookup"),
-    "LookupPoll": ("lookup", "poll"),
-    "Reserve": ("store", "reserve"),
-    "Commit": ("store", "commit"),
-    "Abort": ("store", "abort"),
-    "StoreInline": ("store", "inline"),
-    "Retrieve": ("retrieve", "start"),
-    "RetrieveDone": ("retrieve", "done"),
-    "Release": ("release", "release"),
-    "EndSession": ("end_session", "end_session"),
-}
+#: wire request -> (what the user did, which step of it); the labels metrics carry, as each
+#: request's route declares them
+OPERATIONS: dict[str, tuple[str, str]] = {route.request.__name__: route.labels for route in ROUTES}
 
 #: why a load could not deliver what a lookup reported: the `reason` label of
-#: kvtier_failed_loads_total (the README lists them)
+#: kvtier_failed_loads_total (docs/operations.md lists them)
 FAILED_LOAD_REASONS: tuple[str, ...] = (
     "short",  # a retrieve found fewer chunks than its session's pin holds (cleared, share)
     "pin_lapsed",  # the session's pin lapsed first (its client was silent for --pin-lease)
@@ -101,15 +88,14 @@ FAILED_LOAD_REASONS: tuple[str, ...] = (
 #: models beyond this many distinct names share the label value "other"
 DEFAULT_MAX_MODELS = 32
 OTHER = "other"
+#: the operation of a request that could not be decoded
+UNKNOWN = "unknown"
 
 
 def operation_of(request_name: str) -> tuple[str, str]:
-    """The (operation, step) labels of a wire request name; unknown names map to snake_case."""
-    known = OPERATIONS.get(request_name)
-    if known is not None:
-        return known
-    snake = re.sub(r"(?<!^)(?=[A-Z])", "_", request_name).lower() or "unknown"
-    return snake, snake
+    """The (operation, step) labels of a wire request name; "unknown" for a request that could
+    not be decoded."""
+    return OPERATIONS.get(request_name, (UNKNOWN, UNKNOWN))
 
 
 class HitRateHistory:
@@ -406,209 +392,179 @@ class _StateCollector:
         return list(_state_families(status))
 
 
-def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc)
-    if value is not None:
-        family.add_metric([], float(value))
-    return family
+class _Histogram(NamedTuple):
+    """One histogram sample: cumulative (upper bound, count) buckets and the sum."""
+
+    buckets: list[tuple[str, float]]
+    total: float
 
 
-def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc)
-    if value is not None:
-        family.add_metric([], float(value))
-    return family
+#: the samples one state metric takes from a status: (label values, value) pairs
+Samples = Callable[[ServerStatus], Iterable[tuple[Sequence[str], float | _Histogram]]]
+
+
+class StateMetric(NamedTuple):
+    """One metric read from the server's status at scrape time."""
+
+    name: str
+    kind: type[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]
+    labels: tuple[str, ...]
+    help: str
+    samples: Samples
+
+
+def _one(value: Callable[[ServerStatus], float]) -> Samples:
+    """The samples of an unlabelled metric: `value` of the status."""
+    return lambda s: [((), value(s))]
+
+
+def _per_tier(value: Callable[[TierStats], float]) -> Samples:
+    """The samples of a metric labelled by L2 tier: `value` of each tier's stats."""
+    return lambda s: [((tier.name,), value(tier)) for tier in s.l2.tiers]
+
+
+def _tenant_l1(s: ServerStatus) -> list[tuple[Sequence[str], float]]:
+    """Each tenant's L1 bytes that eviction cannot take back, by kind."""
+    return [
+        sample
+        for u in s.l1.tenants
+        for sample in (
+            ((u.tenant, "staging"), u.staging_bytes),
+            ((u.tenant, "quarantined"), u.fenced_bytes),
+            ((u.tenant, "pinned"), u.pinned_bytes),
+        )
+    ]
+
+
+def _evictions(s: ServerStatus) -> list[tuple[Sequence[str], float]]:
+    """L1 evictions (chunk groups), then each L2 tier's (the ones that count them)."""
+    l2 = [((tier.name,), tier.extra.get("evictions", 0)) for tier in s.l2.tiers]
+    return [(("l1",), s.l1.evictions), *l2]
+
+
+def _l2_latency(s: ServerStatus) -> list[tuple[Sequence[str], _Histogram]]:
+    """Each tier's read and write latency as cumulative Prometheus buckets."""
+    out: list[tuple[Sequence[str], _Histogram]] = []
+    bounds = (*LATENCY_BOUNDS_S, math.inf)
+    for tier in s.l2.tiers:
+        for operation, lat in (("read", tier.read_latency), ("write", tier.write_latency)):
+            running = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, n in zip(bounds, lat.buckets, strict=True):
+                running += n
+                buckets.append(("+Inf" if bound == math.inf else repr(bound), running))
+            out.append(((tier.name, operation), _Histogram(buckets, lat.total_s)))
+    return out
+
+
+_GAUGE, _COUNTER, _HISTOGRAM = GaugeMetricFamily, CounterMetricFamily, HistogramMetricFamily
+_TIER = ("tier",)
+
+#: every metric read from the server's status, in the order `/metrics` lists them (the metrics
+#: table of docs/operations.md names them; counters gain the `_total` suffix when rendered)
+STATE_METRICS: tuple[StateMetric, ...] = (
+    StateMetric("kvtier_ready", _GAUGE, (), "1 when the arena is ready and serving.",
+                _one(lambda s: s.ready)),
+    StateMetric("kvtier_degraded", _GAUGE, (),
+                "1 while the server serves with a failing part (an L2 tier): see /health.",
+                _one(lambda s: s.health == "degraded")),
+    StateMetric("kvtier_uptime_seconds", _GAUGE, (), "Seconds since the server started.",
+                _one(lambda s: s.uptime_s)),
+    StateMetric("kvtier_l1_used_bytes", _GAUGE, (), "Bytes allocated in the L1 arena.",
+                _one(lambda s: s.l1.used_bytes)),
+    StateMetric("kvtier_l1_capacity_bytes", _GAUGE, (), "Size of the L1 arena in bytes.",
+                _one(lambda s: s.l1.capacity_bytes)),
+    StateMetric("kvtier_l1_groups", _GAUGE, (), "Chunk groups held in L1.",
+                _one(lambda s: s.l1.groups)),
+    StateMetric("kvtier_l1_pinned_groups", _GAUGE, (), "L1 chunk groups pinned by lookups.",
+                _one(lambda s: s.l1.pinned_groups)),
+    StateMetric("kvtier_tenant_l1_bytes", _GAUGE, ("tenant", "kind"),
+                "L1 bytes a tenant holds that eviction cannot take back, by kind (staging, "
+                "quarantined, pinned): what its --tenant-*-share options bound.",
+                _tenant_l1),
+    StateMetric("kvtier_evictions", _COUNTER, _TIER,
+                "Objects evicted to make room, by tier (l1 counts chunk groups).", _evictions),
+    StateMetric("kvtier_evicted_bytes", _COUNTER, _TIER, "Bytes freed by L1 evictions.",
+                lambda s: [(("l1",), s.l1.evicted_bytes)]),
+    StateMetric("kvtier_l2_used_bytes", _GAUGE, _TIER, "Bytes stored in an L2 tier.",
+                _per_tier(lambda t: t.used_bytes)),
+    StateMetric("kvtier_l2_capacity_bytes", _GAUGE, _TIER,
+                "Capacity of an L2 tier in bytes (0 = unbounded).",
+                _per_tier(lambda t: t.capacity_bytes)),
+    StateMetric("kvtier_l2_objects", _GAUGE, _TIER, "Objects stored in an L2 tier.",
+                _per_tier(lambda t: t.objects)),
+    StateMetric("kvtier_l2_hits", _COUNTER, _TIER, "Reads an L2 tier served.",
+                _per_tier(lambda t: t.hits)),
+    StateMetric("kvtier_l2_misses", _COUNTER, _TIER, "Reads an L2 tier could not serve.",
+                _per_tier(lambda t: t.misses)),
+    StateMetric("kvtier_l2_errors", _COUNTER, _TIER,
+                "Failed L2 operations (backend unreachable, I/O error).",
+                _per_tier(lambda t: t.errors)),
+    StateMetric("kvtier_l2_corrupt", _COUNTER, _TIER,
+                "L2 objects found damaged on read (deleted, never served).",
+                _per_tier(lambda t: t.corrupt)),
+    StateMetric("kvtier_l2_failing", _GAUGE, _TIER,
+                "1 while an L2 tier's errors grow (the server reports degraded).",
+                lambda s: [((t.name,), t.name in s.l2.failing) for t in s.l2.tiers]),
+    StateMetric("kvtier_l2_operation_duration_seconds", _HISTOGRAM, ("tier", "operation"),
+                "Time one L2 tier took per call, by tier and operation (read, write).",
+                _l2_latency),
+    StateMetric("kvtier_l2_load_bytes_per_second", _GAUGE, _TIER,
+                "An L2 tier's measured read throughput (a moving estimate; 0 until it served a "
+                "load): what decides whether a load is faster than the engine's recompute.",
+                lambda s: [((r.tier,), r.bytes_per_s) for r in s.load_rates]),
+    StateMetric("kvtier_l2_load_latency_seconds", _GAUGE, _TIER,
+                "An L2 tier's measured round trip before a load moves bytes (a moving estimate).",
+                lambda s: [((r.tier,), r.latency_s) for r in s.load_rates]),
+    StateMetric("kvtier_write_queue_depth", _GAUGE, (), "Objects waiting for L2 write-through.",
+                _one(lambda s: s.l2.queue_depth)),
+    StateMetric("kvtier_write_queue_capacity", _GAUGE, (),
+                "Capacity of the L2 write-through queue.", _one(lambda s: s.l2.queue_capacity)),
+    StateMetric("kvtier_write_queue_dropped", _COUNTER, (),
+                "Objects the L2 write-through queue dropped because it was full.",
+                _one(lambda s: s.l2.dropped)),
+    StateMetric("kvtier_write_queue_written", _COUNTER, (),
+                "Objects the L2 writer handed to the tiers.", _one(lambda s: s.l2.written)),
+    StateMetric("kvtier_l2_write_errors", _COUNTER, (),
+                "Object writes an L2 tier failed (each tier counts separately).",
+                _one(lambda s: s.l2.write_errors)),
+    StateMetric("kvtier_sessions_active", _GAUGE, (), "Sessions currently held.",
+                _one(lambda s: s.sessions.active)),
+    StateMetric("kvtier_sessions_created", _COUNTER, (), "Sessions ever created.",
+                _one(lambda s: s.sessions.created)),
+    StateMetric("kvtier_sessions_expired", _COUNTER, (),
+                "Sessions that expired without end_session.", _one(lambda s: s.sessions.expired)),
+    StateMetric("kvtier_sessions_orphaned", _COUNTER, (),
+                "Expired sessions that still held pinned chunks (requests abandoned mid-flight).",
+                _one(lambda s: s.sessions.orphaned)),
+    StateMetric("kvtier_session_tokens", _GAUGE, (),
+                "Tokens held by all sessions together (bounded by --max-session-tokens).",
+                _one(lambda s: s.sessions.tokens)),
+    StateMetric("kvtier_sessions_shed", _COUNTER, (),
+                "Sessions ended early, longest-idle first, to stay within the session bounds.",
+                _one(lambda s: s.sessions.shed)),
+    StateMetric("kvtier_fenced_slots", _GAUGE, (),
+                "Arena slots quarantined after their lease lapsed, until their owner can no "
+                "longer touch them.",
+                _one(lambda s: s.fencing.fenced_slots)),
+    StateMetric("kvtier_lease_expired", _COUNTER, (),
+                "Commits and retrieve-dones answered LEASE_EXPIRED (the client discarded the "
+                "bytes).",
+                _one(lambda s: s.fencing.lease_expired)),
+    StateMetric("kvtier_clients_connected", _GAUGE, (),
+                "Engine processes connected to the server.", _one(lambda s: len(s.clients))),
+)  # fmt: skip
 
 
 def _state_families(status: ServerStatus | None) -> Iterator[Metric]:
     """The state metrics filled from `status`, or empty families (for `describe`)."""
-    s = status
-    yield _gauge(
-        "kvtier_ready", "1 when the arena is ready and serving.", None if s is None else s.ready
-    )
-    yield _gauge(
-        "kvtier_degraded",
-        "1 while the server serves with a failing part (an L2 tier): see /health.",
-        None if s is None else s.health == "degraded",
-    )
-    yield _gauge(
-        "kvtier_uptime_seconds",
-        "Seconds since the server started.",
-        None if s is None else s.uptime_s,
-    )
-    yield _gauge(
-        "kvtier_l1_used_bytes",
-        "Bytes allocated in the L1 arena.",
-        None if s is None else s.l1.used_bytes,
-    )
-    yield _gauge(
-        "kvtier_l1_capacity_bytes",
-        "Size of the L1 arena in bytes.",
-        None if s is None else s.l1.capacity_bytes,
-    )
-    yield _gauge("kvtier_l1_groups", "Chunk groups held in L1.", None if s is None else s.l1.groups)
-    yield _gauge(
-        "kvtier_l1_pinned_groups",
-        "L1 chunk groups pinned by lookups.",
-        None if s is None else s.l1.pinned_groups,
-    )
-    held = GaugeMetricFamily(
-        "kvtier_tenant_l1_bytes",
-        "L1 bytes a tenant holds that eviction cannot take back, by kind (staging, quarantined, "
-        "pinned): what its --tenant-*-share options bound.",
-        labels=["tenant", "kind"],
-    )
-    for usage in [] if s is None else s.l1.tenants:
-        held.add_metric([usage.tenant, "staging"], float(usage.staging_bytes))
-        held.add_metric([usage.tenant, "quarantined"], float(usage.fenced_bytes))
-        held.add_metric([usage.tenant, "pinned"], float(usage.pinned_bytes))
-    yield held
-
-    evictions = CounterMetricFamily(
-        "kvtier_evictions", "Objects evicted to make room, by tier (l1 counts chunk groups).",
-        labels=["tier"],
-    )  # fmt: skip
-    evicted_bytes = CounterMetricFamily(
-        "kvtier_evicted_bytes", "Bytes freed by L1 evictions.", labels=["tier"]
-    )
-    if s is not None:
-        evictions.add_metric(["l1"], float(s.l1.evictions))
-        evicted_bytes.add_metric(["l1"], float(s.l1.evicted_bytes))
-        for tier in s.l2.tiers:
-            evictions.add_metric([tier.name], float(tier.extra.get("evictions", 0)))
-    yield evictions
-    yield evicted_bytes
-
-    per_tier: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
-        (GaugeMetricFamily("kvtier_l2_used_bytes", "Bytes stored in an L2 tier.", labels=["tier"]),
-         "used_bytes"),
-        (GaugeMetricFamily("kvtier_l2_capacity_bytes",
-                           "Capacity of an L2 tier in bytes (0 = unbounded).", labels=["tier"]),
-         "capacity_bytes"),
-        (GaugeMetricFamily("kvtier_l2_objects", "Objects stored in an L2 tier.", labels=["tier"]),
-         "objects"),
-        (CounterMetricFamily("kvtier_l2_hits", "Reads an L2 tier served.", labels=["tier"]),
-         "hits"),
-        (CounterMetricFamily("kvtier_l2_misses", "Reads an L2 tier could not serve.",
-                             labels=["tier"]), "misses"),
-        (CounterMetricFamily("kvtier_l2_errors",
-                             "Failed L2 operations (backend unreachable, I/O error).",
-                             labels=["tier"]), "errors"),
-        (CounterMetricFamily("kvtier_l2_corrupt",
-                             "L2 objects found damaged on read (deleted, never served).",
-                             labels=["tier"]), "corrupt"),
-        (GaugeMetricFamily("kvtier_l2_failing",
-                           "1 while an L2 tier's errors grow (the server reports degraded).",
-                           labels=["tier"]), "failing"),
-    ]  # fmt: skip
-    for family, field in per_tier:
-        if s is not None:
-            for tier in s.l2.tiers:
-                value = tier.name in s.l2.failing if field == "failing" else getattr(tier, field)
-                family.add_metric([tier.name], float(value))
+    for metric in STATE_METRICS:
+        family = metric.kind(metric.name, metric.help, labels=metric.labels)
+        for labels, value in [] if status is None else metric.samples(status):
+            if isinstance(value, _Histogram):
+                assert isinstance(family, HistogramMetricFamily), metric.name
+                family.add_metric(labels, value.buckets, value.total)
+            else:
+                assert not isinstance(family, HistogramMetricFamily), metric.name
+                family.add_metric(labels, float(value))
         yield family
-    latency = HistogramMetricFamily(
-        "kvtier_l2_operation_duration_seconds",
-        "Time one L2 tier took per call, by tier and operation (read, write).",
-        labels=["tier", "operation"],
-    )
-    if s is not None:
-        for tier in s.l2.tiers:
-            for operation, lat in (("read", tier.read_latency), ("write", tier.write_latency)):
-                running, buckets = 0, []
-                for bound, n in zip((*LATENCY_BOUNDS_S, math.inf), lat.buckets, strict=True):
-                    running += n
-                    buckets.append(("+Inf" if bound == math.inf else repr(bound), running))
-                latency.add_metric([tier.name, operation], buckets, lat.total_s)
-    yield latency
-    throughput = GaugeMetricFamily(
-        "kvtier_l2_load_bytes_per_second",
-        "An L2 tier's measured read throughput (a moving estimate; 0 until it served a load): "
-        "what decides whether a load is faster than the engine's recompute.",
-        labels=["tier"],
-    )
-    round_trip = GaugeMetricFamily(
-        "kvtier_l2_load_latency_seconds",
-        "An L2 tier's measured round trip before a load moves bytes (a moving estimate).",
-        labels=["tier"],
-    )
-    for rate in [] if s is None else s.load_rates:
-        throughput.add_metric([rate.tier], rate.bytes_per_s)
-        round_trip.add_metric([rate.tier], rate.latency_s)
-    yield throughput
-    yield round_trip
-
-    l2 = s.l2 if s is not None else None
-    yield _gauge(
-        "kvtier_write_queue_depth",
-        "Objects waiting for L2 write-through.",
-        None if l2 is None else l2.queue_depth,
-    )
-    yield _gauge(
-        "kvtier_write_queue_capacity",
-        "Capacity of the L2 write-through queue.",
-        None if l2 is None else l2.queue_capacity,
-    )
-    yield _counter(
-        "kvtier_write_queue_dropped",
-        "Objects the L2 write-through queue dropped because it was full.",
-        None if l2 is None else l2.dropped,
-    )
-    yield _counter(
-        "kvtier_write_queue_written",
-        "Objects the L2 writer handed to the tiers.",
-        None if l2 is None else l2.written,
-    )
-    yield _counter(
-        "kvtier_l2_write_errors",
-        "Object writes an L2 tier failed (each tier counts separately).",
-        None if l2 is None else l2.write_errors,
-    )
-    sessions = s.sessions if s is not None else None
-    yield _gauge(
-        "kvtier_sessions_active",
-        "Sessions currently held.",
-        None if sessions is None else sessions.active,
-    )
-    yield _counter(
-        "kvtier_sessions_created",
-        "Sessions ever created.",
-        None if sessions is None else sessions.created,
-    )
-    yield _counter(
-        "kvtier_sessions_expired",
-        "Sessions that expired without end_session.",
-        None if sessions is None else sessions.expired,
-    )
-    yield _counter(
-        "kvtier_sessions_orphaned",
-        "Expired sessions that still held pinned chunks (requests abandoned mid-flight).",
-        None if sessions is None else sessions.orphaned,
-    )
-    yield _gauge(
-        "kvtier_session_tokens",
-        "Tokens held by all sessions together (bounded by --max-session-tokens).",
-        None if sessions is None else sessions.tokens,
-    )
-    yield _counter(
-        "kvtier_sessions_shed",
-        "Sessions ended early, longest-idle first, to stay within the session bounds.",
-        None if sessions is None else sessions.shed,
-    )
-    fencing = s.fencing if s is not None else None
-    yield _gauge(
-        "kvtier_fenced_slots",
-        "Arena slots quarantined after their lease lapsed, until their owner can no longer "
-        "touch them.",
-        None if fencing is None else fencing.fenced_slots,
-    )
-    yield _counter(
-        "kvtier_lease_expired",
-        "Commits and retrieve-dones answered LEASE_EXPIRED (the client discarded the bytes).",
-        None if fencing is None else fencing.lease_expired,
-    )
-    yield _gauge(
-        "kvtier_clients_connected",
-        "Engine processes connected to the server.",
-        len(s.clients) if s is not None else None,
-    )

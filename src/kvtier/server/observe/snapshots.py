@@ -17,6 +17,7 @@ from kvtier.server.locking import HoldStats
 from kvtier.storage.l1 import L1Stats, TenantUsage
 from kvtier.storage.loadrate import LoadRate
 from kvtier.storage.manager import L2Summary
+from kvtier.storage.prefetch import PrefetchStats
 
 __all__ = [
     "ClientInfo",
@@ -79,7 +80,6 @@ class SessionInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_chunks_hashed: int
     created_at: float  # wall clock
     last_access: float
-    lookup_ipc_key: str | None
     pinned_chunks: int
 
 
@@ -134,15 +134,6 @@ class LatencySummary(msgspec.Struct, frozen=True, kw_only=True):
     mean_s: float
     p50_s: float
     p99_s: float
-
-
-class PrefetchStats(msgspec.Struct, frozen=True, kw_only=True):
-    """L2 loads that lookups started (jobs run off the request path, at most N at once)."""
-
-    in_flight: int
-    started: int
-    refused: int  # lookups answered from L1 alone because N jobs were running
-    loaded_groups: int
 
 
 class ErrorRecord(msgspec.Struct, frozen=True, kw_only=True):

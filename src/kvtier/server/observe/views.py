@@ -25,7 +25,6 @@ from kvtier.server.observe.snapshots import (
     HeldChunk,
     L2Summary,
     LookupTotals,
-    PrefetchStats,
     ServerStatus,
     SessionCounts,
     SessionInfo,
@@ -152,14 +151,16 @@ class AdminViews:
         return self.engine.is_ready()
 
     def _l2(self) -> L2Summary:
+        """The L2 summary with its failing tiers: each tier's stats, read once."""
         return self.watch.annotate(self.engine.tiers.summary(), time.monotonic())
 
     def check_tiers(self) -> ThreadRunSummary:
         """One look at the tiers' counters (run every few seconds by a periodic thread)."""
-        records = self.watch.observe(self.engine.tiers.summary(), time.monotonic(), time.time())
-        for record in records:
+        summary = self.engine.tiers.summary()
+        now = time.monotonic()
+        for record in self.watch.observe(summary, now, time.time()):
             self.engine.recent_errors.append(record)
-        failing = self._l2().failing
+        failing = self.watch.annotate(summary, now).failing
         return ThreadRunSummary(
             success=True,
             message=f"failing tiers: {', '.join(failing)}" if failing else "all tiers healthy",
@@ -168,6 +169,11 @@ class AdminViews:
 
     def health(self) -> Health:
         """Unavailable when the server cannot serve; degraded when an L2 tier is failing."""
+        return self._health(None)
+
+    def _health(self, l2: L2Summary | None) -> Health:
+        """`health()`, judged from `l2` when the caller has read the tiers already (None: read
+        them here, and only when the server can serve)."""
         reasons: list[str] = []
         if not self.engine.is_ready():
             reasons.append(
@@ -177,7 +183,8 @@ class AdminViews:
             reasons.append(f"{item['level']} thread {item['name']!r} stalled: {item['reason']}")
         if reasons:
             return Health("unavailable", reasons)
-        l2 = self._l2()
+        if l2 is None:
+            l2 = self._l2()
         for row in l2.tiers:
             if row.name in l2.failing:
                 last = f", last: {row.last_error}" if row.last_error else ""
@@ -206,7 +213,8 @@ class AdminViews:
             ]
             recent = list(e.recent_errors)
             requested, hit = e.lookup_totals()
-        health = self.health()
+        l2 = self._l2()
+        health = self._health(l2)
         fencing, bounds = e.fencing_stats(), e.session_bounds()
         return ServerStatus(
             version=__version__,
@@ -217,7 +225,7 @@ class AdminViews:
             threads_healthy=self.registry.is_healthy(),
             config=e.config.to_dict(),
             l1=l1,
-            l2=self._l2(),
+            l2=l2,
             clients=clients,
             sessions=SessionCounts(
                 active=e.sessions.active_count(),
@@ -237,12 +245,7 @@ class AdminViews:
             hit_rate_history=self.metrics.history.points(),
             traffic=self.metrics.traffic(),
             latency=self.metrics.latency(),
-            prefetch=PrefetchStats(
-                in_flight=e.prefetcher.in_flight,
-                started=e.prefetcher.started,
-                refused=e.prefetcher.refused,
-                loaded_groups=e.prefetcher.loaded_groups,
-            ),
+            prefetch=e.prefetcher.stats(),
             lock_hold=e.lock_stats(),
             recent_errors=recent,
         )
@@ -260,7 +263,6 @@ class AdminViews:
             num_chunks_hashed=session.num_chunks_processed,
             created_at=session.created_at,
             last_access=session.last_access,
-            lookup_ipc_key=session.lookup_ipc_key,
             pinned_chunks=len(self.engine.l1.pinned_keys(session.request_id)),
         )
 

@@ -139,15 +139,6 @@ class TierCounters:
         more = f" ({suppressed} similar warnings suppressed)" if suppressed else ""
         self._log.warning("%s%s", text, more)
 
-    @property
-    def suppressed_warnings(self) -> int:
-        with self._lock:
-            return self._suppressed
-
-    def recently_failed(self) -> bool:
-        with self._lock:
-            return time.monotonic() - self._error_at < UNHEALTHY_FOR_S
-
     def snapshot(
         self,
         *,

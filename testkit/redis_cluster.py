@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from ..kv_servers import find_binary
+from testkit.kv_servers import find_binary
 
 HINT = "the tests need redis-server and redis-cli on PATH: apt-get install redis-server redis-tools"
 NODE_TIMEOUT_MS = 1000
@@ -55,7 +55,7 @@ class RedisCluster:
 
     ports: list[int]
     root: Path
-    kind: str = "redis"  # the server binary: "redis" or "valkey" (see tests/kv_servers.py)
+    kind: str = "redis"  # the server binary: "redis" or "valkey" (see testkit/kv_servers.py)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property

@@ -1,6 +1,6 @@
 """A real Mooncake Store master on free loopback ports for the tests, with its HTTP metadata
-server, and the fixtures that start one: `mooncake_master` (shared by the session) and
-`private_mooncake` (one per test, for tests that kill, restart or fill it).
+server (tests/integration/conftest.py's `mooncake_master` and `private_mooncake` fixtures start
+one with `start_master`; benchmarks/bench_mooncake.py starts its own).
 
 `--client_ttl=2` makes a dead client's segment (and the objects in it) go in about 1.6 s, and
 reads' leases last 0.5 s (`lease_ms`) so a full pool can evict what was just read.
@@ -18,13 +18,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from ..conftest import free_port
+from testkit.servers import free_port
 
 HINT = (
     "the Mooncake tests need mooncake_master and Mooncake's client: pip install "
@@ -128,26 +127,11 @@ class MooncakeMaster:
         return out
 
 
-def _started() -> MooncakeMaster:
+def start_master() -> MooncakeMaster:
+    """A started master; fails the test (never skips it) when none can start."""
     master = MooncakeMaster()
     try:
         master.start()
     except (RuntimeError, OSError) as exc:
         pytest.fail(f"cannot start mooncake_master: {exc}; {HINT}", pytrace=False)
     return master
-
-
-@pytest.fixture(scope="session")
-def mooncake_master() -> Iterator[MooncakeMaster]:
-    """One master for the session (tests use their own prefixes)."""
-    master = _started()
-    yield master
-    master.kill()
-
-
-@pytest.fixture
-def private_mooncake() -> Iterator[MooncakeMaster]:
-    """A master of this test alone: its pool holds only this test's segments."""
-    master = _started()
-    yield master
-    master.kill()

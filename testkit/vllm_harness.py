@@ -479,7 +479,12 @@ class Harness:
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
+    failed_loads_seen: set[str] = field(default_factory=set)  # failed_recving, every rank's
     finish_reasons: dict[str, Any] = field(default_factory=dict)
+    # per request: how many ranks reported its save / its load done (vLLM's aggregator's count)
+    _pending_sends: dict[str, int] = field(default_factory=dict)
+    _pending_recvs: dict[str, int] = field(default_factory=dict)
+    _failed_recvs: set[str] = field(default_factory=set)
 
     @classmethod
     def build(
@@ -638,9 +643,10 @@ class Harness:
             self.num_cached[new.req_id] = new.num_computed_tokens
         if after_schedule is not None:
             after_schedule()
-        finished_sending: set[str] | None = None
         invalid: set[int] = set()
         sending_counts: dict[str, int] = {}
+        recving_counts: dict[str, int] = {}
+        failed: set[str] = set()
         for rank, worker in enumerate(self.workers):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
@@ -648,21 +654,22 @@ class Harness:
             if forward:
                 self._forward(out, rank)
             worker.wait_for_save()
-            sent, _ = worker.get_finished(out.finished_req_ids)
-            for r in sent or ():
+            results = worker.get_transfer_results(out.finished_req_ids)
+            for r in results.finished_sending:
                 sending_counts[r] = sending_counts.get(r, 0) + 1
+            for r in results.finished_recving:
+                recving_counts[r] = recving_counts.get(r, 0) + 1
+            failed |= results.failed_recving
             invalid |= worker.get_block_ids_with_load_errors()
             worker.clear_connector_metadata()
         # vLLM's aggregator reports a request once every rank has
-        done = {r for r, n in sending_counts.items() if n == len(self.workers)}
-        self._pending_sends = getattr(self, "_pending_sends", {})
-        for r, n in sending_counts.items():
-            self._pending_sends[r] = self._pending_sends.get(r, 0) + n
-        done = {r for r, n in self._pending_sends.items() if n >= len(self.workers)}
-        for r in done:
-            del self._pending_sends[r]
-        finished_sending = done or None
+        finished_sending = self._every_rank(self._pending_sends, sending_counts)
+        finished_recving = self._every_rank(self._pending_recvs, recving_counts)
+        self._failed_recvs |= failed
+        failed_recving = self._failed_recvs & finished_recving
+        self._failed_recvs -= failed_recving
         self.invalid_blocks_seen |= invalid
+        self.failed_loads_seen |= failed_recving
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for r in req_ids:
@@ -674,7 +681,10 @@ class Harness:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
-                finished_sending=finished_sending, invalid_block_ids=invalid
+                finished_sending=finished_sending or None,
+                finished_recving=finished_recving or None,
+                failed_recving=failed_recving,
+                invalid_block_ids=invalid,
             ),
         )
         outputs = self.scheduler.update_from_output(out, mro)
@@ -684,6 +694,24 @@ class Harness:
                     self.finished.append(o.request_id)
                     self.finish_reasons[o.request_id] = o.finish_reason
         return out
+
+    def _every_rank(self, pending: dict[str, int], counts: dict[str, int]) -> set[str]:
+        """The requests every rank has now reported (counted across steps)."""
+        for r, n in counts.items():
+            pending[r] = pending.get(r, 0) + n
+        done = {r for r, n in pending.items() if n >= len(self.workers)}
+        for r in done:
+            del pending[r]
+        return done
+
+    def step_until_scheduled(self, req_id: str, *, forward: bool = True, steps: int = 5) -> Any:
+        """Step until `req_id` runs (a model with several KV cache groups loads asynchronously:
+        its request waits for the load a step or more); the scheduler output of that step."""
+        for _ in range(steps):
+            out = self.step(forward=forward)
+            if req_id in out.num_scheduled_tokens:
+                return out
+        raise AssertionError(f"{req_id} was not scheduled in {steps} steps")
 
     def _forward(self, out: Any, rank: int) -> None:
         """Write `token_kv` for every token this step computes into each attention group (not

@@ -2,7 +2,7 @@
 JSON (tokens, logprobs, num_cached_tokens, seconds to the first token). With `--address`, the
 engine runs with KVTierConnector. Used by test_vllm_engine.py and benchmarks/bench_vllm.py.
 
-    python tests/integration/vllm_engine_run.py MODEL_DIR PROMPTS.json [--address ADDR]
+    python testkit/vllm_engine_run.py MODEL_DIR PROMPTS.json [--address ADDR]
         [--lora NAME=PATH ...] [--kv-report]
 
 A prompt is a list of token ids, or {"prompt": [ids], "lora": NAME, "salt": SALT} for a request
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -180,7 +180,7 @@ def kv_report(llm: object) -> dict[str, object]:
                           "shapes", "dtypes", "mamba_type", "page_size_padded", "head_size_v",
                           "cache_dtype_str", "attention_chunk_size", "mamba_cache_mode")
         }  # fmt: skip
-        views = {}
+        views: dict[str, list[Any]] = {}
         for name in group.layer_names:
             kv = context[name].kv_cache
             kv = kv[0] if isinstance(kv, list) and len(kv) == 1 else kv
@@ -208,4 +208,4 @@ def kv_report(llm: object) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

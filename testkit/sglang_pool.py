@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
 from testkit.sglang_cpu import import_sglang_storage
 
 _PAGE_METHODS = (
@@ -43,8 +45,14 @@ def sglang_methods(module: str, class_name: str, names: tuple[str, ...]) -> dict
     missing = set(names) - {d.name for d in defs}
     assert not missing, f"SGLang's {class_name} has no {sorted(missing)} any more"
     namespace: dict[str, Any] = {"torch": torch, "np": np}
-    exec(compile(ast.Module(body=defs, type_ignores=[]), str(path), "exec"), namespace)
+    body: list[ast.stmt] = list(defs)
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
     return {name: namespace[name] for name in names}
+
+
+def keys_for(prefix: str, n: int) -> list[str]:
+    """`n` distinct page keys starting with `prefix` (SGLang's keys are 64 hex characters)."""
+    return [f"{prefix}{i:060d}" for i in range(n)]
 
 
 def sglang_api() -> None:
@@ -153,6 +161,8 @@ class HostPoolStandIn:
 class MambaPoolStandIn:
     """SGLang's Mamba host pool (`MambaPoolHost`, page-first layouts): one state slot per
     page, a temporal (SSM) state and conv states per layer, SGLang's page methods and all."""
+
+    get_data_page: Callable[..., torch.Tensor]  # SGLang's own, bound in __init__
 
     def __init__(
         self,

@@ -1,0 +1,375 @@
+"""Routes: every request type the server answers, declared once.
+
+A `Route` says everything the server needs to know about one request type: its bounds (checked
+before any work), whether a handler thread takes it (long work, so the transport thread only
+decodes, routes and replies), whether it needs a client whose process the server can watch,
+how it is put in its client's tenant (see `tenants.py`), the labels its metrics carry, and its
+handler. The engine looks a request's route up and runs it; the metrics take their labels from
+here. A new request type is its message (`protocol.py`), one route here beside its handler, and
+the work itself in its request family's module (`requests/`).
+
+The handlers are short: they call the request families the engine built, which do the work and
+say what runs under the engine lock. Nothing here holds state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from kvtier import protocol as p
+from kvtier.errors import InternalError, InvalidArgumentError, NotConnectedError
+from kvtier.names import named_chunk_keys
+from kvtier.server import naming, tenants
+from kvtier.server.leases import Peer
+from kvtier.server.limits import Limits
+
+if TYPE_CHECKING:  # the engine runs the routes; they only read it
+    from kvtier.server.answers import Answer
+    from kvtier.server.engine import Engine
+
+__all__ = ["ROUTES", "Call", "Route", "route_of"]
+
+R = TypeVar("R")
+
+#: what a handler answers: a reply, the reply's frames (header first), or None when the
+#: request's `Answer` is kept to answer later
+Answered = p.Reply | list[Any] | None
+
+
+@dataclass(slots=True)
+class Call(Generic[R]):
+    """One request as its handler gets it: bounded, and in its client's tenant."""
+
+    identity: bytes  # the transport's name for the connection
+    request: R
+    peer: Peer | None  # None only for a Hello, which makes the client
+    payloads: Sequence[Any]  # the inline KV bytes that came with it, one frame per chunk
+    answer: Answer
+
+    @property
+    def client(self) -> Peer:
+        """The client that sent the request (the engine found it before the handler runs)."""
+        if self.peer is None:
+            raise NotConnectedError(
+                f"send Hello before {type(self.request).__name__}: no handshake yet"
+            )
+        return self.peer
+
+    @property
+    def operation(self) -> str:
+        """The request's name: what the engine lock's hold times are kept by."""
+        return self.answer.operation
+
+
+def _quick(req: object, chunk_size: int) -> bool:
+    return False
+
+
+def _never(req: object) -> bool:
+    return False
+
+
+def _always(req: object) -> bool:
+    return True
+
+
+def _unless_inline(req: p.Retrieve | p.RetrieveKeys) -> bool:
+    return not req.inline
+
+
+def _unscoped(client: Peer, req: R) -> R:
+    return req
+
+
+@dataclass(frozen=True, slots=True)
+class Route(Generic[R]):
+    """How the server answers one request type."""
+
+    request: type[R]
+    #: the metrics labels: what the user did, and which step of it (dashboards key on these)
+    labels: tuple[str, str]
+    #: refuses a request whose counts or sizes are out of bounds (see `limits.py`)
+    bounds: Callable[[Limits, R], None]
+    handle: Callable[[Engine, Call[R]], Answered]
+    #: whether a handler thread takes it, given the server's chunk size
+    offloaded: Callable[[R, int], bool] = _quick
+    #: the request in its client's tenant, before any session is made for it
+    scope: Callable[[Peer, R], R] = _unscoped
+    #: whether it hands out arena slots, which only a client the server can watch may use
+    watched: Callable[[R], bool] = _never
+    #: False for the one request that makes the client (Hello); every other needs one
+    connected: bool = True
+
+
+# -- which requests are long work --------------------------------------------------------------
+
+#: prompts of at least this many chunks are hashed and named on a handler thread (with 256-token
+#: chunks, 64k tokens). A shorter one stays on the transport thread: its work (2-3 us a chunk:
+#: hashing, naming, the L1) ends within the GIL's 1 ms switch interval, and a handler thread
+#: holds the GIL while it hashes, so handing it off would let no other request in sooner; it
+#: would only add two thread hand-offs (~0.1 ms each), more than a 16k-token lookup's work.
+OFFLOAD_CHUNKS = 256
+#: key-addressed requests with at least this many names (about 1 ms of name hashing) likewise
+OFFLOAD_NAMES = 256
+
+
+def _long_prompt(req: p.Lookup | p.RangeRequest, chunk_size: int) -> bool:
+    return len(req.tokens) >= OFFLOAD_CHUNKS * chunk_size * 4  # bytes of packed uint32 tokens
+
+
+def _many_names(req: p.ExistsKeys | p.KeyRequest, chunk_size: int) -> bool:
+    return len(req.names) >= OFFLOAD_NAMES
+
+
+def _bytes_inline(req: object, chunk_size: int) -> bool:
+    return True
+
+
+def _retrieve_offloaded(req: p.Retrieve, chunk_size: int) -> bool:
+    return req.inline or _long_prompt(req, chunk_size)
+
+
+def _retrieve_keys_offloaded(req: p.RetrieveKeys, chunk_size: int) -> bool:
+    return req.inline or _many_names(req, chunk_size)
+
+
+# -- handshake ---------------------------------------------------------------------------------
+
+
+def _hello(engine: Engine, call: Call[p.Hello]) -> Answered:
+    with engine.lock.hold(call.operation):
+        return engine.handshake.hello(call.identity, call.request)
+
+
+def _heartbeat(engine: Engine, call: Call[p.Heartbeat]) -> Answered:
+    return p.Ok()
+
+
+def _register(engine: Engine, call: Call[p.Register]) -> Answered:
+    with engine.lock.hold(call.operation):
+        return engine.handshake.register(call.client, call.request)
+
+
+def _goodbye(engine: Engine, call: Call[p.Goodbye]) -> Answered:
+    with engine.lock.hold(call.operation):
+        engine.goodbye(call.client.client_id)
+    return p.Ok()
+
+
+# -- lookups -----------------------------------------------------------------------------------
+
+
+def _lookup(engine: Engine, call: Call[p.Lookup]) -> Answered:
+    """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
+    req, client = call.request, call.client
+    if req.world_size < 1:
+        raise InvalidArgumentError(f"world_size must be >= 1, got {req.world_size}")
+    # The prompt's own tokens and hashes: another request of this id may be setting its
+    # session's tokens to another prompt right now (see `naming.py`).
+    session, hashes = engine.session_book.session(req.request_id, req.tokens)
+    num_tokens = len(req.tokens) // 4
+    keys = naming.chunk_keys(
+        session, hashes, req.model, req.cache_salt, req.world_size, extra_key=req.extra_key
+    )
+    layout = engine.layouts.get(req.model, req.world_size)
+    with engine.lock.hold(call.operation):
+        return engine.lookups.lookup(
+            req, keys, num_tokens, layout, call.answer, tenant=client.tenant, owner=client.client_id
+        )
+
+
+def _poll(engine: Engine, call: Call[p.LookupPoll]) -> Answered:
+    with engine.lock.hold(call.operation):
+        return engine.lookups.poll(call.request, call.answer)
+
+
+def _exists_keys(engine: Engine, call: Call[p.ExistsKeys]) -> Answered:
+    """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
+    req = call.request
+    keys = named_chunk_keys(
+        req.names,
+        model=req.model,
+        cache_salt=req.cache_salt,
+        world_size=req.world_size,
+        extra_key=req.extra_key,
+    )
+    layout = engine.layouts.get(req.model, req.world_size)
+    with engine.lock.hold(call.operation):
+        return engine.lookups.exists(
+            keys,
+            layout,
+            call.answer,
+            tenant=call.client.tenant,
+            each=req.each,
+            prefill_tokens_per_s=req.prefill_tokens_per_s,
+        )
+
+
+# -- stores ------------------------------------------------------------------------------------
+
+
+def _reserve(engine: Engine, call: Call[p.Reserve]) -> Answered:
+    req, client = call.request, call.client
+    # refuse a bad array before its session is made and its tokens counted
+    engine.layouts.check(req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype)
+    keys, parent = engine.session_book.range_chain(req)
+    return engine.stores.reserve(client.client_id, req, keys, client.watch, parent)
+
+
+def _reserve_keys(engine: Engine, call: Call[p.ReserveKeys]) -> Answered:
+    keys = engine.session_book.range_keys(call.request)
+    return engine.stores.reserve(call.client.client_id, call.request, keys, call.client.watch)
+
+
+def _commit(engine: Engine, call: Call[p.Commit]) -> Answered:
+    with engine.lock.hold(call.operation):
+        committed = engine.stores.commit(call.client.client_id, call.request.reservation_id)
+    return engine.stores.write_committed(committed, call.answer)
+
+
+def _abort(engine: Engine, call: Call[p.Abort]) -> Answered:
+    with engine.lock.hold(call.operation):
+        return engine.stores.abort(call.client.client_id, call.request.reservation_id)
+
+
+def _store_inline(engine: Engine, call: Call[p.StoreInline] | Call[p.StoreKeysInline]) -> Answered:
+    return engine.stores.store_inline(
+        call.client.client_id, call.request, call.payloads, call.answer
+    )
+
+
+# -- retrieves ---------------------------------------------------------------------------------
+
+
+def _retrieve(engine: Engine, call: Call[p.Retrieve] | Call[p.RetrieveKeys]) -> Answered:
+    return engine.retrieves.retrieve(call.client.client_id, call.request, call.client.watch)
+
+
+def _retrieve_done(engine: Engine, call: Call[p.RetrieveDone]) -> Answered:
+    with engine.lock.hold(call.operation):
+        return engine.retrieves.done(call.client.client_id, call.request.lease_id)
+
+
+# -- sessions ----------------------------------------------------------------------------------
+
+
+def _release(engine: Engine, call: Call[p.Release]) -> Answered:
+    engine.session_book.require(call.request.request_id)
+    with engine.lock.hold(call.operation):
+        engine.l1.unpin(call.request.request_id)
+    return p.Ok()
+
+
+def _end_session(engine: Engine, call: Call[p.EndSession]) -> Answered:
+    engine.session_book.require(call.request.request_id)
+    with engine.lock.hold(call.operation):
+        engine.session_book.remove(call.request.request_id)
+    return p.Ok()
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+#: one route per member of `protocol.Request` (a unit test holds every one to exactly one)
+ROUTES: tuple[Route[Any], ...] = (
+    # handshake
+    Route(p.Hello, ("connect", "hello"), Limits.hello, _hello, connected=False),
+    Route(p.Heartbeat, ("heartbeat", "heartbeat"), Limits.nothing, _heartbeat),
+    Route(p.Register, ("register", "register"), Limits.register, _register),
+    Route(p.Goodbye, ("disconnect", "goodbye"), Limits.nothing, _goodbye),
+    # lookups
+    Route(
+        p.Lookup,
+        ("lookup", "lookup"),
+        Limits.lookup,
+        _lookup,
+        offloaded=_long_prompt,
+        scope=tenants.scope,
+    ),
+    Route(p.LookupPoll, ("lookup", "poll"), Limits.poll, _poll, scope=tenants.scope_session),
+    Route(
+        p.ExistsKeys,
+        ("exists_keys", "exists_keys"),
+        Limits.exists,
+        _exists_keys,
+        offloaded=_many_names,
+        scope=tenants.scope_names,
+    ),
+    # stores
+    Route(
+        p.Reserve,
+        ("store", "reserve"),
+        Limits.store,
+        _reserve,
+        offloaded=_long_prompt,
+        scope=tenants.scope,
+        watched=_always,
+    ),
+    Route(
+        p.ReserveKeys,
+        ("reserve_keys", "reserve_keys"),
+        Limits.named,
+        _reserve_keys,
+        offloaded=_many_names,
+        scope=tenants.scope_names,
+        watched=_always,
+    ),
+    Route(p.Commit, ("store", "commit"), Limits.nothing, _commit),
+    Route(p.Abort, ("store", "abort"), Limits.nothing, _abort),
+    Route(
+        p.StoreInline,
+        ("store", "inline"),
+        Limits.store,
+        _store_inline,
+        offloaded=_bytes_inline,
+        scope=tenants.scope,
+    ),
+    Route(
+        p.StoreKeysInline,
+        ("store_keys_inline", "store_keys_inline"),
+        Limits.named,
+        _store_inline,
+        offloaded=_bytes_inline,
+        scope=tenants.scope_names,
+    ),
+    # retrieves
+    Route(
+        p.Retrieve,
+        ("retrieve", "start"),
+        Limits.retrieve,
+        _retrieve,
+        offloaded=_retrieve_offloaded,
+        scope=tenants.scope,
+        watched=_unless_inline,
+    ),
+    Route(
+        p.RetrieveKeys,
+        ("retrieve_keys", "retrieve_keys"),
+        Limits.named,
+        _retrieve,
+        offloaded=_retrieve_keys_offloaded,
+        scope=tenants.scope_names,
+        watched=_unless_inline,
+    ),
+    Route(p.RetrieveDone, ("retrieve", "done"), Limits.nothing, _retrieve_done),
+    # sessions
+    Route(p.Release, ("release", "release"), Limits.session, _release, scope=tenants.scope_session),
+    Route(
+        p.EndSession,
+        ("end_session", "end_session"),
+        Limits.session,
+        _end_session,
+        scope=tenants.scope_session,
+    ),
+)
+
+_BY_TYPE: dict[type, Route[Any]] = {route.request: route for route in ROUTES}
+
+
+def route_of(req: object) -> Route[Any]:
+    """The route of a decoded request."""
+    route = _BY_TYPE.get(type(req))
+    if route is None:
+        raise InternalError(f"no handler for {type(req).__name__}")
+    return route
