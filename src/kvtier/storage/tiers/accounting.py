@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvtier.storage.tiers import format as fmt
-from kvtier.storage.tiers.base import LATENCY_BOUNDS_S, Latency, TierStats
+from kvtier.storage.tiers.base import LATENCY_BOUNDS_S, CodecStats, Latency, TierStats
 
 #: a tier is reported unhealthy for this long after an error
 UNHEALTHY_FOR_S = 5.0
@@ -150,6 +150,7 @@ class TierCounters:
         capacity_bytes: int,
         healthy: bool = True,
         extra: dict[str, int] | None = None,
+        codec: CodecStats | None = None,
     ) -> TierStats:
         """The typed stats; `healthy` is ANDed with "no error in the last UNHEALTHY_FOR_S"."""
         with self._lock:
@@ -178,4 +179,5 @@ class TierCounters:
                 read_latency=self._read.frozen(),
                 write_latency=self._write.frozen(),
                 extra=out_extra,
+                codec=codec or CodecStats(),
             )

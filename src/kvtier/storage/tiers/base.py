@@ -45,6 +45,31 @@ class Latency(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         )
 
 
+class CodecStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What a tier's codec did since the tier was opened (see `kvtier.storage.tiers.codecs`).
+
+    `raw_bytes` are the payload bytes the tier was given to write and `stored_bytes` what they
+    took once encoded (the same for `none`, and for objects a codec stores plain: `stored_raw`
+    counts those); `ratio` is raw over stored. `decoded_bytes` are payload bytes reads decoded
+    from coded objects (any codec: a tier reads what it stored under an earlier codec too).
+    """
+
+    name: str = "none"
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    encoded: int = 0  # objects stored coded
+    stored_raw: int = 0  # objects the codec could not take (their dtype), or did not shrink
+    encode_s: float = 0.0
+    decoded: int = 0  # coded objects read back
+    decoded_bytes: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Payload bytes written per byte stored (1.0 before any write)."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
 class TierStats(msgspec.Struct, frozen=True, kw_only=True):
     """One tier's counters and gauges, as /health, /metrics and the status page read them.
 
@@ -76,6 +101,7 @@ class TierStats(msgspec.Struct, frozen=True, kw_only=True):
     read_latency: Latency
     write_latency: Latency
     extra: dict[str, int] = msgspec.field(default_factory=dict)
+    codec: CodecStats = msgspec.field(default_factory=CodecStats)
 
 
 @runtime_checkable

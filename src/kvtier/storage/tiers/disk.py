@@ -58,6 +58,7 @@ from kvtier.storage.tiers import files
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
 from kvtier.storage.tiers.base import TierStats
+from kvtier.storage.tiers.codecs import Prepared, TierCodec, parse_codec
 from kvtier.storage.tiers.options import PARSERS, parse_url
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ logger = logging.getLogger(__name__)
 MAX_NAME = 200  # file names longer than this are hashed (most filesystems allow 255 bytes)
 TEMP_PREFIX = files.TEMP_PREFIX
 DEFAULT_CAPACITY = 10 << 30  # for a URL without ?size=
-OPTIONS = {"size": PARSERS["size"], "fsync": PARSERS["bool"]}
+OPTIONS = {"size": PARSERS["size"], "fsync": PARSERS["bool"], "codec": parse_codec}
 _EXTRA = ("evictions", "stale_temps_removed", "unchanged", "disk_full")
 _FREE_CHECK_S = 1.0  # statvfs at most this often
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -85,6 +86,7 @@ class _Read(NamedTuple):
     path: str
     st: os.stat_result
     payload_digest: bytes | None  # computed while reading
+    stored: bytearray | None = None  # a coded object's stored payload (out not filled yet)
 
 
 class _Truncated(Exception):
@@ -116,6 +118,7 @@ class DiskTier:
         *,
         fsync: bool = False,
         name: str = "disk",
+        codec: str = "none",
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 (0 = unbounded), got {capacity_bytes}")
@@ -124,6 +127,7 @@ class DiskTier:
         self._root_text = str(self.root).rstrip("/")
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self._codec = TierCodec(codec)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         _check_writable(self.root)
         self._lock = threading.Lock()
@@ -152,11 +156,12 @@ class DiskTier:
 
     @classmethod
     def from_url(cls, url: str) -> DiskTier:
-        """A tier from "disk:///abs/path?size=50GiB&fsync=1" or "disk://relative/path".
+        """A tier from "disk:///abs/path?size=50GiB&fsync=1&codec=zstd" or "disk://relative/path".
 
         In "disk://relative/path" everything after "//" is a path relative to the current
         working directory when the tier is opened; "disk:///abs" (three slashes) is absolute and
         "disk://~/x" is under the home folder. `size` defaults to 10GiB; "0" means unbounded.
+        `codec` (none, zstd, fp8; see `codecs`) is how new objects are stored.
         """
         parts, options = parse_url(url, OPTIONS, tier="disk")
         if parts.scheme.lower() != "disk":
@@ -166,7 +171,8 @@ class DiskTier:
             raise ValueError(f"disk tier URL without a path: {url!r}")
         size = options.get("size", DEFAULT_CAPACITY)
         fsync = options.get("fsync", False)
-        return cls(os.path.abspath(os.path.expanduser(path)), size, fsync=fsync)
+        codec = options.get("codec", "none")
+        return cls(os.path.abspath(os.path.expanduser(path)), size, fsync=fsync, codec=codec)
 
     # -- naming --------------------------------------------------------------------------------
 
@@ -302,20 +308,12 @@ class DiskTier:
         A write that finds the filesystem full shrinks the effective capacity, evicts and is
         tried once more (see the module docstring).
         """
-        self._put(key, fmt.byte_view(data), layout, None, resumable)
+        self._put(key, self._codec.prepare(fmt.byte_view(data), layout), layout, resumable)
 
-    def _put(
-        self,
-        key: ObjectKey,
-        view: memoryview,
-        layout: str,
-        payload_digest: bytes | None,
-        resumable: bool = True,
-    ) -> None:
+    def _put(self, key: ObjectKey, prepared: Prepared, layout: str, resumable: bool = True) -> None:
         text = key.to_str()
-        header = fmt.encode_header(
-            text, layout, view, aligned=True, payload_digest=payload_digest, resumable=resumable
-        )
+        view = prepared.payload
+        header = self._codec.header(text, layout, prepared, aligned=True, resumable=resumable)
         size = len(header) + len(view)
         if self.capacity_bytes and size > self.capacity_bytes:
             raise ValueError(
@@ -427,19 +425,28 @@ class DiskTier:
     ) -> int:
         """`put` each item; a failed one is logged and counted in `errors`, not raised.
 
-        The digests of objects of `fmt.BLOCK` bytes or more are computed ahead on the digest
-        thread, so the next object is hashed while this one is written (both release the GIL).
+        The digests of objects of `fmt.BLOCK` bytes or more (with a codec: the encoding and the
+        digest of every object) are computed ahead on the digest thread, so the next object is
+        prepared while this one is written (both release the GIL).
         """
         views = [fmt.byte_view(data) for _, data, _ in items]
-        ahead: list[Future[bytes] | None] = [None] * len(items)
+        ahead: list[Future[Prepared] | None] = [None] * len(items)
         if len(items) > 1:
             pool = self._digester()
-            ahead = [pool.submit(fmt.digest, v) if len(v) >= fmt.BLOCK else None for v in views]
+            coded = self._codec.codec.id != 0
+            ahead = [
+                pool.submit(self._codec.prepare, v, layout)
+                if coded or len(v) >= fmt.BLOCK
+                else None
+                for (_, _, layout), v in zip(items, views, strict=True)
+            ]
         written = 0
         for (key, _, layout), view, pending in zip(items, views, ahead, strict=True):
             try:
-                digest = None if pending is None else pending.result()
-                self._put(key, view, layout, digest, key not in unresumable)
+                prepared = (
+                    self._codec.prepare(view, layout) if pending is None else pending.result()
+                )
+                self._put(key, prepared, layout, key not in unresumable)
                 written += 1
             except (OSError, ValueError) as exc:
                 self._counters.warn("write", f"disk tier: cannot write {key}: {exc}")
@@ -522,6 +529,7 @@ class DiskTier:
                 expected_header = fmt.header_size(text, layout)
             header: fmt.Header | None = None
             payload_digest: bytes | None = None
+            stored: bytearray | None = None
             if total == expected_header + n:
                 head = bytearray(expected_header)
                 if not hash_blocks:
@@ -538,22 +546,30 @@ class DiskTier:
                         header = fmt.decode_split_header(head, out)
                     except _Truncated:  # shrank since fstat: corrupt or being replaced
                         header = None
-            else:  # cannot be a hit; read the header alone to tell a mismatch from corruption
+            else:  # not plain: read the header to tell a coded object, a mismatch, corruption
                 header = fmt.decode_header(os.pread(fd, fmt.FIXED_SIZE + 2 * fmt.MAX_TEXT, 0))
+                if fmt.judge(header, text, layout, n, total) is fmt.Verdict.CODED:
+                    assert header is not None
+                    stored = bytearray(header.payload_len)
+                    if os.preadv(fd, [stored], header.size) != len(stored):
+                        header, stored = None, None  # shrank since fstat
         except OSError as exc:
             self._read_error(key, exc)
             return None
         finally:
             os.close(fd)
-        return _Read(key, text, layout, out, header, total, path, st, payload_digest)
+        return _Read(key, text, layout, out, header, total, path, st, payload_digest, stored)
 
     def _check(self, read: _Read | None) -> fmt.Hit:
         """The checking half of a read: verdict, digest, counters; a corrupt file is deleted."""
         if read is None:
             return fmt.Hit.MISS
-        verdict = fmt.verify(
-            read.header, read.text, read.layout, read.out, read.total, read.payload_digest
-        )
+        if read.stored is not None and read.header is not None:
+            verdict = self._codec.decode_into(read.header, memoryview(read.stored), read.out)
+        else:
+            verdict = fmt.verify(
+                read.header, read.text, read.layout, read.out, read.total, read.payload_digest
+            )
         hit = self._counters.settle(verdict, len(read.out))
         if hit:
             with self._lock:
@@ -651,6 +667,7 @@ class DiskTier:
             used_bytes=used,
             capacity_bytes=self.capacity_bytes,
             extra={"effective_capacity": effective},
+            codec=self._codec.stats(),
         )
 
     def close(self) -> None:

@@ -15,6 +15,13 @@ Flag `UNRESUMABLE`: the shard is no point an engine can resume from (a chunk who
 the engine did not materialize; see `protocol.Reserve.resumable`). A read of such an object
 says so (`Verdict.UNRESUMABLE`, `Hit.UNRESUMABLE`), so a chunk loaded back into L1 keeps the
 mark. Objects written before the flag existed read as resume points.
+
+Flag `CODED`: the payload is stored through a codec (`kvtier.storage.tiers.codecs`): a codec
+record follows the texts (before any padding): u8 codec id, 3 zero bytes, u64 length of the
+decoded payload. The digest and the payload length are those of the stored (encoded) bytes, so
+damage is caught before anything is decoded. A tier stores a coded object only when it is
+smaller than the plain one, so a read that expects the plain size never takes a coded object
+for a plain one. Readers before the flag existed see such an object as unreadable.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ DIGEST_AT = slice(FIXED_SIZE - 16, FIXED_SIZE)  # where an encoded header holds 
 MAX_TEXT = 0xFFFF  # key and layout lengths are u16
 ALIGNED = 1  # flag: the header is padded to a multiple of ALIGN
 UNRESUMABLE = 2  # flag: the shard is no resume point
+CODED = 4  # flag: a codec record follows the texts; the payload is encoded
+_CODEC = struct.Struct("<B3xQ")
 ALIGN = 4096
 
 
@@ -47,12 +56,19 @@ class Header(NamedTuple):
     digest: bytes
     size: int
     resumable: bool = True
+    codec: int = 0  # the codec id of a CODED object (0: plain)
+    raw_len: int = -1  # the decoded payload's length (a plain object's: payload_len)
+
+    @property
+    def decoded_len(self) -> int:
+        return self.payload_len if self.raw_len < 0 else self.raw_len
 
 
 class Verdict(enum.Enum):
     """What a read may do with a stored object, judged from its header."""
 
     OK = "ok"  # header matches the request; the payload digest is still to be checked
+    CODED = "coded"  # as OK, but the payload is encoded: digest it, then decode it
     UNRESUMABLE = "unresumable"  # as OK, digest checked, and the shard is no resume point
     LAYOUT_MISMATCH = "layout"  # a sound object with another layout: a miss, kept
     SIZE_MISMATCH = "size"  # a sound object whose payload is not the caller's buffer size: kept
@@ -99,9 +115,9 @@ def _padded(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def header_size(key_text: str, layout: str, *, aligned: bool = False) -> int:
+def header_size(key_text: str, layout: str, *, aligned: bool = False, coded: bool = False) -> int:
     """The header length for this key and layout (the payload starts right after it)."""
-    size = FIXED_SIZE + len(key_text) + len(layout.encode())
+    size = FIXED_SIZE + len(key_text) + len(layout.encode()) + (_CODEC.size if coded else 0)
     return _padded(size) if aligned else size
 
 
@@ -113,19 +129,23 @@ def encode_header(
     aligned: bool = False,
     payload_digest: bytes | None = None,
     resumable: bool = True,
+    codec: int = 0,
+    raw_len: int = 0,
 ) -> bytes:
     """The header for `payload` stored under `key_text` with `layout`; `aligned` pads it so the
     payload starts at a multiple of `ALIGN`. `payload_digest`: `digest(payload)`, when the
-    caller computed it already. `resumable` False sets `UNRESUMABLE`."""
+    caller computed it already. `resumable` False sets `UNRESUMABLE`. A `codec` id other than
+    0 sets `CODED`: `payload` is that codec's encoding of `raw_len` bytes."""
     key_b = key_text.encode("ascii")
     layout_b = layout.encode()
     if len(key_b) > MAX_TEXT or len(layout_b) > MAX_TEXT:
         raise ValueError(f"key or layout longer than {MAX_TEXT} bytes: layout={layout[:80]!r}")
     n = memoryview(payload).nbytes
     flags = (ALIGNED if aligned else 0) | (0 if resumable else UNRESUMABLE)
+    flags |= CODED if codec else 0
     dig = digest(payload) if payload_digest is None else payload_digest
     fixed = _FIXED.pack(MAGIC, VERSION, len(key_b), len(layout_b), flags, n, dig)
-    header = fixed + key_b + layout_b
+    header = fixed + key_b + layout_b + (_CODEC.pack(codec, raw_len) if codec else b"")
     return header + bytes(_padded(len(header)) - len(header)) if aligned else header
 
 
@@ -135,33 +155,39 @@ def decode_header(buf: Buffer) -> Header | None:
     if len(view) < FIXED_SIZE:
         return None
     magic, version, key_len, layout_len, flags, payload_len, dig = _FIXED.unpack_from(view)
-    if magic != MAGIC or version != VERSION or flags & ~(ALIGNED | UNRESUMABLE):
+    if magic != MAGIC or version != VERSION or flags & ~(ALIGNED | UNRESUMABLE | CODED):
         return None
-    end = FIXED_SIZE + key_len + layout_len
+    texts = FIXED_SIZE + key_len + layout_len
+    end = texts + (_CODEC.size if flags & CODED else 0)
     if len(view) < end:
+        return None
+    codec, raw_len = _CODEC.unpack_from(view, texts) if flags & CODED else (0, -1)
+    if flags & CODED and not codec:
         return None
     try:
         key_text = bytes(view[FIXED_SIZE : FIXED_SIZE + key_len]).decode("ascii")
-        layout = bytes(view[FIXED_SIZE + key_len : end]).decode()
+        layout = bytes(view[FIXED_SIZE + key_len : texts]).decode()
     except UnicodeDecodeError:
         return None
     size = _padded(end) if flags & ALIGNED else end
-    return Header(key_text, layout, payload_len, dig, size, not flags & UNRESUMABLE)
+    return Header(key_text, layout, payload_len, dig, size, not flags & UNRESUMABLE, codec, raw_len)
 
 
 def judge(header: Header | None, key_text: str, layout: str, out_len: int, total: int) -> Verdict:
     """Whether a stored object of `total` bytes with `header` may serve a read of `out_len` bytes.
 
     A header whose payload length disagrees with the object's real size is corrupt (truncated or
-    padded); a sound object that only differs in layout or size is a plain miss and is kept.
+    padded); a sound object that only differs in layout or (decoded) size is a plain miss and is
+    kept. A sound coded object is `Verdict.CODED`: the caller digests and decodes its payload
+    (`codecs.TierCodec.decode_into`).
     """
     if header is None or header.key_text != key_text or header.size + header.payload_len != total:
         return Verdict.CORRUPT
     if header.layout != layout:
         return Verdict.LAYOUT_MISMATCH
-    if header.payload_len != out_len:
+    if header.decoded_len != out_len:
         return Verdict.SIZE_MISMATCH
-    return Verdict.OK
+    return Verdict.CODED if header.codec else Verdict.OK
 
 
 def decode_split_header(head: Buffer, payload: Buffer) -> Header | None:
@@ -187,9 +213,12 @@ def verify(
     """The verdict on a read of `out` from an object of `total` bytes with `header`: `judge`,
     then the payload digest (`payload_digest` when the reader computed it while reading, see
     `read_hashed`) for an object that may serve the read: OK, or UNRESUMABLE for a shard that
-    is no resume point. Every tier's read path ends here."""
+    is no resume point. Every tier's read path of plain objects ends here; a coded object read
+    as if plain (a size no tier writes) is a kept miss."""
     view = memoryview(out)
     verdict = judge(header, key_text, layout, view.nbytes, total)
+    if verdict is Verdict.CODED:
+        return Verdict.SIZE_MISMATCH
     if verdict is Verdict.OK:
         assert header is not None
         actual = digest(view) if payload_digest is None else payload_digest

@@ -38,6 +38,7 @@ from kvtier.redaction import redact
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
 from kvtier.storage.tiers.base import TierStats
+from kvtier.storage.tiers.codecs import TierCodec, parse_codec
 from kvtier.storage.tiers.mooncake_io import (
     CallTimeout,
     Deadlines,
@@ -62,6 +63,7 @@ OPTIONS = {
     "timeout": PARSERS["seconds"],
     "cooldown": PARSERS["seconds"],
     "metrics": PARSERS["str"],
+    "codec": parse_codec,
 }
 PROTOCOLS = ("tcp", "rdma")
 MIN_SEGMENT = 16 << 20  # a smaller segment fails Mooncake's setup
@@ -136,6 +138,7 @@ class MooncakeTier:
         metrics: str = "",
         name: str = "mooncake",
         url: str = "",
+        codec: str = "none",
     ) -> None:
         where = redact(url or f"mooncake://{master}/")
         if protocol not in PROTOCOLS:
@@ -166,6 +169,7 @@ class MooncakeTier:
         self.cooldown = cooldown
         self._metrics = metrics
         self._counters = TierCounters(logger, _EXTRA)
+        self._codec = TierCodec(codec)
         self._down_until = float("-inf")
         self._figures = (0, 0, 0)
         self._figures_at = float("-inf")
@@ -195,7 +199,8 @@ class MooncakeTier:
         the pool, may be 0; default 1GiB), buffer (the registered transfer buffer for headers
         and payloads outside the arena; default 64MiB), host (the address this kvtier
         advertises; default the interface that routes to the master), prefix, timeout and
-        cooldown (seconds), metrics (the master's metrics URL, for the pool's figures).
+        cooldown (seconds), metrics (the master's metrics URL, for the pool's figures), codec
+        (none, zstd, fp8: how new objects are stored, see `codecs`).
         """
         parts, kwargs = parse_url(url, OPTIONS, tier="Mooncake")
         if not parts.hostname:
@@ -295,8 +300,11 @@ class MooncakeTier:
         sizes: list[list[int]] = []
         nbytes = 0
         for key, data, layout in items:
-            view = fmt.byte_view(data)
-            header = fmt.encode_header(key.to_str(), layout, view, resumable=key not in unresumable)
+            prepared = self._codec.prepare(fmt.byte_view(data), layout)
+            view = prepared.payload  # a coded one goes through the staging buffer
+            header = self._codec.header(
+                key.to_str(), layout, prepared, resumable=key not in unresumable
+            )
             at = self._take(len(header), held)
             payload_at = None if at is None else self._place(view, held, copy_in=True)
             if at is None or payload_at is None:
@@ -363,7 +371,8 @@ class MooncakeTier:
         key, layout, size and digest; anything else is a miss, never bytes handed out.
 
         The master is asked first (bounded by `timeout`) which objects exist and their sizes;
-        only objects of exactly the expected size are transferred into the buffers. That
+        objects of exactly the expected size are transferred into the buffers, smaller ones
+        (coded objects, or others to tell apart) whole into the staging buffer. That
         transfer is waited for whole: a buffer is never given back while the pool may still
         write into it.
         """
@@ -394,11 +403,17 @@ class MooncakeTier:
     ) -> None:
         held: list[tuple[int, int]] = []
         exact: list[tuple[int, int, int]] = []  # (job index, header offset, payload address)
+        whole: list[tuple[int, int, int]] = []  # (job index, staging offset, object size)
         for i, (key, out, layout) in enumerate(jobs):
             size = sizes.get(names[i])
             if size is None:
                 continue
             hsize = fmt.header_size(key.to_str(), layout)
+            if size < hsize + len(out) and self._staging.size >= size:
+                at = self._take(size, held)
+                if at is not None:
+                    whole.append((i, at, size))
+                continue
             if size != hsize + len(out):
                 verdicts[i] = self._judge_whole(names[i], key, out, layout, size)
                 continue
@@ -407,8 +422,8 @@ class MooncakeTier:
             if at is not None and payload_at is not None:
                 exact.append((i, at, payload_at))
         try:
-            if exact:
-                self._transfer(jobs, names, exact, verdicts)
+            if exact or whole:
+                self._transfer(jobs, names, exact, whole, verdicts)
         finally:
             self._staging.give(held)
 
@@ -417,17 +432,27 @@ class MooncakeTier:
         jobs: list[tuple[ObjectKey, memoryview, str]],
         names: list[str],
         exact: list[tuple[int, int, int]],
+        whole: list[tuple[int, int, int]],
         verdicts: list[fmt.Verdict | None],
     ) -> None:
         stage = self._staging
         hsizes = [fmt.header_size(jobs[i][0].to_str(), jobs[i][2]) for i, _, _ in exact]
         codes = self._store.batch_get_into_multi_buffers(
-            [names[i] for i, _, _ in exact],
-            [[stage.address + at, payload_at] for _, at, payload_at in exact],
-            [[h, len(jobs[i][1])] for (i, _, _), h in zip(exact, hsizes, strict=True)],
+            [names[i] for i, _, _ in exact] + [names[i] for i, _, _ in whole],
+            [[stage.address + at, payload_at] for _, at, payload_at in exact]
+            + [[stage.address + at] for _, at, _ in whole],
+            [[h, len(jobs[i][1])] for (i, _, _), h in zip(exact, hsizes, strict=True)]
+            + [[size] for _, _, size in whole],
         )
         errors = []
-        for (i, at, payload_at), hsize, rc in zip(exact, hsizes, codes, strict=True):
+        for (i, at, size), rc in zip(whole, codes[len(exact) :], strict=True):
+            if rc != size:
+                if rc != _NOT_FOUND:
+                    errors.append(rc)
+                continue
+            key, out, layout = jobs[i]
+            verdicts[i] = self._codec.read_whole(stage.view(at, size), key.to_str(), layout, out)
+        for (i, at, payload_at), hsize, rc in zip(exact, hsizes, codes, strict=False):
             key, out, layout = jobs[i]
             total = hsize + len(out)
             if rc != total:
@@ -447,8 +472,9 @@ class MooncakeTier:
         self, name: str, key: ObjectKey, out: memoryview, layout: str, size: int
     ) -> fmt.Verdict | None:
         """The verdict on an object whose size does not fit the read: read it whole (a copy, in
-        Mooncake's own buffer) to tell a sound object of another layout or size from a damaged
-        one. One larger than that buffer is counted as a size mismatch."""
+        Mooncake's own buffer) to decode a coded one that did not fit the staging buffer, or to
+        tell a sound object of another layout or size from a damaged one. One larger than that
+        buffer is counted as a size mismatch."""
         if size > _CLIENT_BUFFER:
             return fmt.Verdict.SIZE_MISMATCH
         try:
@@ -457,8 +483,7 @@ class MooncakeTier:
             return None
         if not value:  # b"" is how the client says "not stored"
             return None
-        header = fmt.decode_header(value)
-        return fmt.judge(header, key.to_str(), layout, len(out), len(value))
+        return self._codec.read_whole(memoryview(value), key.to_str(), layout, out)
 
     # -- index verbs ---------------------------------------------------------------------------
 
@@ -539,6 +564,7 @@ class MooncakeTier:
             capacity_bytes=capacity,
             healthy=time.monotonic() >= self._down_until,
             extra={"staging_bytes": self._staging.size, "late_now": self._calls.late},
+            codec=self._codec.stats(),
         )
 
     def close(self) -> None:

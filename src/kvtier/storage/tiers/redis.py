@@ -39,6 +39,7 @@ from kvtier.storage.observers import NO_OBSERVER, Removal, StorageObserver
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers.accounting import TierCounters
 from kvtier.storage.tiers.base import TierStats
+from kvtier.storage.tiers.codecs import TierCodec, parse_codec
 from kvtier.storage.tiers.options import PARSERS, parse_url
 from kvtier.storage.tiers.redis_watch import KeyEventWatch
 from kvtier.storage.tiers.resp import Node, Redirect, Wire, command, set_parts
@@ -54,6 +55,7 @@ OPTIONS = {
     "timeout": PARSERS["seconds"],
     "cooldown": PARSERS["seconds"],
     "max_connections": PARSERS["int"],
+    "codec": parse_codec,
 }
 _EXTRA = ("skipped", "redirects", "refreshes")
 _CLEAR_BATCH = 512
@@ -121,11 +123,13 @@ class RespTier:
     _counters: TierCounters
     _executor: ThreadPoolExecutor | None
     _observer: StorageObserver
+    _codec: TierCodec
 
-    def _init_common(self, name: str, prefix: str, ttl: int | None) -> None:
+    def _init_common(self, name: str, prefix: str, ttl: int | None, codec: str) -> None:
         self.name = name
         self.prefix = prefix
         self.ttl = ttl
+        self._codec = TierCodec(codec)
         self._counters = TierCounters(logger, _EXTRA)
         self._executor = None
         self._observer = NO_OBSERVER
@@ -323,10 +327,11 @@ class RespTier:
         if not items:
             return 0
         names = [self.redis_key(key).encode() for key, _, _ in items]
-        views = [fmt.byte_view(data) for _, data, _ in items]
+        prepared = [self._codec.prepare(fmt.byte_view(data), layout) for _, data, layout in items]
+        views = [p.payload for p in prepared]
         headers = [
-            fmt.encode_header(key.to_str(), layout, view, resumable=key not in unresumable)
-            for (key, _, layout), view in zip(items, views, strict=True)
+            self._codec.header(key.to_str(), layout, p, resumable=key not in unresumable)
+            for (key, _, layout), p in zip(items, prepared, strict=True)
         ]
 
         def send(i: int) -> list[Buffer]:
@@ -344,11 +349,11 @@ class RespTier:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    @staticmethod
     def _receive(
-        wire: Wire, key: ObjectKey, out: memoryview, layout: str
+        self, wire: Wire, key: ObjectKey, out: memoryview, layout: str
     ) -> fmt.Verdict | Redirect | None:
-        """Read one GET reply, its payload straight into `out`; None for a nil reply."""
+        """Read one GET reply, its payload straight into `out` (a coded object's decoded into
+        it); None for a nil reply."""
         n = wire.bulk_len()
         if isinstance(n, Redirect):
             return n
@@ -363,11 +368,11 @@ class RespTier:
             payload_digest = fmt.read_hashed(out, lambda block, _: wire.read_into(block))
             wire.crlf()
             header = fmt.decode_split_header(head, out)
-        else:  # cannot be a hit; read it whole to tell a mismatch from corruption
+        else:  # not plain: read it whole to decode it or tell a mismatch from corruption
             value = bytearray(n)
             wire.read_into(memoryview(value))
             wire.crlf()
-            header = fmt.decode_header(value)
+            return self._codec.read_whole(memoryview(value), text, layout, out)
         return fmt.verify(header, text, layout, out, n, payload_digest)
 
     def get_into(self, key: ObjectKey, out: memoryview, layout: str) -> fmt.Hit:
@@ -462,6 +467,7 @@ class RedisTier(RespTier):
         cooldown: float = 1.0,
         max_connections: int = 16,
         name: str = "redis",
+        codec: str = "none",
     ) -> None:
         scheme, sep, rest = url.partition("://")
         if not sep or scheme.lower() not in _SCHEMES:
@@ -469,7 +475,7 @@ class RedisTier(RespTier):
                 f"not a Redis/Valkey URL: {redact(url)!r} (schemes: {sorted(_SCHEMES)})"
             )
         check_options(prefix, ttl, connect_timeout, timeout, cooldown)
-        self._init_common(name, prefix, ttl)
+        self._init_common(name, prefix, ttl, codec)
         self.cooldown = cooldown
         self.url = f"{_SCHEMES[scheme.lower()]}://{rest}"
         self._pool = redis.ConnectionPool.from_url(
@@ -537,7 +543,8 @@ class RedisTier(RespTier):
         """A tier from "redis://host:port/db?prefix=kvtier&ttl=3600" (also rediss://, valkey://).
 
         Options: prefix, ttl (seconds), connect_timeout and timeout (seconds, socket timeouts),
-        cooldown (seconds a failed server is skipped), max_connections.
+        cooldown (seconds a failed server is skipped), max_connections, codec (none, zstd,
+        fp8: how new objects are stored, see `codecs`).
         """
         parts, kwargs = parse_url(url, OPTIONS, tier="Redis")
         return cls(parts._replace(query="", fragment="").geturl(), **kwargs)
@@ -592,6 +599,7 @@ class RedisTier(RespTier):
                 "ttl": self.ttl or 0,
                 "removals_watched": int(self._watch is not None and self._watch.watching),
             },
+            codec=self._codec.stats(),
         )
 
     def close(self) -> None:

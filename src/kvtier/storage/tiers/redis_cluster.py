@@ -100,13 +100,14 @@ class RedisClusterTier(RespTier):
         max_connections: int = 16,
         refresh_interval: float = 0.25,
         name: str = "redis-cluster",
+        codec: str = "none",
     ) -> None:
         if not seeds:
             raise ValueError("a cluster tier needs at least one seed node")
         check_options(prefix, ttl, connect_timeout, timeout, cooldown)
         if refresh_interval < 0:
             raise ValueError(f"refresh_interval must be >= 0 seconds, got {refresh_interval}")
-        self._init_common(name, prefix, ttl)
+        self._init_common(name, prefix, ttl, codec)
         self.seeds = list(seeds)
         self.cooldown = cooldown
         self.refresh_interval = refresh_interval
@@ -138,7 +139,7 @@ class RedisClusterTier(RespTier):
         (also valkey+cluster://, and rediss+cluster:// or valkeys+cluster:// for TLS).
 
         The hosts are seed nodes: the rest of the cluster is discovered. Options: those of the
-        Redis tier (prefix, ttl, connect_timeout, timeout, cooldown, max_connections) plus
+        Redis tier (prefix, ttl, connect_timeout, timeout, cooldown, max_connections, codec) plus
         refresh_interval (seconds between topology refreshes, 0.25 by default).
         """
         parts, options = parse_url(url, OPTIONS, tier="Redis Cluster")
@@ -323,6 +324,7 @@ class RedisClusterTier(RespTier):
                 "masters_down": down,
                 "uncovered_slots": uncovered,
             },
+            codec=self._codec.stats(),
         )
 
     def close(self) -> None:
