@@ -3,16 +3,18 @@
 A chunk of float16, bfloat16 or float32 values is cut into blocks of `BLOCK` consecutive
 elements. Each block gets one scale 2**k, the smallest power of two with max|block| <= 448 * 2**k
 (448 is e4m3's largest finite value), and each element x is stored as the e4m3 value nearest
-to x / 2**k (round to nearest even): one byte. The stored form is the blocks' exponents k (one
-int8 each) followed by the codes (one uint8 per element), so a 2-byte dtype shrinks to
-(1 + 1/128) / 2 of its size and float32 to a quarter of that again.
+to x / 2**k (round to nearest even; one that would decode past the dtype's largest value takes
+the e4m3 value below). The stored form is one byte per block (k, offset) followed by one code
+byte per element, so a 2-byte dtype shrinks to (1 + 1/128) / 2 of its size and float32 to a
+quarter of that again.
 
-Accuracy, element-wise (`error_bound`): |decoded - x| <= |x| / 16 + max|block| / 2**17, plus half
-the smallest subnormal step of the dtype (fp16: 2**-25). The first term is e4m3's 3-bit
-mantissa (half a step is at most 1/16 of the value), the second its subnormal range, where the
-step is 2**(k-9) and 2**k < max|block| / 224. A power-of-two scale divides exactly, and every
-e4m3 value times 2**k is exactly a float16/bfloat16/float32 value (4 significant bits) apart from
-float16's subnormals, hence the last term. Zeros (with their sign) stay exact.
+Accuracy, element-wise (`error_bound`): |decoded - x| <= |x| / 16 + max|block| / 2**17 + tiny,
+where tiny is 2**-25 for float16, 2**-134 for bfloat16, 2**-145 for float32. The first term is
+e4m3's 3-bit mantissa (half a step is at most 1/16 of the value), the second its subnormal
+range, where the step is 2**(k-9) and 2**k < max|block| / 224. A power-of-two scale divides
+exactly, and every e4m3 value times 2**k is exactly a value of the dtype (4 significant bits)
+apart from float16's subnormals (tiny: half their step); float32 blocks below 448 * 2**-135 share
+the lowest scale (tiny: half e4m3's step there). Zeros (with their sign) stay exact.
 
 Speed comes from table lookups: encoding a 2-byte dtype maps each element's 16 bits to its code
 through a 64 KiB table per scale; decoding maps each pair of codes to the pair of decoded values
@@ -37,14 +39,16 @@ E4M3_MAX = 448.0
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: dtype name -> (numpy dtype, lowest scale exponent, highest): the exponents of the scales a
-#: finite block of that dtype can need (all-zero blocks use 0)
+#: finite block of that dtype can need, stored as one byte each (k - lowest), so at most 256
+#: of them: float32 blocks below 448 * 2**-135 (all subnormal) use 2**-135
 DTYPES: dict[str, tuple[np.dtype[np.generic], int, int]] = {
     "float16": (np.dtype(np.float16), -32, 8),
-    "bfloat16": (BF16, -141, 120),
-    "float32": (np.dtype(np.float32), -158, 120),
+    "bfloat16": (BF16, -135, 120),
+    "float32": (np.dtype(np.float32), -135, 120),
 }
-#: half the smallest subnormal step of each dtype: the decoded value's own rounding
-_TINY = {"float16": 2.0**-25, "bfloat16": 2.0**-134, "float32": 2.0**-150}
+#: the absolute error left below the lowest scale: half the smallest subnormal step of float16
+#: and bfloat16 (the decoded value's own rounding), half e4m3's step at 2**-135 for float32
+_TINY = {"float16": 2.0**-25, "bfloat16": 2.0**-134, "float32": 2.0**-145}
 _MAX_CLASSES = 16  # scales whose tables one lookup puts side by side (16 x 256 KiB at most)
 _CODES = np.arange(256, dtype=np.uint8).view(F8).astype(np.float64)
 
@@ -85,11 +89,28 @@ def _values(dtype: str) -> npt.NDArray[np.float64]:
         return (bits << 16).view(np.float32).astype(np.float64)
 
 
+@functools.lru_cache(maxsize=512)
+def _limit(dtype: str, k: int) -> int:
+    """The largest e4m3 magnitude code whose value times 2**k is finite in `dtype`: a value
+    near the dtype's largest rounds down to it, not up to infinity (65504 -> 61440 in float16,
+    within the bound: one e4m3 step)."""
+    top = float(np.finfo(DTYPES[dtype][0]).max)
+    return int(np.flatnonzero(_CODES[:0x7F] * 2.0**k <= top)[-1])
+
+
+def _cap(codes: npt.NDArray[np.uint8], limit: int) -> None:
+    """Lower codes whose magnitude is above `limit` to it, sign kept (in place)."""
+    over = (codes & 0x7F) > limit
+    codes[over] = (codes[over] & 0x80) | limit
+
+
 @functools.lru_cache(maxsize=64)
 def _encode_table(dtype: str, k: int) -> npt.NDArray[np.uint8]:
     """16-bit pattern -> e4m3 code of its value / 2**k (entries above 448 * 2**k unused)."""
     with np.errstate(all="ignore"):
-        return (_values(dtype) * 2.0**-k).astype(F8).view(np.uint8)
+        codes = (_values(dtype) * 2.0**-k).astype(F8).view(np.uint8)
+    _cap(codes, _limit(dtype, k))
+    return codes
 
 
 def _decoded_bits(dtype: str, k: int) -> npt.NDArray[np.uint32]:
@@ -144,10 +165,11 @@ def _lookup(kind: str, dtype: str, keys: Array, ks: npt.NDArray[np.int16], out: 
 
 
 def _exponents(block_max: npt.NDArray[np.float64], lo: int, hi: int) -> npt.NDArray[np.int16]:
-    """The smallest k with block_max <= 448 * 2**k per block (0 for an all-zero block)."""
+    """The smallest k with block_max <= 448 * 2**k per block, at least `lo` (an all-zero
+    block: `lo`)."""
     with np.errstate(divide="ignore"):
         k = np.ceil(np.log2(block_max / E4M3_MAX))
-    k = np.where(block_max > 0, k, 0.0)
+    k = np.where(block_max > 0, k, float(lo))
     # log2 may land one off at exact powers of two: settle it exactly
     k = np.where(block_max > E4M3_MAX * np.exp2(k), k + 1, k)
     k = np.where((block_max > 0) & (block_max <= E4M3_MAX * np.exp2(k - 1)), k - 1, k)
@@ -176,9 +198,18 @@ def encode(data: memoryview, dtype: str) -> bytes | None:
         if not np.isfinite(block_max).all():
             return None
         ks = _exponents(block_max, lo, hi)
+        # x / 2**k in float32, exactly: in two steps where 2**-k itself is past float32's range
+        first = np.clip(-ks, -126, 126)
         with np.errstate(all="ignore"):
-            scaled = x * np.exp2(-ks.astype(np.float32))[:, None]
+            scaled = x * np.exp2(first.astype(np.float32))[:, None]
+            if (first != -ks).any():
+                scaled *= np.exp2((-ks - first).astype(np.float32))[:, None]
         codes[:] = scaled.astype(F8).view(np.uint8)
+        for k in np.unique(ks[ks >= hi - 8]):  # where rounding up could overflow float32
+            rows = np.flatnonzero(ks == k)
+            part = codes[rows]
+            _cap(part, _limit(dtype, int(k)))
+            codes[rows] = part
     else:
         top = (bits & 0x7FFF).max(axis=1)  # |x| orders like its bits
         if int(top.max()) >= (0x7C00 if dtype == "float16" else 0x7F80):  # inf or NaN
@@ -186,7 +217,7 @@ def encode(data: memoryview, dtype: str) -> bytes | None:
         block_max = _values(dtype)[top]
         ks = _exponents(block_max, lo, hi)
         _lookup("encode", dtype, bits, ks, codes)
-    out[:nb] = ks.astype(np.int8).view(np.uint8)
+    out[:nb] = (ks - lo).astype(np.uint8)
     return out[: nb + n].tobytes()
 
 
@@ -201,8 +232,8 @@ def decode(stored: memoryview, out: memoryview, dtype: str) -> None:
     n = out.nbytes // np_dtype.itemsize
     nb = -(-n // BLOCK)
     raw = np.frombuffer(stored, np.uint8)
-    ks = raw[:nb].view(np.int8).astype(np.int16)
-    if int(ks.min()) < lo or int(ks.max()) > hi:
+    ks = raw[:nb].astype(np.int16) + lo
+    if int(ks.max()) > hi:
         raise ValueError(f"scale exponent out of range for {dtype}")
     codes = raw[nb:]
     if n % BLOCK:
