@@ -13,14 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+import httpx
 import ml_dtypes
 import numpy as np
 import pytest
 import redis
+from testkit.admin import admin_url, metric_samples, status, written
+from testkit.kv import CS, SHAPE
 from testkit.mooncake_pool import MooncakeMaster
 from testkit.redis_cluster import RedisCluster
-from testkit.servers import REDIS_HINT
+from testkit.servers import REDIS_HINT, ServerProcess
+from testkit.waiting import wait_for
 
+from kvtier.client import Client
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, open_tier
 from kvtier.storage.tiers import fp8 as fp8_codec
@@ -224,3 +229,55 @@ def test_a_codec_change_across_a_restart_serves_what_was_stored(tiers: Tiers) ->
         for writer, got, original in zip(CODECS, outs, sent, strict=True):
             _check(writer, layout, bytes(got), original)
         assert tier.stats().codec.decoded == 2  # the zstd and fp8 objects
+
+
+def _store(address: str, tokens: list[int], values: np.ndarray) -> int:
+    with Client(address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        return c.store("writer", tokens, values, model="m")
+
+
+def _retrieve(address: str, tokens: list[int], like: np.ndarray) -> tuple[int, np.ndarray]:
+    with Client(address) as c:
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        hit = c.lookup("reader", tokens, model="m")
+        out = np.zeros_like(like)
+        got = c.retrieve("reader", tokens, out, model="m") if hit else 0
+        return got, out
+
+
+def test_a_server_restarted_with_another_codec_serves_what_it_stored(
+    server_factory: Callable[..., ServerProcess], redis_url: str, redis_prefix: str
+) -> None:
+    """A server writes through to Redis with codec=fp8 and shows the codec's figures on /status
+    and /metrics; restarted with codec=zstd over the same keys, it loads those chunks (decoded
+    within fp8's bound) into a fresh L1, then stores new ones with zstd."""
+    tier = f"{redis_url}?prefix={redis_prefix}"
+    args = ("--chunk-size", str(CS), "--l1-size", "16MiB", "--l2")
+    tokens = list(range(6 * CS))
+    values = np.random.default_rng(3).standard_normal((6, *SHAPE)).astype(np.float16)
+    first = server_factory(*args, f"{tier}&codec=fp8")
+    assert _store(first.address, tokens, values) == 6 * CS
+    assert wait_for(lambda: written(first, 6))
+    row = status(first)["l2"]["tiers"][0]
+    stored = 6 * (fp8_codec.encoded_size(values[0].nbytes, "float16") or 0)
+    assert row["codec"]["name"] == "fp8" and row["codec"]["encoded"] == 6
+    assert (row["codec"]["raw_bytes"], row["codec"]["stored_bytes"]) == (values.nbytes, stored)
+    metrics = metric_samples(httpx.get(admin_url(first) + "/metrics", timeout=5).text)
+    ratio = metrics[("kvtier_l2_compression_ratio", (("tier", "redis"),))]
+    assert ratio == pytest.approx(values.nbytes / stored) and ratio > 1.9
+    encode = (("operation", "encode"), ("tier", "redis"))
+    assert metrics[("kvtier_l2_codec_seconds_total", encode)] > 0
+    assert first.stop() == 0
+
+    second = server_factory(*args, f"{tier}&codec=zstd")
+    got, out = _retrieve(second.address, tokens, values)
+    assert got == 6 * CS
+    bound = fp8_codec.error_bound(values, "float16").reshape(values.shape)
+    assert (np.abs(out.astype(np.float64) - values) <= bound).all()
+    row = status(second)["l2"]["tiers"][0]
+    assert row["codec"]["name"] == "zstd" and row["codec"]["decoded"] == 6
+    more = list(range(10_000, 10_000 + 2 * CS))
+    assert _store(second.address, more, values[:2]) == 2 * CS
+    assert wait_for(lambda: written(second, 2))
+    assert status(second)["l2"]["tiers"][0]["codec"]["encoded"] == 2

@@ -31,7 +31,7 @@ from kvtier.server.observe.snapshots import (
     Traffic,
 )
 from kvtier.storage.loadrate import LoadRate
-from kvtier.storage.tiers.base import Latency, TierStats
+from kvtier.storage.tiers.base import CodecStats, Latency, TierStats
 
 
 def tier_stats(name: str, **fields: Any) -> TierStats:
@@ -88,6 +88,16 @@ STATUS = ServerStatus(
                 errors=3,
                 healthy=False,
                 read_latency=Latency(count=2, total_s=0.003, buckets=(0, 0, 0, 1, 1, *[0] * 8)),
+                codec=CodecStats(
+                    name="fp8",
+                    raw_bytes=8 << 20,
+                    stored_bytes=4 << 20,
+                    encoded=2,
+                    encode_s=0.25,
+                    decoded=1,
+                    decoded_bytes=4 << 20,
+                    decode_s=0.125,
+                ),
             ),
         ],
         failing=["redis"],
@@ -370,6 +380,9 @@ def test_state_metric_names_types_and_labels_never_change() -> None:
         "kvtier_l2_corrupt": ("counter", ("tier",)),
         "kvtier_l2_failing": ("gauge", ("tier",)),
         "kvtier_l2_operation_duration_seconds": ("histogram", ("operation", "tier")),
+        "kvtier_l2_compression_ratio": ("gauge", ("tier",)),
+        "kvtier_l2_codec_seconds": ("counter", ("operation", "tier")),
+        "kvtier_l2_codec_bytes": ("counter", ("form", "tier")),
         "kvtier_l2_load_bytes_per_second": ("gauge", ("tier",)),
         "kvtier_l2_load_latency_seconds": ("gauge", ("tier",)),
         "kvtier_write_queue_depth": ("gauge", ()),
@@ -406,6 +419,24 @@ def test_l2_latency_per_tier_from_the_tiers_stats() -> None:
     assert got[("kvtier_l2_operation_duration_seconds_bucket", le_1ms)] == 1
     le_inf = (("le", "+Inf"), ("operation", "read"), ("tier", "redis"))
     assert got[("kvtier_l2_operation_duration_seconds_bucket", le_inf)] == 2
+
+
+def test_l2_compression_ratio_and_codec_time_per_tier() -> None:
+    m = Metrics()
+    m.bind_state(lambda: STATUS)
+    got = samples(m)
+    assert got[("kvtier_l2_compression_ratio", (("tier", "redis"),))] == 2.0
+    assert got[("kvtier_l2_compression_ratio", (("tier", "disk"),))] == 1.0  # codec none
+    assert (
+        got[("kvtier_l2_codec_seconds_total", (("operation", "encode"), ("tier", "redis")))] == 0.25
+    )
+    assert (
+        got[("kvtier_l2_codec_seconds_total", (("operation", "decode"), ("tier", "redis")))]
+        == 0.125
+    )
+    stored = (("form", "stored"), ("tier", "redis"))
+    assert got[("kvtier_l2_codec_bytes_total", stored)] == 4 << 20
+    assert got[("kvtier_l2_codec_bytes_total", (("form", "raw"), ("tier", "redis")))] == 8 << 20
 
 
 def test_rebinding_replaces_the_state_source() -> None:

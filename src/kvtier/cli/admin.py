@@ -189,7 +189,7 @@ def render_status(status: ServerStatus) -> list[Table]:
         ),
         title_justify="left",
     )
-    columns = ("tier", "fill", "objects", "hits", "misses", "corrupt", "errors", "state")
+    columns = ("tier", "fill", "objects", "hits", "misses", "corrupt", "errors", "codec", "state")
     for column in columns:
         l2_table.add_column(column, justify="left" if column in ("tier", "fill") else "right")
     if not l2.tiers:
@@ -199,6 +199,7 @@ def render_status(status: ServerStatus) -> list[Table]:
             tier.name,
             _fill(tier.used_bytes, tier.capacity_bytes),
             *(str(v) for v in (tier.objects, tier.hits, tier.misses, tier.corrupt, tier.errors)),
+            f"{tier.codec.name} {tier.codec.ratio:.2f}x",
             "[red]failing[/red]" if tier.name in l2.failing else "ok",
         )
 

@@ -189,6 +189,14 @@ function renderStatus(status) {
   const l2 = status.l2;
   const failing = new Set(l2.failing);
   const mean = (lat) => (lat.count ? formatSeconds(lat.total_s / lat.count) : "–");
+  const codec = (c) =>
+    c.name +
+    " " +
+    (c.stored_bytes ? (c.raw_bytes / c.stored_bytes).toFixed(2) : "1.00") +
+    "x, " +
+    formatSeconds(c.encode_s) +
+    " / " +
+    formatSeconds(c.decode_s);
   fillRows(
     "l2-tiers",
     l2.tiers.map((tier) => [
@@ -200,11 +208,12 @@ function renderStatus(status) {
       formatCount(tier.errors),
       formatCount(tier.corrupt),
       mean(tier.read_latency) + " / " + mean(tier.write_latency),
+      codec(tier.codec),
       failing.has(tier.name)
         ? { text: "failing" + (tier.last_error ? ": " + tier.last_error : ""), className: "bad" }
         : { text: "ok", className: "ok" },
     ]),
-    9,
+    10,
   );
   setText("l2-queue", formatCount(l2.queue_depth) + " / " + formatCount(l2.queue_capacity));
   setText("l2-written", formatCount(l2.written));

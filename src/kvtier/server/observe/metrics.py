@@ -506,6 +506,23 @@ STATE_METRICS: tuple[StateMetric, ...] = (
     StateMetric("kvtier_l2_failing", _GAUGE, _TIER,
                 "1 while an L2 tier's errors grow (the server reports degraded).",
                 lambda s: [((t.name,), t.name in s.l2.failing) for t in s.l2.tiers]),
+    StateMetric("kvtier_l2_compression_ratio", _GAUGE, _TIER,
+                "Payload bytes an L2 tier was given to write per byte it stored them in (its "
+                "codec; 1 for codec=none or before any write).",
+                _per_tier(lambda t: t.codec.ratio)),
+    StateMetric("kvtier_l2_codec_seconds", _COUNTER, ("tier", "operation"),
+                "Time an L2 tier's codec spent, by tier and operation (encode on the writer "
+                "thread, decode in reads).",
+                lambda s: [((t.name, op), sec) for t in s.l2.tiers
+                           for op, sec in (("encode", t.codec.encode_s),
+                                           ("decode", t.codec.decode_s))]),
+    StateMetric("kvtier_l2_codec_bytes", _COUNTER, ("tier", "form"),
+                "Payload bytes through an L2 tier's codec: raw (given to write), stored (what "
+                "they took), decoded (read back from coded objects).",
+                lambda s: [((t.name, form), n) for t in s.l2.tiers
+                           for form, n in (("raw", t.codec.raw_bytes),
+                                           ("stored", t.codec.stored_bytes),
+                                           ("decoded", t.codec.decoded_bytes))]),
     StateMetric("kvtier_l2_operation_duration_seconds", _HISTOGRAM, ("tier", "operation"),
                 "Time one L2 tier took per call, by tier and operation (read, write).",
                 _l2_latency),
