@@ -1,13 +1,18 @@
 """Fixtures of the integration tests: a real Redis Cluster and a real Valkey Cluster on
-loopback, and a Mooncake master, shared by the session or private to one test."""
+loopback, a Mooncake master, shared by the session or private to one test, and a Redis tier
+with fp8 compression under a prefix of one test's own."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
 from testkit.mooncake_pool import MooncakeMaster, start_master
 from testkit.redis_cluster import RedisCluster, start_cluster
+from testkit.servers import REDIS_HINT
 
 
 def _cluster(kind: str) -> Iterator[RedisCluster]:
@@ -48,3 +53,19 @@ def private_mooncake() -> Iterator[MooncakeMaster]:
     master = start_master()
     yield master
     master.kill()
+
+
+@pytest.fixture
+def fp8_redis() -> Iterator[str]:
+    """A Redis tier URL with codec=fp8 under a prefix of this test's own (deleted after)."""
+    r = redis.Redis.from_url("redis://127.0.0.1:6379/0", socket_connect_timeout=1)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        pytest.fail(f"{REDIS_HINT} ({exc})", pytrace=False)
+    prefix = f"kvtier-vllm-fp8-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield f"redis://127.0.0.1:6379/0?prefix={prefix}&codec=fp8"
+    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()

