@@ -29,6 +29,7 @@ MODULES = [
     "benchmarks.bench_events",
     "benchmarks.bench_cluster",
     "benchmarks.bench_mooncake",
+    "benchmarks.bench_codecs",
     "benchmarks.bench_transformers",
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",
