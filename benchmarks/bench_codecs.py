@@ -158,7 +158,7 @@ def fp8_effect(folder: Path, tokens: int = 512, more: int = 32) -> list[list[obj
 def _ratios(kv: dict[tuple[str, str, str], np.ndarray]) -> list[list[object]]:
     rows: list[list[object]] = []
     for (family, dtype, kind), values in kv.items():
-        data = memoryview(values.view(np.uint8))
+        data = values.view(np.uint8).data
         plain = len(zstandard.ZstdCompressor(level=codecs.ZSTD_LEVEL).compress(data))
         zstd = len(codecs.CODECS["zstd"].encode(data, dtype) or b"")
         fast = len(lz4.block.compress(data, store_size=False))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -73,7 +74,8 @@ def error_bound(original: Array, dtype: str) -> npt.NDArray[np.float64]:
     padded = np.zeros(-(-n // BLOCK) * BLOCK)
     padded[:n] = np.abs(x)
     block_max = padded.reshape(-1, BLOCK).max(axis=1).repeat(BLOCK)[:n]
-    return np.abs(x) / 16 + block_max / 2.0**17 + _TINY[dtype]
+    bound: npt.NDArray[np.float64] = np.abs(x) / 16 + block_max / 2.0**17 + _TINY[dtype]
+    return bound
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def _limit(dtype: str, k: int) -> int:
     """The largest e4m3 magnitude code whose value times 2**k is finite in `dtype`: a value
     near the dtype's largest rounds down to it, not up to infinity (65504 -> 61440 in float16,
     within the bound: one e4m3 step)."""
-    top = float(np.finfo(DTYPES[dtype][0]).max)
+    top = float(ml_dtypes.finfo(DTYPES[dtype][0]).max)  # type: ignore[no-untyped-call]
     return int(np.flatnonzero(_CODES[:0x7F] * 2.0**k <= top)[-1])
 
 
@@ -116,10 +118,11 @@ def _encode_table(dtype: str, k: int) -> npt.NDArray[np.uint8]:
 def _decoded_bits(dtype: str, k: int) -> npt.NDArray[np.uint32]:
     """Code -> the bits of its value times 2**k in `dtype` (as uint32)."""
     with np.errstate(all="ignore"):
-        values = (_CODES * 2.0**k).astype(DTYPES[dtype][0])
-    if dtype == "float32":
-        return values.view(np.uint32)
-    return values.view(np.uint16).astype(np.uint32)
+        values: Array = (_CODES * 2.0**k).astype(DTYPES[dtype][0])
+    bits: npt.NDArray[np.uint32] = (
+        values.view(np.uint32) if dtype == "float32" else values.view(np.uint16).astype(np.uint32)
+    )
+    return bits
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,7 +133,8 @@ def _decode_table(dtype: str, k: int) -> npt.NDArray[np.uint32]:
     if dtype == "float32":
         return one
     pair = np.arange(65536, dtype=np.uint32)
-    return one[pair & 0xFF] | (one[pair >> 8] << 16)
+    table: npt.NDArray[np.uint32] = one[pair & 0xFF] | (one[pair >> 8] << 16)
+    return table
 
 
 @functools.lru_cache(maxsize=16)
@@ -186,7 +190,9 @@ def encode(data: memoryview, dtype: str) -> bytes | None:
     np_dtype, lo, hi = known
     n = data.nbytes // np_dtype.itemsize
     nb = -(-n // BLOCK)
-    flat = np.frombuffer(data, dtype=np.uint32 if dtype == "float32" else np.uint16)
+    flat: npt.NDArray[np.unsignedinteger[Any]] = np.frombuffer(
+        data, dtype=np.uint32 if dtype == "float32" else np.uint16
+    )
     if n % BLOCK:
         flat = np.concatenate([flat, np.zeros(nb * BLOCK - n, flat.dtype)])
     bits = flat.reshape(nb, BLOCK)
