@@ -104,6 +104,7 @@ class LookupBook:
         """Under the engine lock: the reply, or None when `answer` waits for a prefetch job.
         `owner`: the client asking; the pins live while it does (`L1Store.reclaim_pins`)."""
         readers = req.readers or req.world_size
+        self._l1.observe_lookup(keys, req.request_id)
         running = self._jobs.get(req.request_id)
         busy = running is not None and not running.done
         if busy and running is not None and _same_chunks(running.keys, keys):
@@ -209,6 +210,7 @@ class LookupBook:
                 self._metrics.observe_misses(tally)
             return p.ExistsReply(hit, present)
 
+        self._l1.observe_lookup(keys)
         start = self._l1.count_prefix(keys)
         if each:
             flags = self._l1.complete_each(keys)
