@@ -62,6 +62,7 @@ class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
     evictions: int
     evicted_bytes: int
     declined_evictions: int = 0  # of those, groups the admission policy had declined
+    admission: AdmissionStats | None = None  # the cache policy's decisions
     fenced_slots: int = 0  # lapsed slots quarantined until their owner can no longer touch them
     fenced_bytes: int = 0
     tenants: list[TenantUsage] = msgspec.field(default_factory=list)  # with anything held
@@ -258,6 +259,7 @@ class L1Store:
             evictions=self._evictions,
             evicted_bytes=self._evicted_bytes,
             declined_evictions=self._declined_evictions,
+            admission=self._admission.stats(),
             fenced_slots=self._fenced_slots,
             fenced_bytes=self._fenced_bytes,
             tenants=[
@@ -905,8 +907,9 @@ class L1Store:
                 self._evictions += 1
                 self._evicted_bytes += group.nbytes
                 self._declined_evictions += not group.admitted
-                if group.missing == 0 and group.admitted:
-                    self._observer.removed((group.key,), L1_TIER, Removal.EVICTED)
+                if group.missing == 0:
+                    how = Removal.EVICTED if group.admitted else Removal.DECLINED
+                    self._observer.removed((group.key,), L1_TIER, how)
                 if self._on_evict is not None:
                     self._on_evict(group.key, group.nbytes)
                 if largest >= nbytes:

@@ -240,6 +240,7 @@ class AdminViews:
             fencing=fencing,
             lookup=LookupTotals(requested_tokens=requested, hit_tokens=hit),
             misses=self.metrics.misses(),
+            funnel=self.metrics.funnel(),
             load_rates=e.tiers.rates.snapshot(),
             models=self.metrics.models(),
             hit_rate_history=self.metrics.history.points(),

@@ -32,6 +32,7 @@ from kvtier.layouts import Layout
 from kvtier.server.answers import Answer
 from kvtier.server.limits import tenant_bounds, tenant_prefetch_jobs
 from kvtier.server.observe.chunkmemory import ChunkMemory
+from kvtier.server.observe.funnel import hit_funnel
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.misses import explain_misses
 from kvtier.storage.l1 import L1Store
@@ -331,6 +332,15 @@ class LookupBook:
         )
         if tally:
             self._metrics.observe_misses(tally)
+        self._metrics.observe_funnel(
+            hit_funnel(
+                hit=hit,
+                l1_held=job_start if outcome is not None else l1_hit,
+                chunk_size=self._chunk_size,
+                outcome=outcome,
+                job_start=job_start,
+            )
+        )
         return hit_tokens
 
     def _pin(
