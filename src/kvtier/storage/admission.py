@@ -61,31 +61,39 @@ class AdmissionStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Ghost:
-    """Recently seen names, bounded to `capacity` names, each with whether more than one
-    request saw it and which one saw it last (a request that looks up again is one sighting)."""
+    """Recently seen names, bounded to `capacity` names, each with the request that saw it last
+    (a request that looks up again is one sighting), and which of them two requests saw."""
 
-    __slots__ = ("capacity", "seen")
+    __slots__ = ("capacity", "seen", "twice")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.seen: OrderedDict[Hashable, tuple[bool, Hashable]] = OrderedDict()
+        self.seen: OrderedDict[Hashable, Hashable] = OrderedDict()
+        self.twice: set[Hashable] = set()
 
     def see(self, names: Sequence[Hashable], sighting: Hashable) -> None:
-        seen = self.seen
+        seen, twice = self.seen, self.twice
+        get, move = seen.get, seen.move_to_end
         for name in names:
-            old = seen.get(name)
-            if old is None:
-                seen[name] = (False, sighting)
-            else:
-                seen[name] = (old[0] or old[1] != sighting, sighting)
-                seen.move_to_end(name)
-        while len(seen) > self.capacity:
-            seen.popitem(last=False)
+            last = get(name)
+            if last is None:
+                seen[name] = sighting
+                continue
+            if last != sighting:
+                seen[name] = sighting
+                twice.add(name)
+            move(name)
+        if len(seen) > self.capacity:
+            pop, discard = seen.popitem, twice.discard
+            for _ in range(len(seen) - self.capacity):
+                discard(pop(last=False)[0])
+
+    def last_sighting(self, name: Hashable) -> Hashable:
+        return self.seen.get(name)
 
     def seen_before(self, name: Hashable) -> bool:
         """Whether two requests saw `name` (the one storing it, and an earlier one)."""
-        entry = self.seen.get(name)
-        return entry is not None and entry[0]
+        return name in self.twice
 
 
 class AdmissionPolicy:
@@ -235,7 +243,7 @@ class Adaptive(Doorkeeper):
     def observe(self, chain: Sequence[Hashable], sighting: Hashable = None) -> None:
         if sighting is None:
             sighting = object()
-        elif self._ghost.seen.get(chain[-1] if chain else None, (False, None))[1] == sighting:
+        elif chain and self._ghost.last_sighting(chain[-1]) == sighting:
             return  # the same request looking up the same chain again: one sighting
         super().observe(chain, sighting)
         if not chain or sample_bits(chain[min(1, len(chain) - 1)]) % SAMPLE:
