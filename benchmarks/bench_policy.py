@@ -22,6 +22,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ BLOCK = 25
 COST_GOAL = 1.05
 
 
-def _replay(share: float, *extra: str) -> dict:
+def _replay(share: float, *extra: str) -> dict[str, Any]:
     """`kvtier replay` of the whole trace at `share` of its distinct blocks; its JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "replay.json"
@@ -49,7 +50,7 @@ def _replay(share: float, *extra: str) -> dict:
         return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def _hit_rates() -> tuple[str, list[dict]]:
+def _hit_rates() -> tuple[str, list[dict[str, Any]]]:
     results = [_replay(share) for share in SHARES]
     rows = []
     for share, r in zip(SHARES, results, strict=True):
@@ -68,7 +69,7 @@ def _hit_rates() -> tuple[str, list[dict]]:
     return md, results
 
 
-def _plot(results: list[dict]) -> None:
+def _plot(results: list[dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
