@@ -22,6 +22,7 @@ from kvtier.storage.prefetch import PrefetchStats
 __all__ = [
     "ClientInfo",
     "ErrorRecord",
+    "Health",
     "HeldChunk",
     "HitRatePoint",
     "L1Stats",
@@ -190,3 +191,10 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     misses: list[MissCount] = msgspec.field(default_factory=list)
     #: each L2 tier's measured load speed, in read order
     load_rates: list[LoadRate] = msgspec.field(default_factory=list)
+
+
+class Health(msgspec.Struct, frozen=True):
+    """What `/health` answers: "ok", "degraded" (still serving) or "unavailable"."""
+
+    state: str
+    reasons: list[str]
