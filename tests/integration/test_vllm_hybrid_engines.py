@@ -30,8 +30,9 @@ from typing import Any
 
 import pytest
 from testkit.servers import start_server
+from testkit.tiny_models import write_tiny_model
 from testkit.vllm_engine import run_engine
-from testkit.vllm_harness import require_vllm, write_tiny_model
+from testkit.vllm_harness import require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +43,7 @@ CACHED = 2 * CHUNK
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # a key of vllm_harness.TINY_MODELS
+    name: str  # a key of tiny_models.TINY_MODELS
     engine_args: tuple[str, ...]  # more vllm_engine_run.py arguments
     tolerance: float  # max |logprob difference| from the computed reference
 

@@ -13,12 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier._version import __version__
 from kvtier.server.fencing import FencingStats
 from kvtier.server.observe.metrics import (
-    OPERATIONS,
     REQUEST_DURATION_BUCKETS,
     STATE_METRICS,
     HitRateHistory,
     Metrics,
 )
+from kvtier.server.observe.operations import OPERATIONS
 from kvtier.server.observe.snapshots import (
     ClientInfo,
     L1Stats,

@@ -40,8 +40,8 @@ from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start
 from kvtier.server.observe.chunkmemory import ChunkMemory
 from kvtier.server.observe.events import ChunkNotes, EventPublisher, open_events
 from kvtier.server.observe.metrics import Metrics
-from kvtier.server.observe.views import AdminViews
 from kvtier.server.transport import Transport
+from kvtier.server.views import AdminViews
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
 from kvtier.storage.admission import make_policy

@@ -35,6 +35,7 @@ from prometheus_client.core import (
 from kvtier._version import __version__
 from kvtier.keys import shown
 from kvtier.server.observe.funnel import STAGES
+from kvtier.server.observe.operations import operation_of
 from kvtier.server.observe.snapshots import (
     FunnelCount,
     HitRatePoint,
@@ -44,7 +45,6 @@ from kvtier.server.observe.snapshots import (
     ServerStatus,
     Traffic,
 )
-from kvtier.server.routes import ROUTES
 from kvtier.storage.tiers.base import LATENCY_BOUNDS_S, TierStats
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,6 @@ REQUEST_DURATION_BUCKETS: tuple[float, ...] = (
     5.0,
 )
 
-#: wire request -> (what the user did, which step of it); the labels metrics carry, as each
-#: request's route declares them
-OPERATIONS: dict[str, tuple[str, str]] = {route.request.__name__: route.labels for route in ROUTES}
 
 #: why a load could not deliver what a lookup reported: the `reason` label of
 #: kvtier_failed_loads_total (docs/operations.md lists them)
@@ -90,14 +87,6 @@ FAILED_LOAD_REASONS: tuple[str, ...] = (
 #: models beyond this many distinct names share the label value "other"
 DEFAULT_MAX_MODELS = 32
 OTHER = "other"
-#: the operation of a request that could not be decoded
-UNKNOWN = "unknown"
-
-
-def operation_of(request_name: str) -> tuple[str, str]:
-    """The (operation, step) labels of a wire request name; "unknown" for a request that could
-    not be decoded."""
-    return OPERATIONS.get(request_name, (UNKNOWN, UNKNOWN))
 
 
 class HitRateHistory:

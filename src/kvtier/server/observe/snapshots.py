@@ -23,6 +23,7 @@ __all__ = [
     "ClientInfo",
     "ErrorRecord",
     "FunnelCount",
+    "Health",
     "HeldChunk",
     "HitRatePoint",
     "L1Stats",
@@ -202,3 +203,10 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     funnel: list[FunnelCount] = msgspec.field(default_factory=list)
     #: each L2 tier's measured load speed, in read order
     load_rates: list[LoadRate] = msgspec.field(default_factory=list)
+
+
+class Health(msgspec.Struct, frozen=True):
+    """What `/health` answers: "ok", "degraded" (still serving) or "unavailable"."""
+
+    state: str
+    reasons: list[str]
