@@ -72,7 +72,7 @@ def _states(cache: Any) -> dict[str, list[Any]]:
 def real_kv(folder: Path, tokens: int = 512) -> dict[tuple[str, str, str], np.ndarray]:
     """{(family, dtype, kind): values} from each tiny model's cache after a prompt."""
     import torch
-    from testkit.vllm_harness import write_tiny_llama, write_tiny_model
+    from testkit.tiny_models import write_tiny_llama, write_tiny_model
     from transformers import AutoModelForCausalLM
 
     out: dict[tuple[str, str, str], np.ndarray] = {}

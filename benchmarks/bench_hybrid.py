@@ -30,7 +30,7 @@ WIDE = {"hidden": 3072, "heads": 24, "kv_heads": 8, "head_dim": 128, "intermedia
 @dataclass(frozen=True)
 class TtftModel:
     label: str
-    family: str  # a key of testkit.vllm_harness.TINY_MODELS
+    family: str  # a key of testkit.tiny_models.TINY_MODELS
     shape: dict[str, int]
     engine_args: tuple[str, ...] = ()
 
@@ -93,7 +93,7 @@ def _server() -> Any:
 
 
 def _ttft(model: TtftModel) -> str:
-    from testkit.vllm_harness import write_tiny_model
+    from testkit.tiny_models import write_tiny_model
 
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, 2000, TTFT_TOKENS)]
@@ -165,7 +165,7 @@ def _ttft(model: TtftModel) -> str:
 
 def _bytes_per_token() -> str:
     import httpx
-    from testkit.vllm_harness import write_tiny_model
+    from testkit.tiny_models import write_tiny_model
 
     prompt = [(i * 37) % 500 + 3 for i in range(BYTES_PROMPT)]
     rows = []

@@ -59,7 +59,7 @@ def run() -> str:
 def _paged_data_path() -> str:
     import torch
     from testkit.kv import SlotArgs
-    from testkit.vllm_harness import kv_cache_config
+    from testkit.vllm_configs import kv_cache_config
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -198,7 +198,7 @@ def run_engine(model_dir: Path, prompts: list[Any], *args: str) -> tuple[dict[st
 
 
 def _ttft() -> str:
-    from testkit.vllm_harness import write_tiny_llama
+    from testkit.tiny_models import write_tiny_llama
 
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, 2000, TTFT_TOKENS)]

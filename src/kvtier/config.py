@@ -38,6 +38,9 @@ MIN_L1_SIZE = 64 << 10
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+#: L1 cache policies (`--policy`): which stored chunks are kept as cache (storage/admission.py)
+CACHE_POLICIES = ("adaptive", "doorkeeper", "lru")
+
 
 class ConfigError(ValueError):
     """A configuration mistake: the message names the option and shows a valid example."""
@@ -163,6 +166,15 @@ class ServerConfig:
         "the arena name, so servers on different addresses never share a folder",
         example="--l2 'disk:///var/lib/kvtier?size=50GiB'",
         metavar="URL",
+    )
+    policy: str = _opt(
+        "adaptive",
+        "L1 cache policy: adaptive (keep only chunks likely to be read again when L1 is under "
+        "pressure, everything when it has room), doorkeeper (keep a chunk once a lookup saw its "
+        "name before), lru (keep everything). A chunk L1 does not keep is evicted first, never "
+        "announced in KV events and never written to an L2 tier",
+        example="--policy adaptive",
+        metavar="NAME",
     )
     chunk_size: int = _opt(256, "Tokens per chunk", example="--chunk-size 256", metavar="TOKENS")
     hash_algorithm: str = _opt(
@@ -478,6 +490,11 @@ class ServerConfig:
         if self.log_level.lower() not in LOG_LEVELS:
             raise self.error(
                 "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        if self.policy not in CACHE_POLICIES:
+            raise self.error(
+                "policy",
+                f"unknown cache policy {self.policy!r}; one of {', '.join(CACHE_POLICIES)}",
             )
         spec = HASH_ALGORITHMS.get(self.hash_algorithm)
         if spec is None:

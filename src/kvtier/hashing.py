@@ -403,19 +403,19 @@ class TokenHasher:
         hashes += self._spec.chain(hashes[-1] if hashes else self.none_hash, packed, step)
 
     @staticmethod
-    def hash_to_bytes(h: bytes | int) -> bytes:
+    def hash_to_bytes(hash_val: bytes | int) -> bytes:
         """A hash as bytes: bytes pass through, ints become 8 bytes big-endian signed."""
-        if isinstance(h, bytes):
-            return h
-        if isinstance(h, bytearray | memoryview):
-            return bytes(h)
-        if isinstance(h, bool) or not isinstance(h, int):
-            raise TypeError(f"a hash must be bytes or an int, got {type(h).__name__}")
+        if isinstance(hash_val, bytes):
+            return hash_val
+        if isinstance(hash_val, bytearray | memoryview):
+            return bytes(hash_val)
+        if isinstance(hash_val, bool) or not isinstance(hash_val, int):
+            raise TypeError(f"a hash must be bytes or an int, got {type(hash_val).__name__}")
         try:
-            return h.to_bytes(8, "big", signed=True)
+            return hash_val.to_bytes(8, "big", signed=True)
         except OverflowError:
             raise ValueError(
-                f"hash {h} does not fit a signed 64-bit int [-2**63, 2**63 - 1]"
+                f"hash {hash_val} does not fit a signed 64-bit int [-2**63, 2**63 - 1]"
             ) from None
 
     def contract(self) -> str:

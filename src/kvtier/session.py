@@ -111,13 +111,24 @@ class Session:
         "created_at",
         "hasher",
         "last_access",
+        "lookup_ipc_key",
         "request_id",
     )
 
-    def __init__(self, request_id: str, hasher: TokenHasher, *, clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        hasher: TokenHasher,
+        *,
+        clock: Clock = time.time,
+        lookup_ipc_key: Any = None,
+    ) -> None:
         self.request_id = request_id
         self.hasher = hasher
         self.clock = clock
+        # The lineage's field for the key of the request's last lookup: None until a caller
+        # sets it; kvtier itself never reads it. It stays on the session `remove` returns.
+        self.lookup_ipc_key = lookup_ipc_key
         self._lock = _SESSION_LOCKS[next(_lock_turn) % _NUM_SESSION_LOCKS]
         # bytes as given to set_tokens (no copy), or a bytearray once append_tokens grows it in
         # place. A bytearray cannot resize while a view of it exists, so views of it are taken

@@ -24,7 +24,7 @@ from kvtier.config import ServerConfig
 from kvtier.periodic import PeriodicThreadRegistry, ThreadLevel, create_periodic_thread
 from kvtier.server.app import build_engine
 from kvtier.server.observe.admin import start_admin_server
-from kvtier.server.observe.views import AdminViews
+from kvtier.server.views import AdminViews
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-Zx9-0123"  # >= 16 characters: it also guards a 0.0.0.0 admin address

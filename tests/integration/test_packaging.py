@@ -68,7 +68,7 @@ def test_wheel_installs_into_a_fresh_venv_and_serves(tmp_path: Path) -> None:
         names = set(zf.namelist())
         for needed in ("kvtier/__init__.py", "kvtier/py.typed", "kvtier/static/app.js",
                        "kvtier/static/index.html", "kvtier/static/style.css",
-                       "kvtier/server/observe/views.py"):  # fmt: skip
+                       "kvtier/server/views.py"):  # fmt: skip
             assert needed in names, needed
         dist_info = f"kvtier-{__version__}.dist-info"
         license_files = [n for n in names if n.startswith(dist_info) and "LICENSE" in n]

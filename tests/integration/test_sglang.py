@@ -363,7 +363,7 @@ def test_token_and_token_file_reach_a_server_with_an_auth_tokens_file(
 def test_new_weights_at_the_model_path_never_read_the_old_pages(
     server: ServerProcess, tmp_path: Path
 ) -> None:
-    from testkit.vllm_harness import write_tiny_llama
+    from testkit.tiny_models import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "model", layers=1, hidden=64, weights=True, seed=0)
     pool = HostPoolStandIn()

@@ -22,8 +22,9 @@ import json
 from pathlib import Path
 
 import pytest
+from testkit.tiny_models import write_tiny_llama
 from testkit.vllm_engine import store_then_load
-from testkit.vllm_harness import require_vllm, write_tiny_llama
+from testkit.vllm_harness import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 from testkit.servers import start_server
+from testkit.tiny_models import write_tiny_llama
 from testkit.vllm_engine import run_engine
-from testkit.vllm_harness import require_vllm, write_tiny_llama
+from testkit.vllm_harness import require_vllm
 
 pytestmark = pytest.mark.vllm
 

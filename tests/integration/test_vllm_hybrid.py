@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 from testkit.servers import ServerProcess, start_server
-from testkit.vllm_harness import Harness, require_vllm, write_tiny_llama
+from testkit.tiny_models import write_tiny_llama
+from testkit.vllm_harness import Harness, require_vllm
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.vllm

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 from testkit.servers import ServerProcess, free_port, start_server
-from testkit.vllm_harness import Harness, require_vllm, write_lora_adapter, write_tiny_llama
+from testkit.tiny_models import write_lora_adapter, write_tiny_llama
+from testkit.vllm_harness import Harness, require_vllm
 
 from kvtier.errors import InvalidArgumentError
 
@@ -221,7 +222,7 @@ def test_credential_settings_are_checked_at_start(
 
 
 def test_the_default_model_name_carries_the_weights(tmp_path: Path) -> None:
-    from testkit.vllm_harness import vllm_config
+    from testkit.vllm_configs import vllm_config
 
     from kvtier.integrations.vllm.config import default_model_name
 

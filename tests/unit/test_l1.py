@@ -13,6 +13,7 @@ from kvtier.arena import PAGE_SIZE
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.observe.snapshots import L1Stats, TenantUsage
+from kvtier.storage.admission import AdmissionStats
 from kvtier.storage.l1 import L1Store
 
 PAGE = PAGE_SIZE
@@ -462,6 +463,9 @@ def test_stats_track_everything() -> None:
         evictions=0,
         evicted_bytes=0,
         tenants=[TenantUsage(tenant="", staging_bytes=PAGE, fenced_bytes=0, pinned_bytes=PAGE)],
+        admission=AdmissionStats(
+            policy="lru", admitted=3, declined=0, ghost_names=0, stores_everything=True
+        ),
     )
     assert l1.capacity_bytes == 10 * PAGE and l1.used_bytes == 6 * PAGE
     assert l1.num_groups == 3 and l1.num_ready_groups == 2

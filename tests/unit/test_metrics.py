@@ -13,12 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier._version import __version__
 from kvtier.server.fencing import FencingStats
 from kvtier.server.observe.metrics import (
-    OPERATIONS,
     REQUEST_DURATION_BUCKETS,
     STATE_METRICS,
     HitRateHistory,
     Metrics,
 )
+from kvtier.server.observe.operations import OPERATIONS
 from kvtier.server.observe.snapshots import (
     ClientInfo,
     L1Stats,
@@ -30,6 +30,7 @@ from kvtier.server.observe.snapshots import (
     TenantUsage,
     Traffic,
 )
+from kvtier.storage.admission import AdmissionStats
 from kvtier.storage.loadrate import LoadRate
 from kvtier.storage.tiers.base import CodecStats, Latency, TierStats
 
@@ -348,7 +349,11 @@ def test_state_collector_exports_status_at_scrape_time() -> None:
 def test_state_metric_names_types_and_labels_never_change() -> None:
     """Dashboards and the README name these: every state metric, its type and its labels."""
     tenants = [TenantUsage(tenant="t", staging_bytes=1, fenced_bytes=2, pinned_bytes=3)]
-    status = msgspec.structs.replace(STATUS, l1=msgspec.structs.replace(STATUS.l1, tenants=tenants))
+    admission = AdmissionStats(
+        policy="adaptive", admitted=5, declined=7, ghost_names=40, stores_everything=False
+    )
+    l1 = msgspec.structs.replace(STATUS.l1, tenants=tenants, admission=admission)
+    status = msgspec.structs.replace(STATUS, l1=l1)
     m = Metrics()
     m.bind_state(lambda: status)
     names = {metric.name for metric in STATE_METRICS}
@@ -361,6 +366,9 @@ def test_state_metric_names_types_and_labels_never_change() -> None:
         if family.name in names
     }
     assert got == {
+        "kvtier_admissions": ("counter", ("decision", "tier")),
+        "kvtier_declined_evictions": ("counter", ("tier",)),
+        "kvtier_cache_policy_stores_everything": ("gauge", ("policy",)),
         "kvtier_ready": ("gauge", ()),
         "kvtier_degraded": ("gauge", ()),
         "kvtier_uptime_seconds": ("gauge", ()),

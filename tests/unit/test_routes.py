@@ -9,6 +9,7 @@ import pytest
 
 from kvtier import protocol as p
 from kvtier.errors import InternalError
+from kvtier.server.observe.operations import OPERATIONS
 from kvtier.server.routes import ROUTES, route_of
 
 
@@ -22,6 +23,10 @@ def test_every_request_type_has_exactly_one_route() -> None:
     assert all(count == 1 for count in routed.values()), routed
     for route in ROUTES:
         assert route.connected == (route.request is not p.Hello)
+
+
+def test_every_route_has_its_metrics_labels_and_no_label_lacks_a_route() -> None:
+    assert {route.request.__name__ for route in ROUTES} == set(OPERATIONS)
 
 
 def test_a_type_without_a_route_is_an_internal_error() -> None:

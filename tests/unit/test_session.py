@@ -568,6 +568,23 @@ def test_get_or_create_get_remove(clock: FakeClock) -> None:
     assert m.get_or_create("a") is not a  # a new request with the same id gets a new session
 
 
+def test_lookup_ipc_key_defaults_to_none_is_settable_and_stays_on_the_removed_session(
+    clock: FakeClock,
+) -> None:
+    m = manager(clock)
+    s = m.get_or_create("a")
+    assert s.lookup_ipc_key is None
+    key = ("model", 1, (7, 8, 9), 0, 512)  # any object: kvtier never reads it
+    s.lookup_ipc_key = key
+    assert m.get("a") is s and s.lookup_ipc_key is key
+    s.set_tokens(list(range(CS)))  # hashing leaves it alone
+    assert s.get_hashes(0, CS) and s.lookup_ipc_key is key
+    removed = m.remove("a")
+    assert removed is s and removed.lookup_ipc_key is key
+    assert m.get_or_create("a").lookup_ipc_key is None  # a new session starts without one
+    assert Session("b", m.hasher, lookup_ipc_key=key).lookup_ipc_key is key
+
+
 def test_session_expires_only_after_more_than_ttl_unused(clock: FakeClock) -> None:
     m = manager(clock, ttl=100)
     s = m.get_or_create("r")

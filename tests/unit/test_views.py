@@ -18,7 +18,7 @@ from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.server.app import build_engine
 from kvtier.server.engine import Engine
 from kvtier.server.observe.snapshots import L2Summary
-from kvtier.server.observe.views import AdminViews, TierWatch
+from kvtier.server.views import AdminViews, TierWatch
 from kvtier.storage.manager import TierManager
 from kvtier.storage.tiers.base import Latency, TierStats
 from kvtier.storage.tiers.disk import DiskTier

@@ -40,10 +40,11 @@ from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start
 from kvtier.server.observe.chunkmemory import ChunkMemory
 from kvtier.server.observe.events import ChunkNotes, EventPublisher, open_events
 from kvtier.server.observe.metrics import Metrics
-from kvtier.server.observe.views import AdminViews
 from kvtier.server.transport import Transport
+from kvtier.server.views import AdminViews
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
+from kvtier.storage.admission import make_policy
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.observers import NO_OBSERVER, Observers, StorageObserver
@@ -189,7 +190,12 @@ def build_engine(
         for tier in tiers.tiers:  # Mooncake moves bytes in place between slots and its pool
             if isinstance(tier, RegistersMemory):
                 tier.register_memory(arena.buffer)
-        l1 = L1Store(arena.size, clock=clock, observer=tiers.observer)
+        l1 = L1Store(
+            arena.size,
+            clock=clock,
+            observer=tiers.observer,
+            admission=make_policy(config.policy),
+        )
         lock = TimedLock()
         sessions = SessionManager(
             hasher,

@@ -72,6 +72,7 @@ class Reservation:
     lapsed: bool = False  # the lease ran out before the owner acknowledged
     fenced: list[tuple[int, int]] = field(default_factory=list)  # quarantined (offset, nbytes)
     tenant: str = ""  # whose staging and quarantine bytes its slots count in
+    request_id: str | None = None  # the session that stores (None: chunks named by the caller)
 
 
 @dataclass(slots=True)

@@ -3,35 +3,62 @@
 A `Route` says everything the server needs to know about one request type: its bounds (checked
 before any work), whether a handler thread takes it (long work, so the transport thread only
 decodes, routes and replies), whether it needs a client whose process the server can watch,
-how it is put in its client's tenant (see `tenants.py`), the labels its metrics carry, and its
-handler. The engine looks a request's route up and runs it; the metrics take their labels from
-here. A new request type is its message (`protocol.py`), one route here beside its handler, and
-the work itself in its request family's module (`requests/`).
+how it is put in its client's tenant (see `tenants.py`), and its handler. The engine looks a
+request's route up and runs it. A new request type is its message (`protocol.py`), one route
+here beside its handler, the work itself in its request family's module (`requests/`), and its
+metrics labels (`observe/operations.py`).
 
 The handlers are short: they call the request families the engine built, which do the work and
-say what runs under the engine lock. Nothing here holds state.
+say what runs under the engine lock. Nothing here holds state. The order of the server's
+request path: the engine runs the routes, the routes call the request families, the families
+answer through `answers.py`, and everything reports into `observe/`; none imports one above it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvtier import protocol as p
 from kvtier.errors import InternalError, InvalidArgumentError, NotConnectedError
+from kvtier.layouts import LayoutRegistry
 from kvtier.names import named_chunk_keys
 from kvtier.server import naming, tenants
+from kvtier.server.answers import Answer
 from kvtier.server.leases import Peer
 from kvtier.server.limits import Limits
+from kvtier.server.locking import TimedLock
+from kvtier.server.requests.handshake import Handshake
+from kvtier.server.requests.lookups import LookupBook
+from kvtier.server.requests.retrieves import RetrieveBook
+from kvtier.server.requests.sessions import SessionBook
+from kvtier.server.requests.stores import StoreBook
+from kvtier.storage.l1 import L1Store
 
-if TYPE_CHECKING:  # the engine runs the routes; they only read it
-    from kvtier.server.answers import Answer
-    from kvtier.server.engine import Engine
-
-__all__ = ["ROUTES", "Call", "Route", "route_of"]
+__all__ = ["ROUTES", "Call", "Route", "RouteHost", "route_of"]
 
 R = TypeVar("R")
+
+
+class RouteHost(Protocol):
+    """What the handlers use of the engine that runs them (`engine.Engine` is the one): the
+    request families it built, its lock and its parts. The engine imports the routes; the
+    routes see it only through this."""
+
+    handshake: Handshake
+    lookups: LookupBook
+    session_book: SessionBook
+    stores: StoreBook
+    retrieves: RetrieveBook
+    layouts: LayoutRegistry
+    l1: L1Store
+
+    @property
+    def lock(self) -> TimedLock: ...
+
+    def goodbye(self, client_id: str) -> None: ...
+
 
 #: what a handler answers: a reply, the reply's frames (header first), or None when the
 #: request's `Answer` is kept to answer later
@@ -88,11 +115,9 @@ class Route(Generic[R]):
     """How the server answers one request type."""
 
     request: type[R]
-    #: the metrics labels: what the user did, and which step of it (dashboards key on these)
-    labels: tuple[str, str]
     #: refuses a request whose counts or sizes are out of bounds (see `limits.py`)
     bounds: Callable[[Limits, R], None]
-    handle: Callable[[Engine, Call[R]], Answered]
+    handle: Callable[[RouteHost, Call[R]], Answered]
     #: whether a handler thread takes it, given the server's chunk size
     offloaded: Callable[[R, int], bool] = _quick
     #: the request in its client's tenant, before any session is made for it
@@ -138,21 +163,21 @@ def _retrieve_keys_offloaded(req: p.RetrieveKeys, chunk_size: int) -> bool:
 # -- handshake ---------------------------------------------------------------------------------
 
 
-def _hello(engine: Engine, call: Call[p.Hello]) -> Answered:
+def _hello(engine: RouteHost, call: Call[p.Hello]) -> Answered:
     with engine.lock.hold(call.operation):
         return engine.handshake.hello(call.identity, call.request)
 
 
-def _heartbeat(engine: Engine, call: Call[p.Heartbeat]) -> Answered:
+def _heartbeat(engine: RouteHost, call: Call[p.Heartbeat]) -> Answered:
     return p.Ok()
 
 
-def _register(engine: Engine, call: Call[p.Register]) -> Answered:
+def _register(engine: RouteHost, call: Call[p.Register]) -> Answered:
     with engine.lock.hold(call.operation):
         return engine.handshake.register(call.client, call.request)
 
 
-def _goodbye(engine: Engine, call: Call[p.Goodbye]) -> Answered:
+def _goodbye(engine: RouteHost, call: Call[p.Goodbye]) -> Answered:
     with engine.lock.hold(call.operation):
         engine.goodbye(call.client.client_id)
     return p.Ok()
@@ -161,7 +186,7 @@ def _goodbye(engine: Engine, call: Call[p.Goodbye]) -> Answered:
 # -- lookups -----------------------------------------------------------------------------------
 
 
-def _lookup(engine: Engine, call: Call[p.Lookup]) -> Answered:
+def _lookup(engine: RouteHost, call: Call[p.Lookup]) -> Answered:
     """Name the prompt's chunks (no lock), then look them up (see `LookupBook`)."""
     req, client = call.request, call.client
     if req.world_size < 1:
@@ -180,12 +205,12 @@ def _lookup(engine: Engine, call: Call[p.Lookup]) -> Answered:
         )
 
 
-def _poll(engine: Engine, call: Call[p.LookupPoll]) -> Answered:
+def _poll(engine: RouteHost, call: Call[p.LookupPoll]) -> Answered:
     with engine.lock.hold(call.operation):
         return engine.lookups.poll(call.request, call.answer)
 
 
-def _exists_keys(engine: Engine, call: Call[p.ExistsKeys]) -> Answered:
+def _exists_keys(engine: RouteHost, call: Call[p.ExistsKeys]) -> Answered:
     """Name the chunks (no lock), then count them (see `LookupBook.exists`)."""
     req = call.request
     keys = named_chunk_keys(
@@ -210,7 +235,7 @@ def _exists_keys(engine: Engine, call: Call[p.ExistsKeys]) -> Answered:
 # -- stores ------------------------------------------------------------------------------------
 
 
-def _reserve(engine: Engine, call: Call[p.Reserve]) -> Answered:
+def _reserve(engine: RouteHost, call: Call[p.Reserve]) -> Answered:
     req, client = call.request, call.client
     # refuse a bad array before its session is made and its tokens counted
     engine.layouts.check(req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype)
@@ -218,23 +243,25 @@ def _reserve(engine: Engine, call: Call[p.Reserve]) -> Answered:
     return engine.stores.reserve(client.client_id, req, keys, client.watch, parent)
 
 
-def _reserve_keys(engine: Engine, call: Call[p.ReserveKeys]) -> Answered:
+def _reserve_keys(engine: RouteHost, call: Call[p.ReserveKeys]) -> Answered:
     keys = engine.session_book.range_keys(call.request)
     return engine.stores.reserve(call.client.client_id, call.request, keys, call.client.watch)
 
 
-def _commit(engine: Engine, call: Call[p.Commit]) -> Answered:
+def _commit(engine: RouteHost, call: Call[p.Commit]) -> Answered:
     with engine.lock.hold(call.operation):
         committed = engine.stores.commit(call.client.client_id, call.request.reservation_id)
     return engine.stores.write_committed(committed, call.answer)
 
 
-def _abort(engine: Engine, call: Call[p.Abort]) -> Answered:
+def _abort(engine: RouteHost, call: Call[p.Abort]) -> Answered:
     with engine.lock.hold(call.operation):
         return engine.stores.abort(call.client.client_id, call.request.reservation_id)
 
 
-def _store_inline(engine: Engine, call: Call[p.StoreInline] | Call[p.StoreKeysInline]) -> Answered:
+def _store_inline(
+    engine: RouteHost, call: Call[p.StoreInline] | Call[p.StoreKeysInline]
+) -> Answered:
     return engine.stores.store_inline(
         call.client.client_id, call.request, call.payloads, call.answer
     )
@@ -243,11 +270,11 @@ def _store_inline(engine: Engine, call: Call[p.StoreInline] | Call[p.StoreKeysIn
 # -- retrieves ---------------------------------------------------------------------------------
 
 
-def _retrieve(engine: Engine, call: Call[p.Retrieve] | Call[p.RetrieveKeys]) -> Answered:
+def _retrieve(engine: RouteHost, call: Call[p.Retrieve] | Call[p.RetrieveKeys]) -> Answered:
     return engine.retrieves.retrieve(call.client.client_id, call.request, call.client.watch)
 
 
-def _retrieve_done(engine: Engine, call: Call[p.RetrieveDone]) -> Answered:
+def _retrieve_done(engine: RouteHost, call: Call[p.RetrieveDone]) -> Answered:
     with engine.lock.hold(call.operation):
         return engine.retrieves.done(call.client.client_id, call.request.lease_id)
 
@@ -255,14 +282,14 @@ def _retrieve_done(engine: Engine, call: Call[p.RetrieveDone]) -> Answered:
 # -- sessions ----------------------------------------------------------------------------------
 
 
-def _release(engine: Engine, call: Call[p.Release]) -> Answered:
+def _release(engine: RouteHost, call: Call[p.Release]) -> Answered:
     engine.session_book.require(call.request.request_id)
     with engine.lock.hold(call.operation):
         engine.l1.unpin(call.request.request_id)
     return p.Ok()
 
 
-def _end_session(engine: Engine, call: Call[p.EndSession]) -> Answered:
+def _end_session(engine: RouteHost, call: Call[p.EndSession]) -> Answered:
     engine.session_book.require(call.request.request_id)
     with engine.lock.hold(call.operation):
         engine.session_book.remove(call.request.request_id)
@@ -274,23 +301,21 @@ def _end_session(engine: Engine, call: Call[p.EndSession]) -> Answered:
 #: one route per member of `protocol.Request` (a unit test holds every one to exactly one)
 ROUTES: tuple[Route[Any], ...] = (
     # handshake
-    Route(p.Hello, ("connect", "hello"), Limits.hello, _hello, connected=False),
-    Route(p.Heartbeat, ("heartbeat", "heartbeat"), Limits.nothing, _heartbeat),
-    Route(p.Register, ("register", "register"), Limits.register, _register),
-    Route(p.Goodbye, ("disconnect", "goodbye"), Limits.nothing, _goodbye),
+    Route(p.Hello, Limits.hello, _hello, connected=False),
+    Route(p.Heartbeat, Limits.nothing, _heartbeat),
+    Route(p.Register, Limits.register, _register),
+    Route(p.Goodbye, Limits.nothing, _goodbye),
     # lookups
     Route(
         p.Lookup,
-        ("lookup", "lookup"),
         Limits.lookup,
         _lookup,
         offloaded=_long_prompt,
         scope=tenants.scope,
     ),
-    Route(p.LookupPoll, ("lookup", "poll"), Limits.poll, _poll, scope=tenants.scope_session),
+    Route(p.LookupPoll, Limits.poll, _poll, scope=tenants.scope_session),
     Route(
         p.ExistsKeys,
-        ("exists_keys", "exists_keys"),
         Limits.exists,
         _exists_keys,
         offloaded=_many_names,
@@ -299,7 +324,6 @@ ROUTES: tuple[Route[Any], ...] = (
     # stores
     Route(
         p.Reserve,
-        ("store", "reserve"),
         Limits.store,
         _reserve,
         offloaded=_long_prompt,
@@ -308,18 +332,16 @@ ROUTES: tuple[Route[Any], ...] = (
     ),
     Route(
         p.ReserveKeys,
-        ("reserve_keys", "reserve_keys"),
         Limits.named,
         _reserve_keys,
         offloaded=_many_names,
         scope=tenants.scope_names,
         watched=_always,
     ),
-    Route(p.Commit, ("store", "commit"), Limits.nothing, _commit),
-    Route(p.Abort, ("store", "abort"), Limits.nothing, _abort),
+    Route(p.Commit, Limits.nothing, _commit),
+    Route(p.Abort, Limits.nothing, _abort),
     Route(
         p.StoreInline,
-        ("store", "inline"),
         Limits.store,
         _store_inline,
         offloaded=_bytes_inline,
@@ -327,7 +349,6 @@ ROUTES: tuple[Route[Any], ...] = (
     ),
     Route(
         p.StoreKeysInline,
-        ("store_keys_inline", "store_keys_inline"),
         Limits.named,
         _store_inline,
         offloaded=_bytes_inline,
@@ -336,7 +357,6 @@ ROUTES: tuple[Route[Any], ...] = (
     # retrieves
     Route(
         p.Retrieve,
-        ("retrieve", "start"),
         Limits.retrieve,
         _retrieve,
         offloaded=_retrieve_offloaded,
@@ -345,19 +365,17 @@ ROUTES: tuple[Route[Any], ...] = (
     ),
     Route(
         p.RetrieveKeys,
-        ("retrieve_keys", "retrieve_keys"),
         Limits.named,
         _retrieve,
         offloaded=_retrieve_keys_offloaded,
         scope=tenants.scope_names,
         watched=_unless_inline,
     ),
-    Route(p.RetrieveDone, ("retrieve", "done"), Limits.nothing, _retrieve_done),
+    Route(p.RetrieveDone, Limits.nothing, _retrieve_done),
     # sessions
-    Route(p.Release, ("release", "release"), Limits.session, _release, scope=tenants.scope_session),
+    Route(p.Release, Limits.session, _release, scope=tenants.scope_session),
     Route(
         p.EndSession,
-        ("end_session", "end_session"),
         Limits.session,
         _end_session,
         scope=tenants.scope_session,

@@ -183,6 +183,9 @@ function renderStatus(status) {
   setText("l1-ready-groups", formatCount(l1.ready_groups));
   setText("l1-pinned-groups", formatCount(l1.pinned_groups));
   setText("l1-evictions", formatCount(l1.evictions) + " (" + formatBytes(l1.evicted_bytes) + ")");
+  const adm = l1.admission;
+  setText("l1-policy", adm ? adm.policy + (adm.stores_everything ? " (keeping everything)" : " (keeping chunks seen before)") : "–");
+  setText("l1-admissions", adm ? formatCount(adm.admitted) + " / " + formatCount(adm.declined) : "–");
   const l1Fill = l1.capacity_bytes > 0 ? (100 * l1.used_bytes) / l1.capacity_bytes : 0;
   $("l1-bar").style.width = Math.min(100, l1Fill) + "%";
 
@@ -237,6 +240,20 @@ function renderStatus(status) {
       m.tier || "–",
       formatCount(m.tokens),
       formatRate(missed ? m.tokens / missed : null),
+    ]),
+    4,
+  );
+  const stages = {};
+  for (const f of status.funnel) {
+    (stages[f.tier] = stages[f.tier] || {})[f.stage] = f.tokens;
+  }
+  fillRows(
+    "funnel",
+    Object.entries(stages).map(([tier, st]) => [
+      tier,
+      formatCount(st.present || 0),
+      formatCount(st.worth_loading || 0),
+      formatCount(st.loaded || 0),
     ]),
     4,
   );

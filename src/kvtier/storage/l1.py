@@ -24,14 +24,21 @@ import msgspec
 
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
+from kvtier.storage.admission import AdmissionPolicy, AdmissionStats
 from kvtier.storage.allocator import Allocator
 from kvtier.storage.observers import L1_TIER, NO_OBSERVER, Removal, StorageObserver
 from kvtier.storage.shares import UNBOUNDED, TenantBounds, Usage, check_staging
 
-__all__ = ["UNBOUNDED", "L1Store", "OwnerSeen", "ShardState", "TenantBounds"]
+__all__ = ["UNBOUNDED", "L1Store", "OwnerSeen", "ShardState", "TenantBounds", "stored_holder"]
 
 #: (pin holder, its owner) -> when the owner was last seen (the L1's clock), None when gone
 OwnerSeen = Callable[[str, str], float | None]
+
+
+def stored_holder(request_id: str) -> str:
+    """The pin holder of the chunks a request stored that the cache policy declined (they stay
+    readable for the request while it lives)."""
+    return request_id + "\x00stored"
 
 
 class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +61,8 @@ class L1Stats(msgspec.Struct, frozen=True, kw_only=True):
     pinned_groups: int  # groups a lookup pinned against eviction
     evictions: int
     evicted_bytes: int
+    declined_evictions: int = 0  # of those, groups the admission policy had declined
+    admission: AdmissionStats | None = None  # the cache policy's decisions
     fenced_slots: int = 0  # lapsed slots quarantined until their owner can no longer touch them
     fenced_bytes: int = 0
     tenants: list[TenantUsage] = msgspec.field(default_factory=list)  # with anything held
@@ -107,6 +116,7 @@ class _Shard:
 
 class _Group:
     __slots__ = (
+        "admitted",
         "charged",
         "doomed",
         "holds",
@@ -122,6 +132,7 @@ class _Group:
     )
 
     def __init__(self, key: ChunkKey) -> None:
+        self.admitted = True  # kept as cache (see storage/admission.py); else cold, unannounced
         self.key = key
         self.shards: list[_Shard | None] = [None] * key.world_size
         self.missing = key.world_size  # shards not READY; 0 means the group is a hit
@@ -183,16 +194,20 @@ class L1Store:
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[ChunkKey, int], None] | None = None,
         observer: StorageObserver = NO_OBSERVER,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         """`on_evict(key, freed_bytes)` is called for each group evicted to make room;
         `observer` hears of every group that becomes complete or stops being one (under the
-        caller's lock: it must only record)."""
+        caller's lock: it must only record). `admission` decides which new groups are kept as
+        cache (default: every one); the others are evicted first and never announced."""
         if capacity <= 0:
             raise ValueError(f"L1 capacity must be positive, got {capacity} (see --l1-size)")
         self._alloc = Allocator(capacity)
         self._clock = clock
         self._on_evict = on_evict
         self._observer = observer
+        self._admission = admission if admission is not None else AdmissionPolicy()
+        self._declined_evictions = 0
         self._groups: dict[ChunkKey, _Group] = {}
         # Evictable groups only (no staging shard, no hold), least recently used first.
         self._lru: OrderedDict[ChunkKey, _Group] = OrderedDict()
@@ -243,6 +258,8 @@ class L1Store:
             pinned_groups=self._held_groups,
             evictions=self._evictions,
             evicted_bytes=self._evicted_bytes,
+            declined_evictions=self._declined_evictions,
+            admission=self._admission.stats(),
             fenced_slots=self._fenced_slots,
             fenced_bytes=self._fenced_bytes,
             tenants=[
@@ -290,6 +307,7 @@ class L1Store:
         tenant: str = "",
         bounds: TenantBounds = UNBOUNDED,
         resumable: bool = True,
+        admit: bool | None = None,
     ) -> int | None:
         """Reserve a STAGING shard of `size` bytes and return its offset; its bytes count as
         `tenant`'s staging bytes until it is committed, aborted or fenced. `resumable`: whether
@@ -299,7 +317,8 @@ class L1Store:
         write; except that a resume point replaces a READY shard that is none, when nothing
         holds its group (the old one serves again should the new one never commit).
         NoSpaceError when it would take the tenant past its `bounds` (then nothing is evicted
-        for it), or when evicting LRU groups cannot make room.
+        for it), or when evicting LRU groups cannot make room. A new group is kept as cache
+        when `admit` says so (None: when the admission policy does).
         """
         if size <= 0:
             raise ValueError(f"shard size must be positive, got {size}")
@@ -331,6 +350,10 @@ class L1Store:
             self._lru_discard(group)
         if group is None:
             group = self._groups[key] = _Group(key)
+            chunks = self._alloc.capacity // (nbytes * key.world_size)
+            if chunks != self._admission.capacity_chunks:
+                self._admission.set_capacity(chunks)
+            group.admitted = admit if admit is not None else self._admission.admits(key)
         shard = _Shard(
             offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant, resumable
         )
@@ -398,7 +421,8 @@ class L1Store:
         complete = group.missing == 0 and not group.doomed
         if complete:
             self._ready_groups += 1
-            self._observer.stored((key,), L1_TIER)
+            if group.admitted:
+                self._observer.stored((key,), L1_TIER)
         self._settle(group)
         return complete
 
@@ -528,12 +552,35 @@ class L1Store:
 
         Once chunk i is gone the chunks after it can never be hit, so the tail should go first.
         Keys not in L1, and pinned or staging groups, are skipped (they are not in the LRU order).
+        Groups the admission policy declined stay where they are (evicted first).
         """
         lru = self._lru
         move = lru.move_to_end
         for key in reversed(keys):
-            if key in lru:
+            group = lru.get(key)
+            if group is not None and group.admitted:
                 move(key)
+
+    def observe_lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> None:
+        """A lookup (of `request_id`) asked for this hash chain: the admission policy learns of
+        it, and declined groups it now admits become cache (announced when complete)."""
+        self._admission.observe(keys, request_id)
+        groups = self._groups
+        for key in keys:
+            group = groups.get(key)
+            if group is None or group.admitted or not self._admission.would_admit(key):
+                continue
+            group.admitted = True
+            if group.missing == 0 and not group.doomed:
+                self._observer.stored((key,), L1_TIER)
+
+    def is_admitted(self, key: ChunkKey) -> bool:
+        """Whether the group is kept as cache (False: declined, or not in L1)."""
+        group = self._groups.get(key)
+        return group is not None and group.admitted
+
+    def admission_stats(self) -> AdmissionStats:
+        return self._admission.stats()
 
     # ---------------------------------------------------------------- pins
 
@@ -704,7 +751,7 @@ class L1Store:
         group = self._groups.get(key)
         if group is None or not self._lru_discard(group):
             return False
-        if group.missing == 0:
+        if group.missing == 0 and group.admitted:
             self._observer.removed((key,), L1_TIER, Removal.DELETED)
         self._remove(group)
         return True
@@ -721,7 +768,7 @@ class L1Store:
             and (model is None or key.model == model)
             and (cache_salt is None or key.cache_salt == cache_salt)
         ]
-        complete = [group.key for group in doomed if group.missing == 0]
+        complete = [group.key for group in doomed if group.missing == 0 and group.admitted]
         for group in doomed:
             if self._lru_discard(group):
                 self._remove(group)
@@ -744,7 +791,7 @@ class L1Store:
 
     def _lru_add(self, group: _Group, *, most_recent: bool = True) -> None:
         self._lru[group.key] = group
-        if not most_recent:
+        if not (most_recent and group.admitted):
             self._lru.move_to_end(group.key, last=False)
         self._lru_bytes += group.nbytes
 
@@ -859,8 +906,10 @@ class L1Store:
                 largest = self._remove(group)
                 self._evictions += 1
                 self._evicted_bytes += group.nbytes
+                self._declined_evictions += not group.admitted
                 if group.missing == 0:
-                    self._observer.removed((group.key,), L1_TIER, Removal.EVICTED)
+                    how = Removal.EVICTED if group.admitted else Removal.DECLINED
+                    self._observer.removed((group.key,), L1_TIER, how)
                 if self._on_evict is not None:
                     self._on_evict(group.key, group.nbytes)
                 if largest >= nbytes:

@@ -42,6 +42,7 @@ class Removal(enum.Enum):
     CLEARED = "cleared"  # an operator's clear
     CORRUPT = "corrupt"  # a read found a piece damaged or misnamed, and it was deleted
     DELETED = "deleted"  # deleted on purpose, one object at a time
+    DECLINED = "declined"  # evicted from L1 unannounced: the cache policy had declined it
 
 
 class StorageObserver(Protocol):

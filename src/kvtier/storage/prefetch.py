@@ -345,6 +345,7 @@ class Prefetcher:
                         layout=layout,
                         tenant=tenant,
                         bounds=bounds,
+                        admit=True,  # loaded because a lookup wants it: cache
                     )
                 except NoSpaceError:
                     offset = None

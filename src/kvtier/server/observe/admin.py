@@ -52,8 +52,7 @@ from kvtier._version import __version__
 from kvtier.config import ADMIN_TOKEN_ENV
 from kvtier.periodic import PeriodicThreadRegistry
 from kvtier.server.observe.metrics import Metrics
-from kvtier.server.observe.snapshots import ServerStatus, SessionInfo, TierChunks
-from kvtier.server.observe.views import Health
+from kvtier.server.observe.snapshots import Health, ServerStatus, SessionInfo, TierChunks
 
 logger = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ __all__ = ["ChunkMemory", "Whereabouts"]
 
 
 #: a name's record: (the tiers where the group is complete now, the tier it left last once no
-#: tier holds it, whether it left that tier by a clear, whether a store of it lapsed and it was
-#: not stored since)
-_Record = tuple[tuple[str, ...], str, bool, bool]
+#: tier holds it, how it left that tier (None: not known to have left), whether a store of it
+#: lapsed and it was not stored since)
+_Record = tuple[tuple[str, ...], str, Removal | None, bool]
 _Name = tuple[str, str, int, bytes]  # a ChunkKey as a plain tuple (equal, same hash)
-_NEW: _Record = ((), "", False, False)
+_NEW: _Record = ((), "", None, False)
 
 
 class Whereabouts(NamedTuple):
@@ -46,12 +46,13 @@ class Whereabouts(NamedTuple):
     held_by: str  # an L2 tier the memory says holds it ("" none)
     left: str  # the tier it left last ("" none)
     cleared: bool  # it left by a clear
+    declined: bool  # it left L1 unkept: the cache policy had declined it
     lapsed: bool  # a store of it lapsed, and it was not stored since
     other_name: bool  # the same chunk hash is stored under another name
 
 
-_UNKNOWN = Whereabouts("", "", False, False, False)
-_UNKNOWN_OTHER = Whereabouts("", "", False, False, True)
+_UNKNOWN = Whereabouts("", "", False, False, False, False)
+_UNKNOWN_OTHER = Whereabouts("", "", False, False, False, True)
 
 
 class ChunkMemory:
@@ -80,7 +81,7 @@ class ChunkMemory:
                 tiers = self._touch(name)[0]
                 if tier not in tiers:
                     tiers = (*tiers, tier)
-                self._records[name] = (tiers, "", False, False)
+                self._records[name] = (tiers, "", None, False)
                 names = self._by_hash.get(key.chunk_hash, ())
                 if name not in names:
                     self._by_hash[key.chunk_hash] = (*names, name)
@@ -95,7 +96,7 @@ class ChunkMemory:
                 if tiers:
                     self._records[name] = (tiers, *record[1:])  # type: ignore[assignment]
                     continue
-                self._records[name] = ((), tier, reason is Removal.CLEARED, record[3])
+                self._records[name] = ((), tier, reason, record[3])
                 self._unindex(name)
 
     def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
@@ -134,14 +135,15 @@ class ChunkMemory:
                 if record is None:
                     out.append(_UNKNOWN_OTHER if other else _UNKNOWN)
                     continue
-                tiers, left, cleared, lapsed = record
+                tiers, left, how, lapsed = record
                 held = ""
                 for tier in tiers:  # one or two
                     if tier != L1_TIER:
                         held = tier
                         break
                 left = left or (L1_TIER if L1_TIER in tiers else "")
-                out.append(make((held, left, cleared, lapsed, other)))
+                cleared, declined = how is Removal.CLEARED, how is Removal.DECLINED
+                out.append(make((held, left, cleared, declined, lapsed, other)))
         return out
 
     # -- internals -----------------------------------------------------------------------------

@@ -264,7 +264,8 @@ class EventPublisher:
         self._report("stored", keys, tier)
 
     def removed(self, keys: Sequence[ChunkKey], tier: str, reason: Removal) -> None:
-        self._report("removed", keys, tier)
+        if reason is not Removal.DECLINED:  # never announced, so never taken back
+            self._report("removed", keys, tier)
 
     def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
         with self._lock:

@@ -34,7 +34,10 @@ from prometheus_client.core import (
 
 from kvtier._version import __version__
 from kvtier.keys import shown
+from kvtier.server.observe.funnel import STAGES
+from kvtier.server.observe.operations import operation_of
 from kvtier.server.observe.snapshots import (
+    FunnelCount,
     HitRatePoint,
     LatencySummary,
     MissCount,
@@ -42,7 +45,6 @@ from kvtier.server.observe.snapshots import (
     ServerStatus,
     Traffic,
 )
-from kvtier.server.routes import ROUTES
 from kvtier.storage.tiers.base import LATENCY_BOUNDS_S, TierStats
 
 logger = logging.getLogger(__name__)
@@ -72,9 +74,6 @@ REQUEST_DURATION_BUCKETS: tuple[float, ...] = (
     5.0,
 )
 
-#: wire request -> (what the user did, which step of it); the labels metrics carry, as each
-#: request's route declares them
-OPERATIONS: dict[str, tuple[str, str]] = {route.request.__name__: route.labels for route in ROUTES}
 
 #: why a load could not deliver what a lookup reported: the `reason` label of
 #: kvtier_failed_loads_total (docs/operations.md lists them)
@@ -88,14 +87,6 @@ FAILED_LOAD_REASONS: tuple[str, ...] = (
 #: models beyond this many distinct names share the label value "other"
 DEFAULT_MAX_MODELS = 32
 OTHER = "other"
-#: the operation of a request that could not be decoded
-UNKNOWN = "unknown"
-
-
-def operation_of(request_name: str) -> tuple[str, str]:
-    """The (operation, step) labels of a wire request name; "unknown" for a request that could
-    not be decoded."""
-    return OPERATIONS.get(request_name, (UNKNOWN, UNKNOWN))
 
 
 class HitRateHistory:
@@ -186,6 +177,14 @@ class Metrics:
             ["reason", "tier"],
             registry=self.registry,
         )
+        self._funnel_tokens = Counter(
+            "kvtier_hit_funnel_tokens",
+            "Lookup tokens by tier and stage of the hit funnel: present (the tier held them), "
+            "worth_loading (and loading beats recomputing), loaded (served as a hit from it).",
+            ["tier", "stage"],
+            registry=self.registry,
+        )
+        self._per_funnel: dict[tuple[str, str], tuple[Counter, list[int]]] = {}
         self._stored_bytes = Counter(
             "kvtier_stored_bytes", "KV bytes committed into L1 by clients.", registry=self.registry
         )
@@ -276,6 +275,27 @@ class Metrics:
                         entry = self._per_miss[labels] = (self._miss_tokens.labels(*labels), [0])
             entry[0].inc(tokens)
             entry[1][0] += tokens
+
+    def observe_funnel(self, tally: dict[tuple[str, str], int]) -> None:
+        """Count one lookup's hit funnel by (tier, stage) (see `observe/funnel.py`)."""
+        for labels, tokens in tally.items():
+            entry = self._per_funnel.get(labels)
+            if entry is None:
+                with self._models_lock:
+                    entry = self._per_funnel.get(labels)
+                    if entry is None:
+                        child = self._funnel_tokens.labels(*labels)
+                        entry = self._per_funnel[labels] = (child, [0])
+            entry[0].inc(tokens)
+            entry[1][0] += tokens
+
+    def funnel(self) -> list[FunnelCount]:
+        """Tokens since start by (tier, stage)."""
+        rows = [
+            FunnelCount(tier=tier, stage=stage, tokens=entry[1][0])
+            for (tier, stage), entry in list(self._per_funnel.items())
+        ]
+        return sorted(rows, key=lambda r: (r.tier != "l1", r.tier, STAGES.index(r.stage)))
 
     def misses(self) -> list[MissCount]:
         """Missed tokens since start by (reason, tier), most first."""
@@ -442,6 +462,13 @@ def _evictions(s: ServerStatus) -> list[tuple[Sequence[str], float]]:
     return [(("l1",), s.l1.evictions), *l2]
 
 
+def _admissions(s: ServerStatus) -> list[tuple[Sequence[str], float]]:
+    adm = s.l1.admission
+    if adm is None:
+        return []
+    return [(("l1", "admitted"), adm.admitted), (("l1", "declined"), adm.declined)]
+
+
 def _l2_latency(s: ServerStatus) -> list[tuple[Sequence[str], _Histogram]]:
     """Each tier's read and write latency as cumulative Prometheus buckets."""
     out: list[tuple[Sequence[str], _Histogram]] = []
@@ -484,6 +511,18 @@ STATE_METRICS: tuple[StateMetric, ...] = (
                 _tenant_l1),
     StateMetric("kvtier_evictions", _COUNTER, _TIER,
                 "Objects evicted to make room, by tier (l1 counts chunk groups).", _evictions),
+    StateMetric("kvtier_admissions", _COUNTER, ("tier", "decision"),
+                "Chunk groups stored into L1 by whether the cache policy kept them as cache "
+                "(admitted) or for their request only (declined); declined groups are never "
+                "written to an L2 tier.", _admissions),
+    StateMetric("kvtier_declined_evictions", _COUNTER, _TIER,
+                "L1 evictions of groups the cache policy had declined.",
+                lambda s: [(("l1",), s.l1.declined_evictions)]),
+    StateMetric("kvtier_cache_policy_stores_everything", _GAUGE, ("policy",),
+                "1 while the L1 cache policy admits every new chunk (adaptive: the room it "
+                "measured lets it), 0 while it admits only chunks seen before.",
+                lambda s: [((s.l1.admission.policy,), s.l1.admission.stores_everything)]
+                if s.l1.admission is not None else []),
     StateMetric("kvtier_evicted_bytes", _COUNTER, _TIER, "Bytes freed by L1 evictions.",
                 lambda s: [(("l1",), s.l1.evicted_bytes)]),
     StateMetric("kvtier_l2_used_bytes", _GAUGE, _TIER, "Bytes stored in an L2 tier.",

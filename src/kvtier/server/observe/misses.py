@@ -37,6 +37,7 @@ class MissReason(enum.StrEnum):
     TENANT_SHARE = "tenant_share"  # in L1, past the tenant's pinned share
     NOT_RESUMABLE = "not_resumable"  # in L1, after the last chunk an engine can resume from
     PARTIAL_CHUNK = "partial_chunk"  # the prompt's tail, shorter than a chunk
+    NOT_ADMITTED = "not_admitted"  # stored, declined by the cache policy, and evicted from L1
 
 
 #: (reason, tier) -> tokens; tier is "" where the reason names none
@@ -126,6 +127,8 @@ def _from_memory(seen: Whereabouts) -> tuple[str, str]:
     """The reason of a chunk no tier had for the lookup, from what the memory knows of it."""
     if seen.held_by:  # an L2 tier holds it, but no load ran to get it
         return MissReason.NOT_LOADED, seen.held_by
+    if seen.declined:
+        return MissReason.NOT_ADMITTED, seen.left
     if seen.left:
         return (MissReason.CLEARED if seen.cleared else MissReason.EVICTED), seen.left
     if seen.lapsed:

@@ -22,6 +22,8 @@ from kvtier.storage.prefetch import PrefetchStats
 __all__ = [
     "ClientInfo",
     "ErrorRecord",
+    "FunnelCount",
+    "Health",
     "HeldChunk",
     "HitRatePoint",
     "L1Stats",
@@ -88,6 +90,15 @@ class LookupTotals(msgspec.Struct, frozen=True, kw_only=True):
 
     requested_tokens: int
     hit_tokens: int
+
+
+class FunnelCount(msgspec.Struct, frozen=True, kw_only=True):
+    """Lookup tokens at one stage of one tier's hit funnel since start (present,
+    worth_loading, loaded: see `server.observe.funnel`)."""
+
+    tier: str
+    stage: str
+    tokens: int
 
 
 class MissCount(msgspec.Struct, frozen=True, kw_only=True):
@@ -188,5 +199,14 @@ class ServerStatus(msgspec.Struct, frozen=True, kw_only=True):
     recent_errors: list[ErrorRecord]
     #: missed tokens by reason, most first
     misses: list[MissCount] = msgspec.field(default_factory=list)
+    #: the hit funnel: tokens by tier and stage
+    funnel: list[FunnelCount] = msgspec.field(default_factory=list)
     #: each L2 tier's measured load speed, in read order
     load_rates: list[LoadRate] = msgspec.field(default_factory=list)
+
+
+class Health(msgspec.Struct, frozen=True):
+    """What `/health` answers: "ok", "degraded" (still serving) or "unavailable"."""
+
+    state: str
+    reasons: list[str]

@@ -32,6 +32,7 @@ from kvtier.layouts import Layout
 from kvtier.server.answers import Answer
 from kvtier.server.limits import tenant_bounds, tenant_prefetch_jobs
 from kvtier.server.observe.chunkmemory import ChunkMemory
+from kvtier.server.observe.funnel import hit_funnel
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.misses import explain_misses
 from kvtier.storage.l1 import L1Store
@@ -104,6 +105,7 @@ class LookupBook:
         """Under the engine lock: the reply, or None when `answer` waits for a prefetch job.
         `owner`: the client asking; the pins live while it does (`L1Store.reclaim_pins`)."""
         readers = req.readers or req.world_size
+        self._l1.observe_lookup(keys, req.request_id)
         running = self._jobs.get(req.request_id)
         busy = running is not None and not running.done
         if busy and running is not None and _same_chunks(running.keys, keys):
@@ -209,6 +211,7 @@ class LookupBook:
                 self._metrics.observe_misses(tally)
             return p.ExistsReply(hit, present)
 
+        self._l1.observe_lookup(keys)
         start = self._l1.count_prefix(keys)
         if each:
             flags = self._l1.complete_each(keys)
@@ -329,6 +332,15 @@ class LookupBook:
         )
         if tally:
             self._metrics.observe_misses(tally)
+        self._metrics.observe_funnel(
+            hit_funnel(
+                hit=hit,
+                l1_held=job_start if outcome is not None else l1_hit,
+                chunk_size=self._chunk_size,
+                outcome=outcome,
+                job_start=job_start,
+            )
+        )
         return hit_tokens
 
     def _pin(

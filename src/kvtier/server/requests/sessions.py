@@ -36,7 +36,7 @@ from kvtier.server.limits import SessionBounds
 from kvtier.server.locking import TimedLock
 from kvtier.server.requests.lookups import LookupBook
 from kvtier.session import Session, SessionManager
-from kvtier.storage.l1 import L1Store
+from kvtier.storage.l1 import L1Store, stored_holder
 
 __all__ = ["SessionBook", "tenant_of"]
 
@@ -152,6 +152,7 @@ class SessionBook:
             self._count_out(session)
             self._lookups.forget(session.request_id)
             held_pins = self._l1.unpin(session.request_id)
+            self._l1.unpin(stored_holder(session.request_id))
             if held_pins and session.request_id not in self._ending:
                 self.orphaned += 1  # the engine abandoned it mid-flight, holding cache
 

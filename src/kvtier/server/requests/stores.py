@@ -39,7 +39,7 @@ from kvtier.server.observe.events import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.requests.sessions import SessionBook
 from kvtier.server.writethrough import Shard, WriteThrough
-from kvtier.storage.l1 import L1Store
+from kvtier.storage.l1 import L1Store, stored_holder
 from kvtier.storage.manager import TierManager
 
 __all__ = ["Committed", "StoreBook"]
@@ -147,6 +147,7 @@ class StoreBook:
                         self._clock() + self._config.staging_lease,
                         watch=None if watch is None else watch.retain(),
                         tenant=tenant,
+                        request_id=req.request_id if isinstance(req, p.RangeRequest) else None,
                     )
                 )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
@@ -192,14 +193,20 @@ class StoreBook:
             res.watch = None
         lost = 0
         shards: list[Shard] = []
+        declined: list[ChunkKey] = []
         for key in res.reserved:
             try:
-                self._l1.commit(key, res.worker_id, owner=client_id)
+                complete = self._l1.commit(key, res.worker_id, owner=client_id)
             except UnknownReservationError:
                 lost += 1
                 continue
-            if self._tiers.tiers:
+            if not self._l1.is_admitted(key):  # the cache policy declined it: no L2 copy
+                if complete:
+                    declined.append(key)
+            elif self._tiers.tiers:
                 shards.append(self._write_through_shard(key, res.worker_id))
+        if declined and res.request_id is not None:
+            self._hold_for_request(res, res.request_id, declined)
         self._l1.touch(res.keys)
         self._metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
         if lost:
@@ -211,6 +218,20 @@ class StoreBook:
                 shards,
             )
         return Committed(p.StoreReply(self.stored_prefix(res.keys, res.worker_id)), shards)
+
+    def _hold_for_request(self, res: Reservation, request_id: str, keys: list[ChunkKey]) -> None:
+        """Pin chunks the cache policy declined for the request that stored them, so its own
+        lookups find them while it lives (its session's end releases them, coldest in L1)."""
+        holder = stored_holder(request_id)
+        self._l1.pin(
+            holder,
+            [*self._l1.pinned_keys(holder), *keys],
+            ranks=(),
+            lease_s=self._config.pin_lease,
+            tenant=res.tenant,
+            max_bytes=self._bounds.pinned_bytes,
+            owner=res.owner,
+        )
 
     def write_committed(self, committed: Committed, answer: Answer) -> p.StoreReply | None:
         """Queue the committed shards for L2 (no lock held); the reply, or None when the

@@ -1,5 +1,6 @@
 """The admin views of a running server: status, health, sessions and clear, read from the engine
-and returned as typed snapshots (`kvtier.server.observe.snapshots`).
+and returned as typed snapshots (`kvtier.server.observe.snapshots`). They sit above the
+engine, beside the app that builds them.
 
 The admin API, the metrics collector and `kvtier status` read these; the engine only serves
 requests. `TierWatch` turns growing L2 error counters into what an operator sees: `/health`
@@ -12,16 +13,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvtier._version import __version__
 from kvtier.keys import compose, decompose, shown
 from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
+from kvtier.server.engine import Engine
 from kvtier.server.observe.snapshots import (
     ClientInfo,
     ErrorRecord,
+    Health,
     HeldChunk,
     L2Summary,
     LookupTotals,
@@ -33,20 +35,9 @@ from kvtier.server.observe.snapshots import (
 from kvtier.session import Session
 from kvtier.storage.observers import L1_TIER, ListsChunks
 
-if TYPE_CHECKING:  # the engine imports this folder; views only read it
-    from kvtier.server.engine import Engine
-
-__all__ = ["AdminViews", "Health", "TierWatch"]
+__all__ = ["AdminViews", "TierWatch"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Health:
-    """What `/health` answers: "ok", "degraded" (still serving) or "unavailable"."""
-
-    state: str
-    reasons: list[str]
 
 
 @dataclass
@@ -240,6 +231,7 @@ class AdminViews:
             fencing=fencing,
             lookup=LookupTotals(requested_tokens=requested, hit_tokens=hit),
             misses=self.metrics.misses(),
+            funnel=self.metrics.funnel(),
             load_rates=e.tiers.rates.snapshot(),
             models=self.metrics.models(),
             hit_rate_history=self.metrics.history.points(),
