@@ -1,7 +1,8 @@
 """Each codec (`codec=none|zstd|fp8`) on each shared tier: disk, Redis, Redis Cluster, Mooncake
 Store. Lossless codecs give the bytes back exactly, fp8 within its element-wise bound; a coded
 object damaged behind the tier's back is a miss, deleted and counted; a tier whose codec changed
-across a restart still serves what it stored before, decoded."""
+across a restart still serves what it stored before, decoded. Last, a real server with an fp8
+Redis tier: its /status and /metrics figures, and a restart with zstd."""
 
 from __future__ import annotations
 

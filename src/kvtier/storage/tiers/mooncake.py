@@ -413,7 +413,7 @@ class MooncakeTier:
                 at = self._take(size, held)
                 if at is not None:
                     whole.append((i, at, size))
-                continue
+                    continue
             if size != hsize + len(out):
                 verdicts[i] = self._judge_whole(names[i], key, out, layout, size)
                 continue
@@ -452,7 +452,7 @@ class MooncakeTier:
                 continue
             key, out, layout = jobs[i]
             verdicts[i] = self._codec.read_whole(stage.view(at, size), key.to_str(), layout, out)
-        for (i, at, payload_at), hsize, rc in zip(exact, hsizes, codes, strict=False):
+        for (i, at, payload_at), hsize, rc in zip(exact, hsizes, codes[: len(exact)], strict=True):
             key, out, layout = jobs[i]
             total = hsize + len(out)
             if rc != total:
