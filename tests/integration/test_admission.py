@@ -45,8 +45,8 @@ def _l2_puts(server: ServerProcess) -> int:
 
 
 def _announced(follower: Follower, medium: str = "CPU") -> int:
-    """Blocks announced stored in `medium` (CPU: L1; STORAGE: the disk tier) so far: the live stream, and the publisher's replay buffer for
-    whatever was published before the subscription took."""
+    """Blocks announced stored in `medium` (CPU: L1; STORAGE: the disk tier) so far: the live
+    stream, and the publisher's replay buffer for whatever came before the subscription took."""
     follower.poll(0.1)
     follower.replay()
     return sum(len(e.block_hashes) for _, e in follower.stored if e.medium == medium)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ CAPACITY = 1000  # chunks: 2.6% of the 38,788 distinct blocks of the first 2,000
 BLOCK = 512
 
 
-def _trace() -> list[dict]:
+def _trace() -> list[dict[str, Any]]:
     if not TRACE.exists():
         pytest.fail(
             f"the Mooncake conversation trace is missing at {TRACE}: it is Mooncake's FAST'25 "
@@ -62,7 +63,7 @@ class _Seen:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.names: OrderedDict[bytes, list] = OrderedDict()
+        self.names: OrderedDict[bytes, list[Any]] = OrderedDict()
 
     def look(self, chain: list[bytes], who: object) -> None:
         for name in chain:
@@ -238,7 +239,7 @@ def belady_hits(chains: list[list[int]], capacity: int) -> list[int]:
 # ------------------------------------------------------------------ the tests
 
 
-def _rates(trace: list[dict], hits: list[int]) -> tuple[float, float]:
+def _rates(trace: list[dict[str, Any]], hits: list[int]) -> tuple[float, float]:
     blocks = sum(len(r["hash_ids"]) for r in trace)
     tokens = sum(r["input_length"] for r in trace)
     hit_tokens = sum(min(h * BLOCK, r["input_length"]) for r, h in zip(trace, hits, strict=True))

@@ -65,7 +65,9 @@ ops = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(policy=st.sampled_from(sorted(POLICIES)), steps=ops)
-def test_no_policy_evicts_a_pinned_or_held_chunk(policy: str, steps: list) -> None:
+def test_no_policy_evicts_a_pinned_or_held_chunk(
+    policy: str, steps: list[tuple[str, int, int, int]]
+) -> None:
     l1 = L1Store(12 * PAGE, admission=make_policy(policy))
     pinned: dict[str, list[ChunkKey]] = {}
     held: list[ChunkKey] = []

@@ -128,38 +128,60 @@ def replay_command(
     ] = None,
     l2: Annotated[
         list[str] | None,
-        typer.Option("--l2", help="An L2 tier URL for the started server (repeatable; default "
-                     "none).", metavar="URL", show_default=False),
+        typer.Option(
+            "--l2",
+            help="An L2 tier URL for the started server (repeatable; default none).",
+            metavar="URL",
+            show_default=False,
+        ),
     ] = None,
     policy: Annotated[
         str, typer.Option("--policy", help=f"Cache policy: {', '.join(POLICIES)}.", metavar="NAME")
     ] = "adaptive",
     limit: Annotated[
         int | None,
-        typer.Option("--limit", help="Replay only the first N requests.", metavar="N",
-                     show_default=False),
+        typer.Option(
+            "--limit", help="Replay only the first N requests.", metavar="N", show_default=False
+        ),
     ] = None,
     json_file: Annotated[
         Path | None,
-        typer.Option("--json", help="Also write the figures to FILE as one JSON object.",
-                     metavar="FILE", show_default=False),
+        typer.Option(
+            "--json",
+            help="Also write the figures to FILE as one JSON object.",
+            metavar="FILE",
+            show_default=False,
+        ),
     ] = None,
     address: Annotated[
         str | None,
-        typer.Option("--address", help="Replay through this running server instead of starting "
-                     "one (its chunk size must be 512).", metavar="URL", show_default=False),
+        typer.Option(
+            "--address",
+            help="Replay through this running server instead of starting "
+            "one (its chunk size must be 512).",
+            metavar="URL",
+            show_default=False,
+        ),
     ] = None,
     admin: Annotated[
         str | None,
-        typer.Option("--admin", help="With --address: the server's admin API, for its L1 size, "
-                     "policy and counters.", metavar="URL", show_default=False),
+        typer.Option(
+            "--admin",
+            help="With --address: the server's admin API, for its L1 size, policy and counters.",
+            metavar="URL",
+            show_default=False,
+        ),
     ] = None,
     token: Annotated[
-        str, typer.Option("--token", help="With --address: a client credential, when the "
-                          "server has --auth-tokens-file.", show_default=False)
+        str,
+        typer.Option(
+            "--token",
+            help="With --address: a client credential, when the server has --auth-tokens-file.",
+            show_default=False,
+        ),
     ] = "",
 ) -> None:
-    """Replay a trace through a real server: hit rates of the policy, LRU, Belady and infinite."""  # noqa: E501
+    """Replay a trace through a real server: hit rates of the policy, LRU, Belady and infinite."""
     if policy not in POLICIES:
         _fail(f"--policy: unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if limit is not None and limit < 1:
@@ -178,14 +200,18 @@ def replay_command(
         l1_chunks = l1_chunks or found
         policy = running_policy or policy
         if l1_chunks is None:
-            _fail("with --address, give --l1-chunks (the server's L1 in 512-token chunks) or "
-                  "--admin (its admin API tells)")
+            _fail(
+                "with --address, give --l1-chunks (the server's L1 in 512-token chunks) or "
+                "--admin (its admin API tells)"
+            )
     elif l1_chunks is None:
         l1_chunks = max(longest, MIN_L1_SIZE // CHUNK_BYTES, int(DEFAULT_SHARE * distinct))
     least = max(longest, MIN_L1_SIZE // CHUNK_BYTES)
     if address is None and l1_chunks < least:
-        _fail(f"--l1-chunks: {l1_chunks} cannot hold the trace's longest prompt and the "
-              f"smallest L1; give at least {least} (e.g. --l1-chunks {least})")
+        _fail(
+            f"--l1-chunks: {l1_chunks} cannot hold the trace's longest prompt and the "
+            f"smallest L1; give at least {least} (e.g. --l1-chunks {least})"
+        )
     console = Console(stderr=False)
     share = l1_chunks / distinct
     console.print(
@@ -300,8 +326,8 @@ def _print(console: Console, report: dict[str, Any]) -> None:
                          _mib(value) if key.endswith("bytes") else f"{value:,}")  # fmt: skip
         server.add_row(label, *cells)
     for tier in runs[0].get("l2_written_bytes", {}):
-        server.add_row(f"L2 {tier} written",
-                       *(_mib(f.get("l2_written_bytes", {}).get(tier, 0)) for f in runs))  # fmt: skip
+        written = [_mib(f.get("l2_written_bytes", {}).get(tier, 0)) for f in runs]
+        server.add_row(f"L2 {tier} written", *written)
     console.print(server)
     cost = report["policy_cost"]
     console.print(

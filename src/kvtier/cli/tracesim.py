@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 __all__ = ["NEVER", "belady", "infinite", "lru", "next_uses"]
 
@@ -28,7 +28,7 @@ NEVER = 1 << 62
 Chains = Sequence[Sequence[int]]
 
 
-def _prefix_hits(chain: Sequence[int], cached: dict[int, object] | set[int]) -> int:
+def _prefix_hits(chain: Sequence[int], cached: Container[int]) -> int:
     hit = 0
     for block in chain:
         if block not in cached:
