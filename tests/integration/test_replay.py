@@ -187,8 +187,11 @@ def server_model(names: list[list[bytes]], capacity: int, policy: str) -> list[i
             for name in chain[::-1]:
                 if name in cold_first and kept[name]:
                     cold_first.move_to_end(name)
-        for name in [*chain[:hit][::-1], *declined[::-1]]:  # the session ends
-            settle(name)
+        for pinned in (chain[:hit], declined):  # the session ends: its two pins released
+            # declined chunks head first to the cold end (the tail ends coldest), then the
+            # admitted ones tail first (the head ends most recent)
+            for name in [n for n in pinned if not kept[n]] + [n for n in pinned[::-1] if kept[n]]:
+                settle(name)
     return hits
 
 
