@@ -34,6 +34,7 @@ MODULES = [
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",
     "benchmarks.bench_hybrid",
+    "benchmarks.bench_trace_vllm",
     "benchmarks.bench_traffic",
 ]
 
