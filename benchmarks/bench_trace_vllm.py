@@ -376,7 +376,7 @@ def report(m: Measured) -> str:
     headers = [
         "kvtier", "TTFT p50 ms", "p90 ms", "p99 ms", "kvtier hit tokens (of looked up)",
         "vLLM external hits", "vLLM prefix-cache hits", "prompt tokens",
-        "L1 chunks used", "admissions", "evictions", "req/s",
+        "L1 chunks used", "L1 stores", "L1 evictions", "req/s",
     ]  # fmt: skip
     lines = [
         TITLE,
@@ -403,7 +403,8 @@ def report(m: Measured) -> str:
         "each. kvtier hit tokens are kvtier's `kvtier_lookup_hit_tokens_total` (every lookup "
         "asks for the whole prompt, so this counts hits vLLM's own cache also had); vLLM "
         "external hits are the tokens vLLM loaded from kvtier (`external_prefix_cache_hits`), "
-        "its prefix-cache hits those it had itself (`prefix_cache_hits`). L1 used is "
+        "its prefix-cache hits those it had itself (`prefix_cache_hits`). L1 stores are "
+        "`kvtier_admissions_total` over both decisions (admitted and declined). L1 used is "
         "`kvtier_l1_used_bytes` at the end over a chunk's bytes.",
         "",
         table(headers, rows),
