@@ -103,8 +103,8 @@ def _disk_bytes() -> str:
         with tempfile.TemporaryDirectory() as tmp:
             url = f"disk://{tmp}/l2?size=64GiB"
             got = _replay(share, "--l2", url, "--limit", "4000")
-        written = got["policy"]["l2_bytes_written"]
-        baseline = got["lru"]["l2_bytes_written"]
+        written = sum(got["policy"]["l2_written_bytes"].values())
+        baseline = sum(got["lru"]["l2_written_bytes"].values())
         rows.append([f"{share:.0%}", f"{written / 2**20:,.1f}", f"{baseline / 2**20:,.1f}",
                      f"{written / baseline:.2f}"])  # fmt: skip
     return table(["L1 capacity", "adaptive: MiB to disk", "LRU: MiB to disk", "ratio"], rows)

@@ -80,6 +80,7 @@ class Scale:
     restart_docs: int = 8
     restart_doc_len: int = 1792
     eager: bool = False  # skip vLLM's torch.compile warm-up (about 40 s a start on this CPU)
+    block_size: int = 32  # vLLM's --block-size (tokens); cache_blocks counts these
 
 
 FULL = Scale()
@@ -126,9 +127,9 @@ ALONE = Arm("vLLM alone")
 
 
 @contextmanager
-def kvtier_server(l1_size: str = "2GiB") -> Iterator[str]:
-    """`kvtier serve` (L1 only) until the block exits; its address."""
-    proc, address = start_server("--l1-size", l1_size)
+def kvtier_server(l1_size: str = "2GiB", *options: str) -> Iterator[str]:
+    """`kvtier serve` (L1 only, with these further options) until the block exits; its address."""
+    proc, address = start_server("--l1-size", l1_size, *options)
     try:
         yield address
     finally:
@@ -151,8 +152,9 @@ def vllm_command(model: Path, port: int, arm: Arm, scale: Scale, device: str) ->
     """The OpenAI server's command line: the README's, plus this run's cache size."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--port", str(port), "--block-size", "32", "--max-model-len", str(scale.max_model_len),
-        "--dtype", "float32", "--enable-prompt-tokens-details", "--seed", "0",
+        "--port", str(port), "--block-size", str(scale.block_size),
+        "--max-model-len", str(scale.max_model_len), "--dtype", "float32",
+        "--enable-prompt-tokens-details", "--seed", "0",
     ]  # fmt: skip
     # VLLM_CPU_KVCACHE_SPACE counts whole GiB (its least, 1 GiB, holds 131k tokens of this
     # model): the block count sets a cache smaller than the working set

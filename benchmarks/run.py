@@ -35,6 +35,7 @@ MODULES = [
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",
     "benchmarks.bench_hybrid",
+    "benchmarks.bench_trace_vllm",
     "benchmarks.bench_traffic",
 ]
 
@@ -104,6 +105,17 @@ def _merge(old: str, new: list[str]) -> list[str]:
     return merged
 
 
+def _chosen(only: list[str] | None) -> list[str]:
+    """The modules `--only` names: a module by its exact name (`vllm` is `bench_vllm`, not
+    `bench_trace_vllm`), else every module whose name ends with the given suffix."""
+    if not only:
+        return list(MODULES)
+    short = {m.removeprefix("benchmarks.bench_"): m for m in MODULES}
+    return [
+        m for m in MODULES if any(short.get(s) == m if s in short else m.endswith(s) for s in only)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", type=Path, default=Path("docs/benchmarks.md"))
@@ -111,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sections = [_header()]
     failed = 0
-    chosen = [m for m in MODULES if not args.only or any(m.endswith(s) for s in args.only)]
+    chosen = _chosen(args.only)
     console = Console(soft_wrap=True, highlight=False)
     columns = (
         TextColumn("{task.description}"),

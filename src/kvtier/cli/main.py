@@ -1,4 +1,4 @@
-"""The `kvtier` command: serve, status, clear, demo.
+"""The `kvtier` command: serve, status, clear, replay, demo.
 
 `serve`'s options are generated from ServerConfig's fields, so every option has exactly one
 definition (name, type, default, help, example) and a matching KVTIER_* environment variable.
@@ -21,6 +21,7 @@ import typer.main
 
 from kvtier._version import __version__
 from kvtier.cli.admin import clear_command, status_command
+from kvtier.cli.replay import replay_command
 from kvtier.config import ConfigError, ServerConfig, format_size
 from kvtier.errors import KVTierError
 from kvtier.redaction import redact
@@ -126,6 +127,7 @@ app.command("serve")(_serve)
 
 app.command("status")(status_command)
 app.command("clear")(clear_command)
+app.command("replay")(replay_command)
 
 
 @app.command()

@@ -829,8 +829,12 @@ class L1Store:
         self._release_groups(pin.groups)
 
     def _release_groups(self, groups: list[_Group]) -> None:
-        # Reversed, so the chain head is released last and ends most recent (see `touch`).
-        for group in reversed(groups):
+        # Admitted groups reversed, so the chain head is released last and ends most recent
+        # (see `touch`); declined ones go to the cold end head first, so their tail ends
+        # coldest and leaves first there too.
+        order = [g for g in groups if not g.admitted]
+        order += [g for g in reversed(groups) if g.admitted]
+        for group in order:
             group.pins -= 1
             if group.pins == 0:
                 self._usage_of(group.pin_tenant).pinned -= group.charged
