@@ -38,6 +38,7 @@ from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start_admin_server
 from kvtier.server.observe.chunkmemory import ChunkMemory
+from kvtier.server.observe.event_metrics import EventMetrics
 from kvtier.server.observe.events import ChunkNotes, EventPublisher, open_events
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.views import AdminViews
@@ -305,6 +306,8 @@ class KVTierServer:
         # The admin views (status, health, sessions, clear) over the engine; the tier watch
         # turns failing L2 tiers into degraded health, recent errors and a rate-limited log line.
         self.views = AdminViews(self.engine)
+        if self.events is not None:
+            self.engine.metrics.registry.register(EventMetrics(self.events))
         if self.tiers.tiers:
             watch: PeriodicThread = create_periodic_thread(
                 f"tier-watch-{config.arena_name}",
