@@ -205,7 +205,9 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(live: Live) -> No
             empty.append(f"{title}: {expr}")
     assert empty == [], "panels with no data:\n" + "\n".join(empty)
     hit_rate = panel_queries()[0][1]
-    values = finite_values(live.prom.query_range(as_grafana_runs_it(hit_rate), live.start, live.end))
+    values = finite_values(
+        live.prom.query_range(as_grafana_runs_it(hit_rate), live.start, live.end)
+    )
     assert 0 < max(values) <= 1, values
 
 
@@ -256,7 +258,9 @@ def test_each_alert_has_a_unit_test_firing_and_one_not_firing() -> None:
 
 def test_the_unit_tests_fail_when_an_alert_is_broken(tmp_path: Path) -> None:
     """The same unit tests against rules with one threshold moved: promtool says which."""
-    broken = RULES.read_text().replace("kvtier:l1_pinned:ratio > 0.8", "kvtier:l1_pinned:ratio > 0.9")
+    broken = RULES.read_text().replace(
+        "kvtier:l1_pinned:ratio > 0.8", "kvtier:l1_pinned:ratio > 0.9"
+    )
     assert broken != RULES.read_text()
     (tmp_path / RULES.name).write_text(broken)
     (tmp_path / RULE_TESTS.name).write_text(RULE_TESTS.read_text())

@@ -124,6 +124,11 @@ def _arena_error(exc: OSError, size: int) -> ConfigError:
             f"({exc.strerror}): give a smaller --l1-size or a larger {SHM_DIR} (docker: --shm-size)"
         )
     where = exc.filename or SHM_DIR
+    if exc.errno == errno.ENOENT:  # not a permission problem: someone removed it meanwhile
+        return ConfigError(
+            f"--l1-size: the shared-memory segment {where!r} disappeared while this server was "
+            f"creating it (another process removed it from {SHM_DIR}): start the server again"
+        )
     return ConfigError(
         f"--l1-size: cannot create the shared-memory segment in {where!r}: {exc.strerror or exc}"
         f" ({SHM_DIR} must be writable by this user)"
