@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,7 +124,7 @@ SHELL_CHECKS: dict[str, str] = {
     "kvtier clear": ADMIN,
     "docker build -f deploy/Dockerfile -t kvtier .": DOCKER,
     "docker run ": DOCKER,
-    "KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker compose": COMPOSE,
+    "KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker-compose": COMPOSE,
     "sudo useradd": SYSTEMD,
     "sudo python3 -m venv /opt/kvtier": SYSTEMD,
     "sudo install -D": SYSTEMD,
@@ -237,6 +238,56 @@ def test_make_run_installs_then_serves() -> None:
     version = subprocess.run([str(REPO / ".venv/bin/kvtier"), "--version"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert version.returncode == 0 and version.stdout.startswith("kvtier "), version.stderr
+
+
+def test_ctrl_c_on_make_run_stops_the_server_and_make(tmp_path: Path) -> None:
+    """`make run` in a terminal, then Ctrl-C: the server shuts down cleanly and make ends with
+    it. The venv is one of this test's own (its kvtier runs this checkout), so make has nothing
+    to install and the run is the recipe's `kvtier serve` itself."""
+    import pty
+    import select
+    import signal
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "bin" / "kvtier").write_text(
+        f"#!/bin/sh\nPYTHONPATH={REPO / 'src'} exec {sys.executable} -m kvtier.cli \"$@\"\n"
+    )
+    (venv / "bin" / "kvtier").chmod(0o755)
+    (venv / ".installed-serve").touch()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: make in the terminal pty.fork made
+        os.chdir(REPO)
+        os.execvp("make", ["make", "--no-print-directory", "run", f"VENV={venv}"])
+    out = b""
+
+    def read_until(text: bytes, timeout: float) -> bool:
+        nonlocal out
+        deadline = time.monotonic() + timeout
+        while text not in out and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:  # the terminal closed: make is gone
+                    break
+        return text in out
+
+    status = (0, 0)
+    try:
+        assert read_until(b"kvtier: ready", 120), out.decode(errors="replace")
+        os.write(fd, b"\x03")  # Ctrl-C, as the terminal sends it
+        assert read_until(b"kvtier: stopped", 60), out.decode(errors="replace")
+        deadline = time.monotonic() + 30
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status[0] == pid, "make still runs after the server stopped"
+        assert os.WIFSIGNALED(status[1]) and os.WTERMSIG(status[1]) == signal.SIGINT, status
+    finally:
+        if status[0] == 0:  # not reaped: make (and so its server) still runs
+            os.kill(pid, signal.SIGTERM)  # make passes SIGTERM on to the server
+            os.waitpid(pid, 0)
+        os.close(fd)
 
 
 def test_the_packages_the_readme_removes_are_gone() -> None:
