@@ -252,7 +252,7 @@ def test_ctrl_c_on_make_run_stops_the_server_and_make(tmp_path: Path) -> None:
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
     (venv / "bin" / "kvtier").write_text(
-        f"#!/bin/sh\nPYTHONPATH={REPO / 'src'} exec {sys.executable} -m kvtier.cli \"$@\"\n"
+        f'#!/bin/sh\nPYTHONPATH={REPO / "src"} exec {sys.executable} -m kvtier.cli "$@"\n'
     )
     (venv / "bin" / "kvtier").chmod(0o755)
     (venv / ".installed-serve").touch()
