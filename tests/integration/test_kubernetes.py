@@ -62,8 +62,9 @@ def render(folder: str) -> list[dict[str, Any]]:
 
 
 def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = [doc for doc in docs if doc["kind"] == kind]
-    return found
+    found: list[dict[str, Any]] = [doc for doc in docs if doc["kind"] == kind]
+    assert len(found) == 1, (kind, found)
+    return found[0]
 
 
 def pod_spec(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -71,15 +72,17 @@ def pod_spec(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 
 def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
-    (found,) = [c for c in spec["containers"] if c["name"] == name]
-    return found
+    found: list[dict[str, Any]] = [c for c in spec["containers"] if c["name"] == name]
+    assert len(found) == 1, (name, found)
+    return found[0]
 
 
 def volume_of(spec: dict[str, Any], mount: str, name: str) -> dict[str, Any]:
     """The volume a container of `spec` mounts at `mount`."""
     mounts = {m["mountPath"]: m["name"] for m in container(spec, name)["volumeMounts"]}
-    (found,) = [v for v in spec["volumes"] if v["name"] == mounts[mount]]
-    return found
+    found: list[dict[str, Any]] = [v for v in spec["volumes"] if v["name"] == mounts[mount]]
+    assert len(found) == 1, (mount, found)
+    return found[0]
 
 
 # -- rendering and schemas -------------------------------------------------------------------------
@@ -222,7 +225,9 @@ def test_the_example_engines_flags_parse_with_vllms_own_parser() -> None:
     assert got["role"] == "kv_both" and got["policy"] == "recompute"
     from kvtier.integrations.vllm.config import EXTRA_CONFIG_KEYS
 
-    assert set(got["extra"]) <= set(EXTRA_CONFIG_KEYS) | {"token", "token_file"}  # type: ignore[arg-type]
+    extra = got["extra"]
+    assert isinstance(extra, dict)
+    assert set(extra) <= set(EXTRA_CONFIG_KEYS) | {"token", "token_file"}
 
 
 def test_the_mooncake_overlays_tier_url_parses_and_the_image_has_the_extra() -> None:
