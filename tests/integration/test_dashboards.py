@@ -66,6 +66,16 @@ def rules() -> list[dict[str, Any]]:
     return [rule for group in doc["groups"] for rule in group["rules"]]
 
 
+OPERATIONS = REPO / "docs" / "operations.md"
+
+
+def docs_prometheus_config() -> dict[str, Any]:
+    """The prometheus.yml lines of docs/operations.md."""
+    text = OPERATIONS.read_text()
+    (block,) = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    return yaml.safe_load(block)  # type: ignore[no-any-return]
+
+
 def as_grafana_runs_it(expr: str) -> str:
     for name, value in GRAFANA_VARIABLES.items():
         expr = expr.replace(name, value)
@@ -155,11 +165,12 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
     )  # fmt: skip
     assert server.admin_url is not None, server.output
-    scrape = {
-        "job_name": "kvtier",
-        "authorization": {"credentials_file": str(folder / "admin-token")},
-        "static_configs": [{"targets": [server.admin_url.removeprefix("http://")]}],
-    }
+    # docs/operations.md's scrape job, pointed at this server and this token file
+    docs = docs_prometheus_config()
+    assert [Path(f).name for f in docs["rule_files"]] == [RULES.name]
+    (scrape,) = docs["scrape_configs"]
+    scrape["authorization"]["credentials_file"] = str(folder / "admin-token")
+    scrape["static_configs"] = [{"targets": [server.admin_url.removeprefix("http://")]}]
     prom = start_prometheus(folder, [scrape], [RULES])
     run = Live(prom, server, time.time())
     stop = threading.Event()
@@ -195,6 +206,12 @@ def test_every_dashboard_metric_name_is_one_kvtier_exports(live: Live) -> None:
     # a renamed metric is caught by the same check
     renamed = exported - {"kvtier_lookup_hit_tokens_total"}
     assert unknown_names(names, renamed) == {"kvtier_lookup_hit_tokens_total"}
+
+
+def test_the_operations_guide_shows_every_panels_queries() -> None:
+    text = OPERATIONS.read_text().replace("\\|", "|")  # a table cell escapes PromQL's "|"
+    missing = [f"{title}: {expr}" for title, expr in panel_queries() if f"`{expr}`" not in text]
+    assert missing == [], missing
 
 
 def test_every_panel_query_returns_data_from_a_real_prometheus(live: Live) -> None:

