@@ -247,7 +247,8 @@ def test_make_run_installs_then_serves() -> None:
 def test_ctrl_c_on_make_run_stops_the_server_and_make(tmp_path: Path) -> None:
     """`make run` in a terminal, then Ctrl-C: the server shuts down cleanly and make ends with
     it. The venv is one of this test's own (its kvtier runs this checkout), so make has nothing
-    to install and the run is the recipe's `kvtier serve` itself."""
+    to install and the run is the recipe's `kvtier serve` itself; KVTIER_* variables give it an
+    address and admin port of its own (the README's may be in use by another test)."""
     import pty
     import select
     import signal
@@ -262,6 +263,8 @@ def test_ctrl_c_on_make_run_stops_the_server_and_make(tmp_path: Path) -> None:
     (venv / ".installed-serve").touch()
     pid, fd = pty.fork()
     if pid == 0:  # the child: make in the terminal pty.fork made
+        os.environ.update(KVTIER_ADDRESS=f"ipc://{tmp_path}/kvtier.sock", KVTIER_ADMIN_PORT="0",
+                          KVTIER_L1_SIZE="64MiB", KVTIER_L2="none")  # fmt: skip
         os.chdir(REPO)
         os.execvp("make", ["make", "--no-print-directory", "run", f"VENV={venv}"])
     out = b""
