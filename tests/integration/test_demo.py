@@ -72,6 +72,27 @@ def test_kvtier_demo_reports_progress_and_fits_80_columns(tmp_path: Path) -> Non
     assert table > lines.index(progress[-1])  # progress first, then the table
     for name in ("step", "prompt", "hit %", "full", "kvtier"):
         assert name in lines[table]
+    # Each row is two whole lines: the medians, then the min-max ranges (no value cut in two).
+    cells = [[c.strip() for c in ln.split("│")[6:8]] for ln in lines if ln.startswith("│")]
+    assert len(cells) == 2 * 5, cells
+    for medians, ranges in zip(cells[::2], cells[1::2], strict=True):
+        assert all(re.fullmatch(r"\d+\.\d ms", c) for c in medians), medians
+        assert all(re.fullmatch(r"[\d.]+-[\d.]+", c) for c in ranges), ranges
+    # --quick says why its speedups are small
+    assert "a speedup near or under 1x is expected here" in " ".join(" ".join(lines).split())
+
+
+def test_the_demos_default_output_folder_is_ignored_by_git() -> None:
+    """`kvtier demo` in the clone writes kvtier-demo/: it must not show as untracked."""
+    import inspect
+
+    from kvtier.cli.main import demo
+
+    folder = inspect.signature(demo).parameters["output_dir"].default.default
+    repo = Path(__file__).resolve().parents[2]
+    plot = Path(folder) / "kvtier-demo-ttft.png"
+    out = subprocess.run(["git", "check-ignore", "-q", str(plot)], cwd=repo, timeout=30)
+    assert out.returncode == 0, f"{plot} is not in .gitignore"
 
 
 def test_without_torch_the_demo_says_which_extra_to_install() -> None:

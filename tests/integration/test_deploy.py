@@ -3,7 +3,8 @@
 No Docker engine can build the image here (its base image comes from a registry the test
 machines cannot reach), so the image's ENTRYPOINT runs on the host with the image's ENV and the
 `docker run` flags of docs/operations.md, its paths moved into a temporary folder. The compose
-file is checked by `docker compose config` / `docker-compose config` when one is installed, and
+file is checked by `docker-compose config` (Debian's, which make test installs; or Docker's
+`docker compose` plugin when that is what is installed), and
 always against the parts of the compose schema it uses. The systemd unit is checked by
 `systemd-analyze verify` in a root folder laid out as docs/operations.md says (user, venv, env
 file). The vLLM lines are parsed by vLLM's own OpenAI-server parser; the SGLang line's flags are
@@ -190,8 +191,9 @@ SERVICE_KEYS = {
 
 def test_the_compose_file_is_valid_and_engines_can_map_the_arena() -> None:
     text = (DEPLOY / "compose.yaml").read_text()
-    up = readme_command("KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker compose")
-    assert up.endswith("docker compose -f deploy/compose.yaml up -d"), up
+    # Debian's docker-compose, the tool make test installs and runs below
+    up = readme_command("KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker-compose")
+    assert up.endswith("docker-compose -f deploy/compose.yaml up -d"), up
     assert up in text, "the compose file's header shows the command docs/operations.md gives"
     env = {**os.environ, "KVTIER_ADMIN_TOKEN": "0" * 32}
     compose = shutil.which("docker-compose")
@@ -345,6 +347,7 @@ def test_the_units_command_and_environment_serve_on_the_host(tmp_path: Path) -> 
 
 _PARSE_VLLM = """
 import json, sys
+import vllm.envs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 parser = make_arg_parser(FlexibleArgumentParser())
@@ -354,11 +357,13 @@ kv = args.kv_transfer_config
 print(json.dumps({"model": args.model, "model_tag": getattr(args, "model_tag", None),
                   "block_size": args.block_size, "connector": kv.kv_connector,
                   "module": kv.kv_connector_module_path, "role": kv.kv_role,
-                  "policy": kv.kv_load_failure_policy, "extra": kv.kv_connector_extra_config}))
+                  "policy": kv.kv_load_failure_policy, "extra": kv.kv_connector_extra_config,
+                  "prompt_tokens_details": args.enable_prompt_tokens_details,
+                  "cpu_kv_cache_gib": vllm.envs.VLLM_CPU_KVCACHE_SPACE}))
 """
 
 
-def _vllm_args(command: str, prefix: str) -> dict[str, object]:
+def _vllm_args(command: str, prefix: str, env: dict[str, str] | None = None) -> dict[str, object]:
     words = shlex.split(command)
     n = len(shlex.split(prefix))
     assert words[:n] == shlex.split(prefix), words
@@ -367,7 +372,8 @@ def _vllm_args(command: str, prefix: str) -> dict[str, object]:
         argv = ["--model", argv[0], *argv[1:]]
     out = subprocess.run([sys.executable, "-c", _PARSE_VLLM, json.dumps(argv)],
                          capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})  # fmt: skip
+                         env={**os.environ, **(env or {}),
+                              "PYTHONPATH": str(REPO / "src")})  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -381,10 +387,20 @@ def test_the_readme_vllm_lines_parse_with_vllms_own_server_parser() -> None:
     want = {"model": "MODEL", "block_size": 32, "connector": "KVTierConnector",
             "module": "kvtier.integrations.vllm", "role": "kv_both", "policy": "recompute",
             "extra": {"address": address}}  # fmt: skip
-    for command, prefix in ((cpu, "python -m vllm.entrypoints.openai.api_server"),
-                            (gpu, "vllm serve")):  # fmt: skip
-        got = _vllm_args(command, prefix)
+    # The CPU line runs after `export VLLM_CPU_KVCACHE_SPACE=N`: vLLM's CPU build then sizes
+    # its KV cache from it (N GiB) instead of reserving a fraction of the machine's memory.
+    export = readme_command("export VLLM_CPU_KVCACHE_SPACE=")
+    name, _, gib = export.removeprefix("export ").partition("=")
+    for command, prefix, env in ((cpu, "python -m vllm.entrypoints.openai.api_server", {name: gib}),
+                                 (gpu, "vllm serve", {})):  # fmt: skip
+        got = _vllm_args(command, prefix, env)
         got.pop("model_tag", None)
+        if env:
+            assert got.pop("cpu_kv_cache_gib") == int(gib) > 0, got
+            assert got.pop("prompt_tokens_details") is True, "the guide reads cached_tokens"
+        else:
+            got.pop("cpu_kv_cache_gib")
+            got.pop("prompt_tokens_details")
         assert got == want, (command, got)
     module = importlib.import_module(str(want["module"]))
     assert hasattr(module, str(want["connector"]))

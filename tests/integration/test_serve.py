@@ -695,3 +695,18 @@ def test_a_server_on_the_default_l2_writes_under_the_test_home_not_the_users() -
     arena = line.split("/dev/shm/")[1].split(";")[0]
     assert os.path.isdir(os.path.join(os.environ["HOME"], ".cache", "kvtier", arena)), line
     assert not os.path.exists(os.path.join(real_home, ".cache", "kvtier", arena)), line
+
+
+def test_a_segment_removed_during_start_is_named_as_such_not_as_a_permission_problem() -> None:
+    """What Arena.create raises when another process unlinks its temporary segment before it
+    is published (os.link then finds no file), as the start-up line says it."""
+    import errno
+
+    from kvtier.server.app import _arena_error
+
+    path = "/dev/shm/kvtier-0-abc.123.0badc0de.tmp"
+    gone = str(_arena_error(FileNotFoundError(errno.ENOENT, "No such file or directory", path), 1))
+    assert "disappeared while this server was creating it" in gone and path in gone, gone
+    assert "must be writable" not in gone
+    denied = str(_arena_error(PermissionError(errno.EACCES, "Permission denied", path), 1))
+    assert "must be writable by this user" in denied, denied

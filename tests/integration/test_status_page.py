@@ -206,3 +206,40 @@ def test_status_page_shows_degraded_health(browser: Any) -> None:
         page.close()
     finally:
         srv.stop()
+
+
+def test_a_long_model_name_wraps_inside_the_models_card(
+    server: tuple[str, str], browser: Any
+) -> None:
+    """vLLM names a model `vllm:<path>:<weights fingerprint>:<dtype>:b<block>`: a hundred
+    characters and more without a space. The Models card keeps to its column."""
+    url, address = server
+    context = browser.new_context(viewport={"width": 1280, "height": 1400})
+    page = context.new_page()
+    page.goto(url + "/")
+    page.wait_for_selector("#login:not(.hidden)")
+    page.fill("#login-token", TOKEN)
+    page.click("#login-submit")
+    page.wait_for_selector("#login", state="hidden")
+    model = (
+        "vllm:/models/meta-llama/Llama-3.1-8B-Instruct:" + "0123456789abcdef" * 4 + ":bfloat16:b32"
+    )
+    with Client(address) as client:
+        client.register(model=model, chunk_shape=(2, 4, 64), dtype="float16")
+        client.lookup("long-name", list(range(client.chunk_size)), model=model)
+        page.wait_for_function(
+            "m => document.getElementById('models').textContent.includes(m)", arg=model
+        )
+    sizes = page.evaluate(
+        """() => {
+        const card = document.getElementById('models').closest('section');
+        const cell = document.querySelector('#models td');
+        return {card: card.getBoundingClientRect().width, scroll: card.scrollWidth,
+                client: card.clientWidth, cell: cell.getBoundingClientRect().right,
+                right: card.getBoundingClientRect().right};
+    }"""
+    )
+    assert sizes["scroll"] <= sizes["client"], sizes  # nothing sticks out of the card
+    assert sizes["cell"] <= sizes["right"], sizes
+    assert sizes["card"] < 640, sizes  # still one column of the grid, not stretched
+    context.close()

@@ -352,8 +352,13 @@ def test_state_metric_names_types_and_labels_never_change() -> None:
     admission = AdmissionStats(
         policy="adaptive", admitted=5, declined=7, ghost_names=40, stores_everything=False
     )
-    l1 = msgspec.structs.replace(STATUS.l1, tenants=tenants, admission=admission)
-    status = msgspec.structs.replace(STATUS, l1=l1)
+    shares = {"auth_tokens_file": "/etc/kvtier/tokens", "tenant_staging_share": 0.25,
+              "tenant_quarantine_share": 0.5, "tenant_pinned_share": 0.75}  # fmt: skip
+    status = msgspec.structs.replace(
+        STATUS,
+        l1=msgspec.structs.replace(STATUS.l1, tenants=tenants, admission=admission),
+        config={**STATUS.config, **shares},
+    )
     m = Metrics()
     m.bind_state(lambda: status)
     names = {metric.name for metric in STATE_METRICS}
@@ -377,6 +382,7 @@ def test_state_metric_names_types_and_labels_never_change() -> None:
         "kvtier_l1_groups": ("gauge", ()),
         "kvtier_l1_pinned_groups": ("gauge", ()),
         "kvtier_tenant_l1_bytes": ("gauge", ("kind", "tenant")),
+        "kvtier_tenant_l1_share_bytes": ("gauge", ("kind",)),
         "kvtier_evictions": ("counter", ("tier",)),
         "kvtier_evicted_bytes": ("counter", ("tier",)),
         "kvtier_l2_used_bytes": ("gauge", ("tier",)),
@@ -414,6 +420,13 @@ def test_state_metric_names_types_and_labels_never_change() -> None:
 
     got_samples = samples(m)
     assert [got_samples[tenant(k)] for k in ("staging", "quarantined", "pinned")] == [1, 2, 3]
+    capacity = status.l1.capacity_bytes
+    shares_got = [got_samples[("kvtier_tenant_l1_share_bytes", (("kind", k),))]
+                  for k in ("staging", "quarantined", "pinned")]  # fmt: skip
+    assert shares_got == [int(capacity * 0.25), int(capacity * 0.5), int(capacity * 0.75)]
+    # without a tokens file there are no tenants, so no shares
+    m.bind_state(lambda: STATUS)
+    assert not [k for k in samples(m) if k[0] == "kvtier_tenant_l1_share_bytes"]
 
 
 def test_l2_latency_per_tier_from_the_tiers_stats() -> None:

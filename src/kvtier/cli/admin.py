@@ -217,11 +217,16 @@ def render_status(status: ServerStatus) -> list[Table]:
     for miss in status.misses:
         reason = f"{miss.reason} ({miss.tier})" if miss.tier else miss.reason
         misses.add_row(reason, f"{miss.tokens:,}", f"{100 * miss.tokens / missed:.1f}%")
-    loads = []
+    loads = Table(title="L2 load speed (decides loading against recomputing)", title_justify="left")
+    for column in ("tier", "throughput", "round trip"):
+        loads.add_column(column, justify="left" if column == "tier" else "right")
     for load in status.load_rates:
-        speed = f"{_bytes(load.bytes_per_s)}/s" if load.bytes_per_s else "not measured yet"
-        loads.append(f"{load.tier} loads at {speed}, round trip {1e3 * load.latency_s:.3g} ms")
-    misses.caption = "; ".join(loads) or None
+        if load.bytes_per_s:
+            loads.add_row(
+                load.tier, f"{_bytes(load.bytes_per_s)}/s", f"{1e3 * load.latency_s:.3g} ms"
+            )
+        else:
+            loads.add_row(load.tier, "not measured yet", "-")
 
     latency = Table(title="Request latency (server side)", title_justify="left")
     for column in ("operation", "requests", "mean", "p50 <=", "p99 <="):
@@ -253,7 +258,8 @@ def render_status(status: ServerStatus) -> list[Table]:
         errors.add_column(column)
     for error in status.recent_errors[-10:]:
         errors.add_row(_clock_time(error.time), error.operation, error.code, error.message)
-    return [overview, l1_table, l2_table, models, misses, latency, clients, errors]
+    speeds = [loads] if status.load_rates else []
+    return [overview, l1_table, l2_table, models, misses, *speeds, latency, clients, errors]
 
 
 app = typer.Typer(help="Operator commands for a running kvtier server.", no_args_is_help=True)

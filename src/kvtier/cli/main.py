@@ -138,7 +138,9 @@ def demo(
     output_dir: Path = typer.Option(
         Path("kvtier-demo"), help="Where the plot is written", metavar="DIR"
     ),
-    quick: bool = typer.Option(False, help="A small, fast run (smoke test)"),
+    quick: bool = typer.Option(
+        False, help="A small, fast run (smoke test): a tiny model, so speedups stay near 1x"
+    ),
     repeats: int = typer.Option(
         5, help="Runs of each point; the table shows their median and spread", metavar="N"
     ),

@@ -314,27 +314,20 @@ def summarize(runs: Sequence[Sequence[DemoStep]]) -> list[StepSummary]:
 
 
 def _ms(spread: tuple[float, float, float]) -> str:
+    """The median on one line, the min-max range under it: every cell stays whole at 80
+    columns (the range never wraps mid-number)."""
     median, lo, hi = (v * 1e3 for v in spread)
-    digits = 1 if hi < 100 else 0  # short enough to fit 80 columns, precise where it is small
-    return f"{median:.1f} ms ({lo:.{digits}f}-{hi:.{digits}f})"
-
-
-#: columns that never wrap (short values); the two TTFT columns wrap their (min-max) part onto
-#: a second line when the terminal is narrow, so the table fits any width from 80 columns on.
-_SHORT_COLUMNS = ("scenario", "step", "prompt", "hit", "hit %", "speedup")
+    return f"{median:.1f} ms\n{lo:.3g}-{hi:.3g}"
 
 
 def _table(rows: Sequence[StepSummary], repeats: int) -> Table:
     table = Table(
-        title=f"Time to first token (TTFT): full recompute against kvtier, median (min-max) of "
+        title=f"TTFT, full recompute against kvtier: median (min-max) of "
         f"{repeats} run{'s' if repeats > 1 else ''}",
     )
     for name in ("scenario", "step", "prompt", "hit", "hit %", "full", "kvtier", "speedup"):
         table.add_column(
-            name,
-            justify="left" if name in ("scenario", "step") else "right",
-            no_wrap=name in _SHORT_COLUMNS,
-            overflow="fold",
+            name, justify="left" if name in ("scenario", "step") else "right", no_wrap=True
         )
     for r in rows:
         speedup = r.speedup
@@ -471,9 +464,16 @@ def run_demo(
     rows = summarize(runs)
     console.print(_table(rows, repeats))
     console.print(
-        f"model: random-weight Llama, {size.num_layers} layers, hidden {size.hidden_size}; "
-        f"chunk size {chunk_size} tokens; a speedup is shown only where kvtier had a hit"
+        f"TTFT: time to first token. Model: random-weight Llama, {size.num_layers} layers, "
+        f"hidden {size.hidden_size}; chunk size {chunk_size} tokens; a speedup is shown only "
+        "where kvtier had a hit."
     )
+    if quick:
+        console.print(
+            "--quick runs a tiny model on short prompts: recomputing them costs about as much as "
+            "a round trip to kvtier, so a speedup near or under 1x is expected here. Without "
+            "--quick the model and prompts are big enough for reuse to pay."
+        )
     path = plot_scenarios(
         rows,
         Path(output_dir) / "kvtier-demo-ttft.png",

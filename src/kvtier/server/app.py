@@ -38,6 +38,7 @@ from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start_admin_server
 from kvtier.server.observe.chunkmemory import ChunkMemory
+from kvtier.server.observe.event_metrics import EventMetrics
 from kvtier.server.observe.events import ChunkNotes, EventPublisher, open_events
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.transport import Transport
@@ -124,6 +125,11 @@ def _arena_error(exc: OSError, size: int) -> ConfigError:
             f"({exc.strerror}): give a smaller --l1-size or a larger {SHM_DIR} (docker: --shm-size)"
         )
     where = exc.filename or SHM_DIR
+    if exc.errno == errno.ENOENT:  # not a permission problem: someone removed it meanwhile
+        return ConfigError(
+            f"--l1-size: the shared-memory segment {where!r} disappeared while this server was "
+            f"creating it (another process removed it from {SHM_DIR}): start the server again"
+        )
     return ConfigError(
         f"--l1-size: cannot create the shared-memory segment in {where!r}: {exc.strerror or exc}"
         f" ({SHM_DIR} must be writable by this user)"
@@ -311,6 +317,8 @@ class KVTierServer:
         # The admin views (status, health, sessions, clear) over the engine; the tier watch
         # turns failing L2 tiers into degraded health, recent errors and a rate-limited log line.
         self.views = AdminViews(self.engine)
+        if self.events is not None:
+            self.engine.metrics.registry.register(EventMetrics(self.events))
         if self.tiers.tiers:
             watch: PeriodicThread = create_periodic_thread(
                 f"tier-watch-{config.arena_name}",

@@ -456,6 +456,15 @@ def _tenant_l1(s: ServerStatus) -> list[tuple[Sequence[str], float]]:
     ]
 
 
+def _tenant_shares(s: ServerStatus) -> list[tuple[Sequence[str], float]]:
+    """The L1 bytes one tenant may hold, by kind; only with a tokens file (tenants)."""
+    if not s.config.get("auth_tokens_file"):
+        return []
+    size = s.l1.capacity_bytes
+    kinds = (("staging", "staging"), ("quarantined", "quarantine"), ("pinned", "pinned"))
+    return [((kind,), int(s.config[f"tenant_{opt}_share"] * size)) for kind, opt in kinds]
+
+
 def _evictions(s: ServerStatus) -> list[tuple[Sequence[str], float]]:
     """L1 evictions (chunk groups), then each L2 tier's (the ones that count them)."""
     l2 = [((tier.name,), tier.extra.get("evictions", 0)) for tier in s.l2.tiers]
@@ -509,6 +518,11 @@ STATE_METRICS: tuple[StateMetric, ...] = (
                 "L1 bytes a tenant holds that eviction cannot take back, by kind (staging, "
                 "quarantined, pinned): what its --tenant-*-share options bound.",
                 _tenant_l1),
+    StateMetric("kvtier_tenant_l1_share_bytes", _GAUGE, ("kind",),
+                "L1 bytes one tenant may hold, by kind: staging, quarantined (staging and "
+                "quarantined together) and pinned (--tenant-*-share of --l1-size); only with "
+                "--auth-tokens-file.",
+                _tenant_shares),
     StateMetric("kvtier_evictions", _COUNTER, _TIER,
                 "Objects evicted to make room, by tier (l1 counts chunk groups).", _evictions),
     StateMetric("kvtier_admissions", _COUNTER, ("tier", "decision"),
