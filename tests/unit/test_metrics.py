@@ -12,12 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier._version import __version__
 from kvtier.server.fencing import FencingStats
-from kvtier.server.observe.metrics import (
-    REQUEST_DURATION_BUCKETS,
-    STATE_METRICS,
-    HitRateHistory,
-    Metrics,
-)
+from kvtier.server.observe.metrics import REQUEST_DURATION_BUCKETS, HitRateHistory, Metrics
 from kvtier.server.observe.operations import OPERATIONS
 from kvtier.server.observe.snapshots import (
     ClientInfo,
@@ -30,6 +25,7 @@ from kvtier.server.observe.snapshots import (
     TenantUsage,
     Traffic,
 )
+from kvtier.server.observe.state_metrics import STATE_METRICS
 from kvtier.storage.admission import AdmissionStats
 from kvtier.storage.loadrate import LoadRate
 from kvtier.storage.tiers.base import CodecStats, Latency, TierStats
