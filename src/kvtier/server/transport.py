@@ -33,7 +33,6 @@ import contextlib
 import logging
 import os
 import queue
-import resource
 import socket
 import struct
 import threading
@@ -45,6 +44,7 @@ import zmq
 from kvtier import protocol as p
 from kvtier.errors import KVTierError, MalformedFrameError, NoSpaceError, NotConnectedError
 from kvtier.names import MAX_NAME_BYTES, MAX_NAMES
+from kvtier.server.descriptors import raise_limit
 from kvtier.server.engine import Engine
 
 __all__ = ["MAX_UNKNOWN_BYTES", "Transport", "frame_limit", "peer_pid"]
@@ -100,15 +100,6 @@ def peer_pid(frame: zmq.Frame) -> int | None:
     return pid
 
 
-def _raise_descriptor_limit() -> None:
-    """Every connection is a descriptor, and libzmq aborts the process when an ipc:// accept
-    finds none left: take the whole hard limit, as servers do."""
-    with contextlib.suppress(ValueError, OSError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def frame_limit(configured: int, l1_size: int, max_request_tokens: int) -> int:
     """The largest frame worth reading: `configured`, but no more than a valid request's
     largest frame (an inline chunk fits the arena; a header carries at most the tokens or the
@@ -155,7 +146,7 @@ class Transport:
         configured = max_frame_bytes if max_frame_bytes > 0 else cfg.max_frame_bytes
         self.max_frame_bytes = frame_limit(configured, cfg.l1_size, cfg.max_request_tokens)
         self.max_inflight_bytes = cfg.max_inflight_bytes
-        _raise_descriptor_limit()
+        raise_limit()  # every connection is a descriptor (see descriptors.py)
         self.context = context or zmq.Context.instance()
         self.socket: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)

@@ -456,6 +456,18 @@ class EventPublisher:
 
     # -- admin and lifecycle --------------------------------------------------------------------
 
+    def sockets(self) -> list[tuple[str, zmq.Socket[bytes], list[str]]]:
+        """(name, socket, bound endpoints) of each socket peers connect to (a PUB that
+        connects out is none), for the connection guard."""
+        out = []
+        for name, sock in (("kv-events", self._pub), ("kv-events-replay", self._replay)):
+            if sock is None:
+                continue
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if endpoint:
+                out.append((name, sock, [endpoint]))
+        return out
+
     def stats(self) -> EventStats:
         return EventStats(
             endpoint=self._endpoint,
