@@ -12,17 +12,22 @@ import contextlib
 import os
 import resource
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
 import pytest
+import zmq
 from testkit.kv import CS, prompt
-from testkit.servers import ServerProcess, free_port
+from testkit.servers import ServerProcess, free_port, memory_of
 from testkit.trust import kv_for, register, verify
 from testkit.waiting import wait_for
 
+from kvtier import protocol as p
 from kvtier.client import Client
+from kvtier.errors import ErrorCode
+from kvtier.server.transport import MAX_SEQ_BYTES
 
 SERVER_NOFILE = 1024
 FLOOD = 3000  # idle connections per port: far past the server's whole descriptor limit
@@ -140,3 +145,56 @@ def test_an_admin_connection_without_a_request_is_closed(
     with Client(server.address) as c:
         register(c)
         assert c.store("ok", prompt(1), np.asarray(kv_for(1)), model="m") == CS
+
+
+def test_echoed_sequence_frames_are_bounded_before_a_hello(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """A peer that never says Hello made the server hold the sequence frames its replies echo
+    (up to 1,024 per connection): 40 connections x 32 MiB kept 1,346 MB resident. A sequence
+    frame longer than MAX_SEQ_BYTES is answered MALFORMED_FRAME with its first bytes only."""
+    server = server_factory("--l1-size", "1MiB", "--chunk-size", str(CS))
+    before = memory_of(server.proc.pid)
+    ctx = zmq.Context()
+    try:
+        socks = []
+        for _ in range(4):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(server.address)
+            for _ in range(16):  # 4 x 16 x 4 MiB = 256 MiB echoed before
+                s.send_multipart([b"s" * (4 << 20), p.encode(p.Heartbeat())])
+            socks.append(s)
+        reply = socks[0].recv_multipart()
+        assert reply[0] == b"s" * MAX_SEQ_BYTES
+        assert p.decode_reply(reply[1]).code == ErrorCode.MALFORMED_FRAME
+        assert wait_for(lambda: "Traceback" not in server.output)
+        time.sleep(1)
+        grown = memory_of(server.proc.pid) - before
+        assert grown < 48 << 20, f"RSS grew {grown >> 20} MiB"
+    finally:
+        ctx.destroy(linger=0)
+    with Client(server.address) as c:
+        register(c)
+        assert c.store("ok", prompt(1), kv_for(1), model="m") == CS
+
+
+def test_a_chunk_bigger_than_a_frame_travels_inline_in_pieces(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """The frame bound no longer follows the L1, so a chunk larger than one frame (here 6 MiB,
+    over tcp where bytes go inline) travels as several frames and reads back byte for byte."""
+    data = free_port()
+    server = server_factory(
+        "--l1-size", "64MiB", "--no-prefault", "--chunk-size", str(CS),
+        address=f"tcp://127.0.0.1:{data}",
+    )  # fmt: skip
+    shape = (3 << 20) // (2 * CS), CS, 1  # float16: 6 MiB per chunk
+    kv = np.random.default_rng(3).standard_normal((2, *shape)).astype(np.float16)
+    with Client(server.address, timeout=30) as c:
+        assert c.transfer == "inline"
+        c.register(model="big", chunk_shape=shape, dtype="float16")
+        assert c.store("big", prompt(5, 2), kv, model="big") == 2 * CS
+        out = np.zeros_like(kv)
+        assert c.retrieve("big2", prompt(5, 2), out, model="big") == 2 * CS
+        assert np.array_equal(out, kv)
