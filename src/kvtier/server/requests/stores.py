@@ -103,7 +103,8 @@ class StoreBook:
         )
         if isinstance(req, p.RangeRequest) and self._notes:
             cs = self._config.chunk_size
-            self._notes.note(keys, parent, req.tokens[4 * req.start : 4 * req.end], cs)
+            tokens = req.tokens[4 * req.start : 4 * req.end]
+            self._notes.note(keys, parent, tokens, cs, req.extra_key)
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
         flags = req.resumable if isinstance(req, p.Reserve | p.StoreInline) else []
