@@ -9,7 +9,8 @@ chunk names and `block_size` the chunk size, so with `--hash-algorithm sha256_cb
 vLLM's block hashes for a block size of the chunk size (requests without a cache salt or extra
 key), sent as vLLM sends them (by default the last 8 bytes as an integer, see
 `--kv-events-int-hashes`). `parent_block_hash`, `token_ids` and `extra_keys` (the cache salt
-on a prompt's first chunk, as vLLM puts it) come from the store that named the chunk
+on a prompt's first chunk, as vLLM puts it, and the store's extra key on each; a salted
+chunk's published hash is its name mixed with the salt) come from the store that named the chunk
 (`ChunkNotes`); a chunk stored by name, or one whose note is gone (an L2 write long after
 its store, a chunk that survived a restart), is published alone, without tokens or parent. A
 batch's topic is `--kv-events-topic` followed by its chunks' model.
@@ -17,7 +18,8 @@ batch's topic is `--kv-events-topic` followed by its chunks' model.
 Delivery is vLLM's: one sequence number per batch, monotonic from 0 at each start (a consumer
 that sees it go back knows the server restarted; each topic's first batch of a run begins with
 `AllBlocksCleared`, and the disk tier's survivors are the first chunks stored), at least once, a
-bounded replay buffer behind a ROUTER socket answering vLLM's replay request. Storage only
+replay buffer bounded in bytes, one window per tenant, behind a ROUTER socket answering vLLM's
+replay request (`event_replay.py`). Storage only
 adds a report to a list (under the engine lock for the L1's), where a run of one kind and tier
 joins the previous report, and a store's note keeps its tokens as they came: one thread of
 this module takes the list every few milliseconds, turns it into batches, encodes the tokens,
