@@ -8,7 +8,8 @@ ipc:// accept finds none left (`EMFILE`): the data socket's engines must always 
 - `DescriptorBudget.plan` splits what is left after the descriptors in use and a reserve for
   the engines (ipc connections, pidfds, files the tiers open) among the sockets anyone can
   connect to: the admin API (`--max-admin-connections`), each KV events socket
-  (`--kv-events-max-connections`) and the tcp:// data addresses (the rest), shrinking those
+  (`--kv-events-max-connections`) and the tcp:// data addresses (half of the rest: the other
+  half is a margin for a burst of accepts the guard has not shut down yet), shrinking those
   caps (and saying so) when the limit is too small for them;
 - the admin API closes a connection past its cap as soon as it is accepted (see
   `server/observe/admin.py`); a ZMQ socket's tcp connections are counted by the socket's monitor
@@ -47,8 +48,8 @@ logger = logging.getLogger(__name__)
 #: seconds a tcp peer of a ZMQ socket has to complete the ZMTP greeting (ZMQ_HANDSHAKE_IVL)
 HANDSHAKE_S = 10.0
 #: descriptors always kept for the engines and the server itself (ipc connections, pidfds,
-#: tier files, the transient accepts of a listen backlog): at least this, or a quarter of the
-#: limit when that is more
+#: tier files, the transient accepts of a listen backlog): at least this, half of a small limit
+#: (up to 2048), a quarter of a large one
 MIN_RESERVE = 256
 _POLL_MS = 200
 
@@ -93,7 +94,7 @@ class DescriptorBudget:
     ) -> DescriptorBudget:
         """Caps for a process with `limit` descriptors, `in_use` open now, whose admin API may
         hold `admin` connections and each of its `events_sockets` KV events sockets `events`."""
-        reserved = max(MIN_RESERVE, limit // 4)
+        reserved = max(MIN_RESERVE, limit // 4, min(limit // 2, 2048))
         room = max(0, limit - in_use - reserved)
         wanted = admin + events * events_sockets
         shrunk = wanted > room // 2  # the tcp data connections keep at least half the room
@@ -101,7 +102,9 @@ class DescriptorBudget:
             scale = (room // 2) / max(1, wanted)
             admin = max(1, int(admin * scale))
             events = max(1, int(events * scale))
-        tcp_data = max(1, room - admin - events * events_sockets)
+        # the tcp data connections get half of what is left: the other half is the margin
+        # for a burst of accepts that the guard has not shut down yet
+        tcp_data = max(1, (room - admin - events * events_sockets) // 2)
         return cls(limit, reserved, admin, events, tcp_data, shrunk)
 
 
