@@ -12,11 +12,14 @@ it, so the same bytes decode in both. vLLM is not imported: the server does not 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
+
+from kvtier.keys import decompose
 
 __all__ = [
     "END_SEQ",
@@ -27,6 +30,8 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "KVEventBatch",
+    "binds_locally",
+    "client_salt",
     "external_hash",
     "published_hash",
     "seq_bytes",
@@ -209,3 +214,23 @@ def _raw_slice(raw: bytes, first: int, n: int) -> msgspec.Raw:
     body = raw[head + 5 * first : head + 5 * (first + n)]
     prefix = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
     return msgspec.Raw(prefix + body)
+
+
+def client_salt(cache_salt: str) -> str:
+    """The salt the client sent (the part after its tenant), as vLLM publishes a request's."""
+    try:
+        parts = decompose(cache_salt)
+    except ValueError:
+        return cache_salt
+    return parts[-1] if len(parts) == 2 else cache_salt
+
+
+def binds_locally(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint names a wildcard or loopback host (bound, not connected)."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "", "0.0.0.0", "::", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

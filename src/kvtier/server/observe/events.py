@@ -32,7 +32,6 @@ consumer knows its view is incomplete.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import itertools
 import logging
 import threading
@@ -45,7 +44,7 @@ import msgspec
 import zmq
 
 from kvtier.config import ConfigError, ServerConfig
-from kvtier.keys import ChunkKey, decompose, shown
+from kvtier.keys import ChunkKey, shown
 from kvtier.storage.observers import L1_TIER, Removal
 from kvtier.storage.tiers.base import L2Tier
 
@@ -60,6 +59,8 @@ from .event_wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    binds_locally,
+    client_salt,
     published_hash,
     seq_bytes,
     split_batches,
@@ -267,7 +268,7 @@ class EventPublisher:
         events to whichever local process binds that port first."""
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
-        if endpoint.startswith(("ipc://", "inproc://")) or _binds(endpoint):
+        if endpoint.startswith(("ipc://", "inproc://")) or binds_locally(endpoint):
             sock.bind(endpoint)
         else:
             sock.connect(endpoint)
@@ -494,7 +495,7 @@ class EventPublisher:
         if salt is None:
             if len(self._salts) > 4096:
                 self._salts.clear()
-            salt = self._salts[cache_salt] = _client_salt(cache_salt)
+            salt = self._salts[cache_salt] = client_salt(cache_salt)
         return salt
 
     def _hash(self, chunk_hash: bytes, salt: str = "") -> bytes | int:
@@ -584,23 +585,3 @@ def open_events(config: ServerConfig, tiers: Sequence[L2Tier]) -> EventPublisher
             f"--kv-events-endpoint / --kv-events-replay-endpoint: {exc}: give addresses this "
             "user can bind (a free tcp:// port, e.g. 'tcp://*:5557') or connect to"
         ) from None
-
-
-def _client_salt(cache_salt: str) -> str:
-    """The salt the client sent (the part after its tenant), as vLLM publishes a request's."""
-    try:
-        parts = decompose(cache_salt)
-    except ValueError:
-        return cache_salt
-    return parts[-1] if len(parts) == 2 else cache_salt
-
-
-def _binds(endpoint: str) -> bool:
-    """Whether a tcp:// endpoint names a wildcard or loopback host (bound, not connected)."""
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    if host in ("*", "", "0.0.0.0", "::", "localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
