@@ -14,12 +14,19 @@ server let an attacker hold.
   server must grant no slots to a pid it cannot prove, and a quarantine it causes must stay
   within its tenant's share.
 
+- `conns`: idle tcp connections to the admin port by the hundred (never a byte sent),
+  requests whose sequence frame is 1 MiB sent before any Hello and never read, and a layout
+  registration per action until its client's bound.
+- `events`: subscriptions of long random topics to the KV events, replay requests whose answers
+  are never read, and malformed replay requests.
+
 The honest side's third attack is its own: two of its clients number requests from one small
 shared pool of request ids (see `soak.worker`), so one id is used at once for two prompts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -32,18 +39,25 @@ import numpy as np
 HONEST_TOKEN = "honest-" + "h" * 25
 ATTACKER_TOKEN = "mallory-" + "m" * 24
 TOKENS_FILE = f"{HONEST_TOKEN} honest\n{ATTACKER_TOKEN} mallory\n"
-KINDS = ("flood", "liar")
+KINDS = ("flood", "liar", "conns", "events")
 RATE_S = 0.005  # an attacker's pause between actions: a flood, not a busy loop on a shared CPU
 
 
 def attacker(
-    address: str, kind: str, seed: int, out: Any, stop: Any, shape: tuple[int, ...]
+    address: str,
+    kind: str,
+    seed: int,
+    out: Any,
+    stop: Any,
+    shape: tuple[int, ...],
+    ports: dict[str, int] | None = None,
 ) -> None:
-    """One attacker process: `kind` until `stop` is set; reports its counters as it goes."""
+    """One attacker process: `kind` until `stop` is set; reports its counters as it goes.
+    `ports`: the server's admin, events and replay ports (tcp on loopback)."""
     counts: Counter[str] = Counter()
     rng = random.Random(seed)
-    step = _flood if kind == "flood" else _lie
-    state: dict[str, Any] = {}
+    step = {"flood": _flood, "liar": _lie, "conns": _conns, "events": _events}[kind]
+    state: dict[str, Any] = {"ports": ports or {}}
     last = 0.0
     try:
         while not stop.is_set():
@@ -59,6 +73,8 @@ def attacker(
         out.put((kind, os.getpid(), dict(counts)))
         for sock in state.get("sockets", []):
             sock.close(linger=0)
+        for sock in state.get("tcp", []):
+            sock.close()
         client = state.get("client")
         if client is not None:
             client.close()
@@ -159,3 +175,75 @@ def _lie(
             counts["liar_refused_slots"] += 1
     finally:
         sock.close(linger=0)  # vanish: no Goodbye, no Abort
+
+
+def _conns(
+    address: str, rng: random.Random, counts: Counter[str], state: dict[str, Any], shape: Any
+) -> None:
+    import socket
+
+    import zmq
+
+    from kvtier import protocol as p
+    from kvtier.client import Client
+
+    action = rng.choice(("idle", "echo", "register"))
+    counts[action] += 1
+    if action == "idle":  # descriptors: connections to the admin port that never speak
+        held = state.setdefault("tcp", [])
+        for _ in range(20):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.connect(("127.0.0.1", state["ports"]["admin"]))
+            held.append(s)
+        while len(held) > 400:
+            held.pop(0).close()
+    elif action == "echo":  # big sequence frames before any Hello, replies never read
+        sock = state.get("echo")
+        if sock is None:
+            sock = state["echo"] = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.connect(address)
+            state.setdefault("sockets", []).append(sock)
+        sock.send_multipart([b"q" * (1 << 20), p.encode(p.Heartbeat())], zmq.NOBLOCK)
+    else:  # a layout per action, until the client's bound
+        client = state.get("client")
+        if client is None:
+            client = state["client"] = Client(address, token=ATTACKER_TOKEN, timeout=5)
+        n = state["registered"] = state.get("registered", 0) + 1
+        client.register(model=f"reg-{n}", chunk_shape=shape, dtype="float16")
+        counts["registered"] += 1
+
+
+def _events(
+    address: str, rng: random.Random, counts: Counter[str], state: dict[str, Any], shape: Any
+) -> None:
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    action = rng.choice(("subscribe", "replay", "malformed"))
+    counts[action] += 1
+    if action == "subscribe":  # long random subscriptions, on one connection
+        sub = state.get("sub")
+        if sub is None:
+            sub = state["sub"] = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 1)
+            sub.connect(f"tcp://127.0.0.1:{state['ports']['events']}")
+            state.setdefault("sockets", []).append(sub)
+        for _ in range(50):
+            sub.setsockopt(zmq.SUBSCRIBE, rng.randbytes(1000))
+        return
+    peers = state.setdefault("replays", [])
+    if len(peers) < 16:
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.RCVHWM, 1)
+        peer.connect(f"tcp://127.0.0.1:{state['ports']['replay']}")
+        peers.append(peer)
+        state.setdefault("sockets", []).append(peer)
+    peer = rng.choice(peers)
+    start = (0).to_bytes(8, "big") if action == "replay" else b"bad"
+    peer.send_multipart((b"", start), zmq.NOBLOCK)  # answers never read

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -93,8 +94,11 @@ class ServerProcess:
                 break
 
 
-def start_server(*args: str, address: str | None = None, timeout: float = 30.0) -> ServerProcess:
-    """Start `kvtier serve` in its own process and wait until it says it is ready.
+def start_server(
+    *args: str, address: str | None = None, timeout: float = 30.0, nofile: int | None = None
+) -> ServerProcess:
+    """Start `kvtier serve` in its own process and wait until it says it is ready; `nofile`
+    sets its descriptor limit (soft and hard, RLIMIT_NOFILE).
 
     Without an explicit `--l2`, the server gets none: the embedded default (a disk folder that
     outlives the test) would let one test's chunks leak into another.
@@ -107,8 +111,14 @@ def start_server(*args: str, address: str | None = None, timeout: float = 30.0) 
         "--admin-port", "0", *args,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    limit = (nofile, nofile) if nofile is not None else None
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit)) if limit else None,
     )
     server = ServerProcess(proc, address, None, argv)
     deadline = time.monotonic() + timeout

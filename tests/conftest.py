@@ -90,8 +90,8 @@ def server_factory() -> Iterator[Callable[..., ServerProcess]]:
     """Start servers with `server_factory(*cli_args)`; all are stopped after the test."""
     started: list[ServerProcess] = []
 
-    def factory(*args: str, address: str | None = None) -> ServerProcess:
-        server = start_server(*args, address=address)
+    def factory(*args: str, address: str | None = None, nofile: int | None = None) -> ServerProcess:
+        server = start_server(*args, address=address, nofile=nofile)
         started.append(server)
         return server
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
-import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from kvtier.hashing import HASH_ALGORITHMS
 from kvtier.redaction import redact
+from kvtier.sizes import format_size, parse_size
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -30,8 +30,6 @@ __all__ = [
     "parse_size",
 ]
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-
 #: the smallest L1 the server starts with; a layout whose chunk (all ranks) does not fit in the
 #: L1 is refused when a worker registers it, the first moment its size is known
 MIN_L1_SIZE = 64 << 10
@@ -44,42 +42,6 @@ CACHE_POLICIES = ("adaptive", "doorkeeper", "lru")
 
 class ConfigError(ValueError):
     """A configuration mistake: the message names the option and shows a valid example."""
-
-
-def parse_size(text: str | int, *, require_unit: bool = False) -> int:
-    """Bytes in a size such as "50GiB", "512MiB", "1G", "1.5KiB", "4096B" (or "4096").
-
-    Follows coreutils: "K"/"KiB" are powers of 1024, "KB" (a B without the i) powers of 1000.
-    With `require_unit` (sizes typed by a person) a bare number is refused: `--l1-size 2` meant
-    2 GiB, not 2 bytes.
-    """
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
-    if m is None or (not m.group(2) and m.group(3)):
-        raise ValueError(f"not a byte size: {text!r} (expected e.g. '50GiB', '512MiB', '4096B')")
-    if require_unit and not m.group(2) and not m.group(4):
-        raise ValueError(
-            f"{text!r} has no unit: write e.g. '{m.group(1)}GiB', '{m.group(1)}MiB' or "
-            f"'{m.group(1)}B'"
-        )
-    number, unit, binary, b_suffix = m.groups()
-    power = "kmgtp".index(unit.lower()) + 1 if unit else 0
-    base = 1000 if b_suffix and not binary else 1024
-    value = float(number) * base**power
-    if value != int(value):
-        raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(value)
-
-
-def format_size(num_bytes: int) -> str:
-    """The inverse of parse_size for display: 2147483648 -> "2GiB"."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:g}{unit}" if unit != "B" else f"{int(value)}B"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
@@ -292,6 +254,29 @@ class ServerConfig:
         example="--kv-events-token-chunks 65536",
         metavar="CHUNKS",
     )
+    kv_events_buffer_bytes: int = _opt(
+        256 * 1024**2,
+        "Bytes of event batches kept for replay, all tenants together; past it the oldest "
+        "batch of the tenant holding the most goes first, so one tenant's stores shorten only "
+        "its own replay window",
+        kind="size",
+        example="--kv-events-buffer-bytes 256MiB",
+        metavar="SIZE",
+    )
+    kv_events_max_connections: int = _opt(
+        16,
+        "Tcp connections each KV events socket (PUB, replay) holds at once; one past it is "
+        "shut down as soon as it is accepted",
+        example="--kv-events-max-connections 16",
+    )
+    kv_events_queue_bytes: int = _opt(
+        32 * 1024**2,
+        "Bytes of event batches (and of a replay) queued for one subscriber that does not read "
+        "them; past it its batches are dropped (it sees the sequence gap)",
+        kind="size",
+        example="--kv-events-queue-bytes 32MiB",
+        metavar="SIZE",
+    )
     max_prefetch_jobs: int = _opt(
         8,
         "Lookups loading from L2 at once; more are answered from L1 alone (like LMCache)",
@@ -323,6 +308,12 @@ class ServerConfig:
         "Admin HTTP port (0 picks a free one; -1 disables the API)",
         example="--admin-port 8080",
         metavar="PORT",
+    )
+    max_admin_connections: int = _opt(
+        64,
+        "Connections the admin API holds at once (one past it is closed as soon as it is "
+        "accepted; one without a request 10 s after it was accepted is closed too)",
+        example="--max-admin-connections 64",
     )
     admin_token: str | None = _opt(
         None,
@@ -427,6 +418,19 @@ class ServerConfig:
         "with NO_SPACE",
         example="--max-watched-processes 1024",
     )
+    max_registrations_per_client: int = _opt(
+        1024,
+        "Layouts (model, world size, rank) one client may register; a Register beyond it is "
+        "refused with NO_SPACE",
+        example="--max-registrations-per-client 1024",
+    )
+    layout_ttl: float = _opt(
+        600.0,
+        "Seconds a registered layout is kept once no connected client has registered it and "
+        "no request used it; then it is forgotten (a client registers again)",
+        example="--layout-ttl 600",
+        metavar="SECONDS",
+    )
     max_queued_requests: int = _opt(
         64,
         "Requests one connection may have waiting unread (ZMQ RCVHWM; beyond it the server "
@@ -509,7 +513,7 @@ class ServerConfig:
                 "first parent comes from the engine's PYTHONHASHSEED: pass that value",
             )
         for name in ("session_ttl", "session_cleanup_interval", "pin_lease", "staging_lease",
-                     "client_timeout", "reap_interval"):  # fmt: skip
+                     "client_timeout", "reap_interval", "layout_ttl"):  # fmt: skip
             value = getattr(self, name)
             if not value > 0:
                 raise self.error(name, f"must be a positive number of seconds, got {value}")
@@ -522,15 +526,18 @@ class ServerConfig:
             self.max_frame_bytes = parse_size(raw_frame)
         except ValueError:
             raise self.error("max_frame_bytes", f"{raw_frame!r} is not a byte size") from None
-        raw_inflight = self.max_inflight_bytes
-        try:
-            self.max_inflight_bytes = parse_size(raw_inflight)
-        except ValueError:
-            raise self.error("max_inflight_bytes", f"{raw_inflight!r} is not a byte size") from None
+        for name in ("max_inflight_bytes", "kv_events_buffer_bytes", "kv_events_queue_bytes"):
+            raw = getattr(self, name)
+            try:
+                setattr(self, name, parse_size(raw))
+            except ValueError:
+                raise self.error(name, f"{raw!r} is not a byte size") from None
         for name in ("max_frame_bytes", "max_request_tokens", "max_world_size", "max_sessions",
                      "max_session_tokens", "max_clients_per_tenant", "max_connections_per_client",
                      "max_watched_processes", "max_queued_requests",
-                     "max_inflight_bytes", "max_lookup_shards"):  # fmt: skip
+                     "max_inflight_bytes", "max_lookup_shards", "kv_events_buffer_bytes",
+                     "kv_events_max_connections", "kv_events_queue_bytes",
+                     "max_admin_connections", "max_registrations_per_client"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise self.error(name, f"must be positive, got {getattr(self, name)}")
         for name in ("tenant_staging_share", "tenant_quarantine_share", "tenant_pinned_share",

@@ -2,12 +2,17 @@
 
 A layout is registered per (model, world_size) and must be the same for every rank, so the
 server can size slots, check every store and retrieve against it, and label L2 objects with it.
+
+A layout is kept while a connected client that registered it lives, then for a time to live
+without use (`expire`): a registry that only grows would let clients that come and go fill it.
+Registering, releasing and expiring each cost what they touch (dict and ordered-dict steps).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import (
@@ -72,8 +77,46 @@ def _check_rank(worker_id: int, world_size: int) -> None:
 class LayoutRegistry:
     """Layouts by (model, world_size): registered by workers, checked on every data request."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._layouts: dict[tuple[str, int], Layout] = {}
+        self._users: dict[tuple[str, int], set[str]] = {}  # the clients that registered it
+        self._by_user: dict[str, set[tuple[str, int]]] = {}
+        #: layouts no connected client registered, oldest idle first: when it became idle
+        self._idle: dict[tuple[str, int], float] = {}
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+    def _used(self, key: tuple[str, int]) -> None:
+        """An idle layout was used: its time to live starts again."""
+        if key in self._idle:
+            del self._idle[key]
+            self._idle[key] = self._clock()
+
+    def release(self, user: str) -> None:
+        """Client `user` is gone: a layout no other client registered starts its time to live."""
+        for key in self._by_user.pop(user, ()):
+            users = self._users.get(key)
+            if users is None:
+                continue
+            users.discard(user)
+            if not users:
+                del self._users[key]
+                self._idle[key] = self._clock()
+
+    def expire(self, ttl: float) -> int:
+        """Forget the layouts idle for `ttl` seconds; how many."""
+        now = self._clock()
+        gone = 0
+        while self._idle:
+            key, since = next(iter(self._idle.items()))
+            if now - since < ttl:
+                break
+            del self._idle[key]
+            self._layouts.pop(key, None)
+            gone += 1
+        return gone
 
     def register(
         self,
@@ -84,6 +127,7 @@ class LayoutRegistry:
         dtype: str,
         *,
         max_group_bytes: int | None = None,
+        user: str | None = None,
     ) -> Layout:
         """Record a rank's layout; every rank of (model, world_size) must register the same,
         and one chunk of all ranks must fit `max_group_bytes` (the L1) when given.
@@ -99,22 +143,31 @@ class LayoutRegistry:
                 f"({world_size} ranks of {layout.nbytes}), more than the whole L1 of "
                 f"{max_group_bytes} bytes: restart the server with a larger --l1-size"
             )
-        known = self._layouts.setdefault((model, world_size), layout)
+        key = (model, world_size)
+        known = self._layouts.setdefault(key, layout)
         if known != layout:
             raise LayoutMismatchError(
                 f"model {shown(model)!r} with world_size {world_size} is registered with chunk "
                 f"layout {known.text}; rank {worker_id} sent {layout.text}"
             )
+        if user is not None:  # kept while this client lives
+            self._idle.pop(key, None)
+            self._users.setdefault(key, set()).add(user)
+            self._by_user.setdefault(user, set()).add(key)
+        else:
+            self._used(key)
         return layout
 
     def get(self, model: str, world_size: int) -> Layout | None:
+        """The layout of (model, world_size) (a use: an idle one's time to live restarts)."""
+        self._used((model, world_size))
         return self._layouts.get((model, world_size))
 
     def check(
         self, model: str, world_size: int, worker_id: int, chunk_shape: Sequence[int], dtype: str
     ) -> Layout:
         """The registered layout, if an array of `chunk_shape` and `dtype` matches it."""
-        layout = self._layouts.get((model, world_size))
+        layout = self.get(model, world_size)
         if layout is None:
             raise NotRegisteredError(
                 f"no worker registered a layout for model {model!r} with world_size "

@@ -22,6 +22,27 @@ from kvtier.errors import KVTierError, MalformedFrameError, UnknownRequestError
 PROTOCOL_VERSION = 3  # 2: extra keys; composed (tenant, name) keys; 3: readers, resume points
 
 
+#: the most bytes of KV one frame carries inline: a chunk bigger than this travels as several
+#: consecutive frames, so the largest frame a server must accept (from anyone, before any
+#: credential) does not grow with the chunk or the arena
+INLINE_FRAME_BYTES = 4 << 20
+
+
+def inline_frames(chunks: Any) -> list[memoryview]:
+    """The frames that carry `chunks` (a sequence of byte buffers, one per chunk) inline: each
+    chunk in pieces of at most INLINE_FRAME_BYTES, in order."""
+    out = []
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        if len(view) <= INLINE_FRAME_BYTES:
+            out.append(view)
+            continue
+        out.extend(
+            view[i : i + INLINE_FRAME_BYTES] for i in range(0, len(view), INLINE_FRAME_BYTES)
+        )
+    return out
+
+
 def local_host_id() -> str:
     """Names this machine's current boot: a client whose id equals the server's can map the
     server's shared-memory arena; any other client moves bytes inline."""

@@ -26,6 +26,8 @@ from testkit.servers import ServerProcess, free_port
 from testkit.waiting import wait_for
 
 from kvtier.client import Client
+from kvtier.keys import decompose
+from kvtier.server.observe.event_wire import published_hash
 
 from .kv_follower import BlockStored, Follower, Hash
 
@@ -80,18 +82,28 @@ def held(server: ServerProcess, r: redis.Redis) -> Places:
     def listed(tier: str) -> set[Hash]:
         reply = httpx.get(f"{server.admin_url}/chunks?tier={tier}&limit=100000", timeout=10)
         assert reply.status_code == 200, reply.text
-        return {external(c["chunk_hash"]) for c in reply.json()["chunks"]}
+        return {external(c["chunk_hash"], c["cache_salt"]) for c in reply.json()["chunks"]}
 
-    names = r.scan_iter(f"{PREFIX}:*")
-    shared = {external(name.rsplit(b".", 1)[1].decode()) for name in names}
+    shared = set()
+    for name in r.scan_iter(f"{PREFIX}:*"):  # PREFIX:{model_hex.salt_hex}:ws.worker.hash_hex
+        salt_hex = name.split(b"}", 1)[0].rsplit(b".", 1)[1].decode()
+        salt = bytes.fromhex(salt_hex).decode()
+        client_salt = decompose(salt)[-1] if salt else ""
+        shared.add(external(name.rsplit(b".", 1)[1].decode(), client_salt))
     return {CPU: listed("l1"), DISK: listed("disk"), SHARED: shared}
 
 
-def external(chunk_hash_hex: str) -> Hash:
-    """A chunk name as vLLM publishes a block hash (its own conversion, default settings)."""
+def external(chunk_hash_hex: str, salt: str = "") -> Hash:
+    """A chunk name as vLLM publishes a block hash (its own conversion, default settings); a
+    salted chunk's name is first mixed with its salt, as the events publish it."""
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-    converted: Hash = maybe_convert_block_hash(BlockHash(bytes.fromhex(chunk_hash_hex)))
+    name = bytes.fromhex(chunk_hash_hex)
+    if salt:
+        mixed = published_hash(name, salt, as_int=False)
+        assert isinstance(mixed, bytes)
+        name = mixed
+    converted: Hash = maybe_convert_block_hash(BlockHash(name))
     return converted
 
 

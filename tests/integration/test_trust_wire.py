@@ -294,9 +294,9 @@ def test_a_huge_token_costs_nothing_however_many_credentials(
     with Watchdog(server, token=tokens[5]) as dog, raw(server.address) as evil:
         big = p.encode(hello(token="x" * (200 << 20)))
         t0 = time.monotonic()
-        reply = evil.call(big, timeout=120)
+        # past the frame bound (a header's, never the arena's): ZMQ drops the peer unread
+        assert evil.call(big, timeout=5) is None
         assert time.monotonic() - t0 < 10  # 200 MB over loopback, and nothing else
-        assert code(reply) == ErrorCode.NOT_CONNECTED  # never read
         assert code(evil.call(hello(token="x" * 60_000))) == ErrorCode.INVALID_ARGUMENT
         assert code(evil.call(hello(token=tokens[7] + "x"))) == ErrorCode.UNAUTHORIZED
         assert isinstance(evil.call(hello(token=tokens[63])), p.HelloReply)
@@ -405,7 +405,9 @@ def _hello_from_child(address: str, client_id: str) -> int:
 def test_big_frames_before_a_hello_are_dropped_unread(
     server_factory: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
-    """Twelve 200 MB frames from a peer that never said Hello took the server to 2.3 GB."""
+    """Twelve 200 MB frames from a peer that never said Hello took the server to 2.3 GB. The
+    frame bound is a header's (or a piece of inline KV's), whatever the L1's size: ZMQ drops
+    the peer before it reads such a frame."""
     path, tokens = _tokens_file(tmp_path, 2)
     server = server_factory(
         "--l1-size", "256MiB", "--no-prefault", "--auth-tokens-file", path,
@@ -415,10 +417,12 @@ def test_big_frames_before_a_hello_are_dropped_unread(
     with raw(server.address) as evil:
         for _ in range(12):
             evil.send(big)
-        replies = [evil.recv(120) for _ in range(12)]
+        assert evil.recv(5) is None
+        # a request of more than 64 KiB within the frame bound is refused unread
+        evil.send(p.encode(hello(token="y" * (1 << 20))))
+        assert code(evil.recv(30)) == ErrorCode.NOT_CONNECTED
     grown = memory_of(server.proc.pid, "VmHWM") - before
-    assert grown < 5 * (200 << 20), f"peak RSS grew {grown >> 20} MiB"
-    assert [code(r) for r in replies] == [ErrorCode.NOT_CONNECTED] * 12
+    assert grown < 64 << 20, f"peak RSS grew {grown >> 20} MiB"
     with Client(server.address, token=tokens[0]) as honest:
         honest.connection.call(p.Heartbeat())
 

@@ -117,10 +117,13 @@ def test_inline_frames_must_match_the_layout(engine: Engine) -> None:
     tokens = tok(range(2 * CS))
     msg = p.StoreInline("r", tokens, "m", 1, 0, 0, 2 * CS, SHAPE, "float32", 2)
     short = call(engine, msg, [b"x" * 64])
-    assert short.code == ErrorCode.BAD_ARRAY and "carried 1 frames" in short.message
+    assert short.code == ErrorCode.BAD_ARRAY and "1 frames carry 64 bytes" in short.message
     wrong = call(engine, msg, [b"x" * 64, b"x" * 63])
-    assert wrong.code == ErrorCode.BAD_ARRAY and "63 bytes" in wrong.message
+    assert wrong.code == ErrorCode.BAD_ARRAY and "carry 127 bytes" in wrong.message
     assert engine.l1.used_bytes == 0  # nothing was reserved for a refused store
+    # a chunk may span frames: the same 128 bytes in three pieces is a store of two chunks
+    pieces = call(engine, msg, [b"a" * 40, b"b" * 64, b"c" * 24])
+    assert isinstance(pieces, p.StoreReply) and pieces.stored_chunks == 2
 
 
 def test_a_silent_client_loses_its_staging_slots(engine: Engine, clock: FakeClock) -> None:

@@ -24,6 +24,7 @@ from kvtier.server.observe.event_wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    published_hash,
     token_array,
 )
 from kvtier.server.observe.events import ChunkNotes, EventPublisher, Place
@@ -108,12 +109,16 @@ def test_a_stored_chain_is_one_event_with_tokens_parent_and_salt(
         first, stored, removed = batch.events
         assert isinstance(first, AllBlocksCleared)  # a topic's first batch of a run
         assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
-        assert stored.block_hashes == [low8(k) for k in chain]
+        # a salted chunk's published hash is its name mixed with the salt
+        assert stored.block_hashes == [
+            published_hash(k.chunk_hash, "s", as_int=True) for k in chain
+        ]
+        assert all(h != low8(k) for h, k in zip(stored.block_hashes, chain, strict=True))
         assert stored.parent_block_hash is None and stored.block_size == CS
         assert stored.token_ids == list(range(3 * CS))
         assert stored.extra_keys == [("s",), None, None]
         assert (stored.medium, stored.locality) == ("CPU", "LOCAL")
-        assert removed.block_hashes == [low8(chain[0])]
+        assert removed.block_hashes == stored.block_hashes[:1]
         assert (removed.medium, removed.locality) == ("STORAGE", "LOCAL")
     finally:
         replay.close()

@@ -59,3 +59,15 @@ def test_a_round_trip_is_paid_once_per_tier_so_longer_loads_can_pay() -> None:
     assert paying_prefix([[0]] * 4, [tier], **kw) == 4
     # each chunk's shards (two ranks) all count
     assert paying_prefix([[0, 0]] * 4, [tier], **kw) == 0  # 18 ms > 16 ms
+
+
+def test_one_tenant_cannot_drag_another_tenants_estimate() -> None:
+    """One tenant's tiny-chunk loads dragged the shared disk-speed estimate from 1,258 to
+    22.7 MiB/s, after which another tenant's disk hits were gated to 0."""
+    rates = LoadRates(["disk"])
+    rates.observe_read("disk", 64 << 20, 0.05, "alice")  # 1280 MiB/s
+    for _ in range(200):
+        rates.observe_read("disk", 4096, 0.0002, "mallory")  # tiny reads: 20 MiB/s
+    assert rates.get("disk", "alice").bytes_per_s == (64 << 20) / 0.05
+    assert rates.get("disk", "mallory").bytes_per_s < 30 << 20
+    assert rates.get("disk", "bob").reads == 0  # unmeasured: trusted until it loads

@@ -122,10 +122,10 @@ def test_tier_reads_run_at_a_lower_cpu_priority_and_the_lock_work_does_not(
 
     class Recording(TierManager):
         def get_many_into(
-            self, items: Sequence[tuple[ObjectKey, memoryview, str]]
+            self, items: Sequence[tuple[ObjectKey, memoryview, str]], tenant: str | None = None
         ) -> list[Found | None]:
             seen["read"] = nice()
-            return super().get_many_into(items)
+            return super().get_many_into(items, tenant)
 
     tiers = Recording([DiskTier(tmp_path, 1 << 30)])
     chain = keys(2, ws=1)
@@ -195,10 +195,13 @@ def test_a_load_slower_than_the_stated_prefill_is_left_out(arena: Arena, tmp_pat
     chain = keys(3, ws=1)
     for key in chain:
         tiers.tiers[0].put(key.shard(0), bytes(NBYTES), LAYOUT)
-    tiers.rates.observe_read("disk", NBYTES, 1.0)  # measured: 4 KiB a second
+    tiers.rates.observe_read("disk", NBYTES, 1.0, "")  # measured: 4 KiB a second
     S = prefetch_mod.LoadStatus
     got = outcome_of(tiers, arena, chain, prefill_tokens_per_s=1000.0)  # 16 ms a chunk
     assert got.loaded == [] and got.statuses == [S.SLOW] * 3
+    # another tenant's slow (or tiny) loads teach this tenant's gate nothing
+    tiers.rates.observe_read("disk", NBYTES, 1000.0, "mallory")
+    assert tiers.rates.get("disk", "").bytes_per_s == NBYTES / 1.0
     got = outcome_of(tiers, arena, chain, prefill_tokens_per_s=1.0)  # 16 s a chunk
     assert got.loaded == chain and got.statuses == [S.LOADED] * 3
     tiers.close()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvtier import protocol as p
 from kvtier.config import ConfigError, ServerConfig
 from kvtier.errors import NoSpaceError, UnauthorizedError
 from kvtier.redaction import MAX_REDACTED_CHARS, redact
@@ -110,11 +111,12 @@ def test_a_short_admin_token_is_refused_off_loopback_only() -> None:
     ServerConfig(admin_host="0.0.0.0", admin_token="x" * 16)
 
 
-def test_the_frame_bound_follows_the_l1_and_the_request_bounds() -> None:
-    assert frame_limit(256 << 20, 1 << 30, 1 << 20) == 256 << 20
-    header = frame_limit(256 << 20, 1 << 20, 1 << 20)  # a 1 MiB L1: headers are the biggest
+def test_the_frame_bound_follows_the_request_bounds_never_the_l1() -> None:
+    header = frame_limit(256 << 20, 1 << 20)  # headers are the biggest frames
     assert 4 << 20 < header < 16 << 20
-    assert frame_limit(1 << 20, 1 << 30, 1 << 20) == 1 << 20
+    assert frame_limit(1 << 20, 1 << 20) == 1 << 20
+    # short requests: the bound is a piece of inline KV, or the most chunk names
+    assert p.INLINE_FRAME_BYTES <= frame_limit(256 << 20, 1 << 10) < 8 << 20
 
 
 def test_one_pidfd_per_process_and_none_past_the_bound() -> None:

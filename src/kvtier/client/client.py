@@ -689,7 +689,7 @@ class Client:
                 names, model, worker_id, shape, dtype, cache_salt, extra_key, world_size
             )
             raw, _ = self._connection.call(
-                p.StoreKeysInline(**fields), [rows[i] for i in range(len(rows))]
+                p.StoreKeysInline(**fields), p.inline_frames(rows[i] for i in range(len(rows)))
             )
             return reply_as(raw, p.StoreReply, "StoreKeysInline").stored_chunks
         slots = self.store_key_slots(

@@ -29,6 +29,7 @@ from kvtier.errors import (
     InvalidArgumentError,
     KVTierError,
     NotConnectedError,
+    NotRegisteredError,
     error_from_code,
 )
 from kvtier.hashing import TokenHasher
@@ -337,6 +338,14 @@ class Connection:
                 result = self._call_on(conn, msg, payloads, timeout)
             except _Forgotten:
                 self._rejoin(conn)  # the server restarted: shake hands again, then retry once
+                result = self._call_on(conn, msg, payloads, timeout)
+            except NotRegisteredError:
+                # the server forgot a layout no live client held (--layout-ttl): register
+                # what this client registered again, then retry once
+                if isinstance(msg, p.Register) or not self._registrations:
+                    raise
+                for register in list(self._registrations.values()):
+                    self._call_on(conn, register)
                 result = self._call_on(conn, msg, payloads, timeout)
         except NoReply as exc:
             if wait_s is not None:

@@ -115,7 +115,8 @@ class StoreSlots:
         self._done = True
         connection = self._connection
         if self._inline is not None:
-            reply, _ = connection.call(self._store_inline(**self._fields), self._inline)
+            frames = p.inline_frames(self._inline)
+            reply, _ = connection.call(self._store_inline(**self._fields), frames)
         else:
             reply, _ = connection.call(p.Commit(self._reservation_id))
         request = "Commit" if self._inline is None else self._store_inline.__name__

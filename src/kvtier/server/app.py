@@ -34,6 +34,12 @@ from kvtier.periodic import (
 )
 from kvtier.redaction import redact
 from kvtier.server.auth import Authenticator, is_local_address
+from kvtier.server.descriptors import (
+    ConnectionGuard,
+    DescriptorBudget,
+    descriptors_in_use,
+    raise_limit,
+)
 from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start_admin_server
@@ -290,6 +296,9 @@ class KVTierServer:
             # Refused before anything on the machine is touched (segments, files, sockets).
             check_admin_exposure(config.admin_host, config.admin_token)
         self.token_file: Path | None = None
+        # Descriptors first: every socket below is capped from what the limit leaves.
+        limit = raise_limit()
+        self.guard = ConnectionGuard()
         config.arena_name = config.arena_name or default_arena_name(config.address[0])
         _check_shm_room(config.l1_size)
         # Whoever follows what the tiers hold (the chunk memory behind the miss reasons, the KV
@@ -328,6 +337,23 @@ class KVTierServer:
                 start=True,
             )
             self.engine.threads.append(watch)  # the engine stops it at close
+        self.budget = DescriptorBudget.plan(
+            limit,
+            descriptors_in_use(),
+            admin=config.max_admin_connections if config.admin_port >= 0 else 0,
+            events=config.kv_events_max_connections,
+            events_sockets=len(self.events.sockets()) if self.events is not None else 0,
+        )
+        if self.budget.shrunk:
+            logger.warning(
+                "ulimit -n %d is too small for --max-admin-connections %d and "
+                "--kv-events-max-connections %d beside the engines: holding %d and %d",
+                limit,
+                config.max_admin_connections,
+                config.kv_events_max_connections,
+                self.budget.admin,
+                self.budget.events,
+            )
         try:
             if config.admin_port >= 0:
                 self.admin = self._start_admin()
@@ -340,6 +366,12 @@ class KVTierServer:
                     f"--address: {exc}: give an address this user can listen on (the folder of "
                     "an ipc:// socket must exist; a tcp:// port must be free)"
                 ) from None
+            transport = self.transport
+            self.guard.watch(transport.socket, self.budget.tcp_data, "data", transport.addresses)
+            if self.events is not None:
+                for name, sock, endpoints in self.events.sockets():
+                    self.guard.watch(sock, self.budget.events, name, endpoints)
+            self.guard.start()
         except BaseException:
             self.close()
             raise
@@ -355,7 +387,11 @@ class KVTierServer:
         cfg = self.config
         try:
             admin = start_admin_server(
-                self.views, host=cfg.admin_host, port=cfg.admin_port, token=cfg.admin_token
+                self.views,
+                host=cfg.admin_host,
+                port=cfg.admin_port,
+                token=cfg.admin_token,
+                max_connections=self.budget.admin,
             )
         except OSError as exc:
             reason = exc.strerror or exc
@@ -415,6 +451,7 @@ class KVTierServer:
     def close(self) -> None:
         """Stop everything that started; idempotent."""
         self.stop_event.set()
+        self.guard.close()  # its monitors, before the sockets they watch
         if self.transport is not None:
             self.transport.close()
             self.transport = None

@@ -129,7 +129,7 @@ class Engine:
         # decodes, routes and replies (see `Route.offloaded`).
         self._handlers = parts.handlers
         self.sessions = parts.sessions
-        self.layouts = LayoutRegistry()
+        self.layouts = LayoutRegistry(clock)
         self.leases = LeaseBook(clock)
         self.handshake = Handshake(
             hasher=self.hasher,
@@ -143,6 +143,7 @@ class Engine:
             max_clients_per_tenant=config.max_clients_per_tenant,
             max_connections_per_client=config.max_connections_per_client,
             max_watched_processes=config.max_watched_processes,
+            max_registrations_per_client=config.max_registrations_per_client,
         )
         # The request families, each in its own module (see there what runs under the lock).
         self.lookups = LookupBook(
@@ -300,6 +301,7 @@ class Engine:
                 self.memory.lapsed(res.reserved)  # what a later lookup misses, and why
             self._reclaim(expired)
             staging = len(expired.reservations) + len(expired.fenced)
+            self.layouts.expire(self.config.layout_ttl)
             lapsed = self.l1.reclaim_pins(self._pin_owner_seen)
             self.retrieves.pins_lapsed(lapsed)
             pins = len(lapsed)
@@ -330,6 +332,8 @@ class Engine:
     def _reclaim(self, gone: Expired) -> None:
         """Release what the book ended (under the lock): reservations and leases whose owner
         can no longer touch their slots."""
+        for client_id in gone.dead_clients:  # their layouts start their time to live
+            self.layouts.release(client_id)
         for res in gone.reservations:
             self.stores.end_reservation(res)
         for lease in gone.leases:

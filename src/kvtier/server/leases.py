@@ -47,7 +47,8 @@ class Peer:
     client_id: str
     connected_at: float
     last_seen: float
-    registrations: list[Registration] = field(default_factory=list)
+    #: its layouts by (model, world size, rank): one entry each, found in one step
+    registrations: dict[tuple[str, int, int], Registration] = field(default_factory=dict)
     credential: Credential = ANONYMOUS  # what its Hello's token allows
     watch: ProcessWatch | None = None  # its process, when the server can watch it (same host)
     connections: set[bytes] = field(default_factory=set)  # the sockets that said Hello for it

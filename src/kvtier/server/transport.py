@@ -12,7 +12,11 @@ descriptor.
 What a peer can make the server hold is bounded here, before any decoding:
 
 - a frame: MAXMSGSIZE, `--max-frame-bytes` but never more than the largest frame a valid request
-  carries (one chunk, which cannot exceed `--l1-size`, or a header of `--max-request-tokens`);
+  carries (a header of `--max-request-tokens`, or a piece of inline KV: `INLINE_FRAME_BYTES`),
+  whatever the arena's size;
+- the sequence frame every reply echoes: at most `MAX_SEQ_BYTES` (a longer one is answered
+  MALFORMED_FRAME with its first `MAX_SEQ_BYTES` bytes), so replies queued for a peer that does
+  not read them are small, before its Hello and after;
 - queued messages: RCVHWM, `--max-queued-requests` per connection, and SNDHWM, 16 times that
   (replies to a peer that does not read them are dropped beyond it);
 - before its Hello, a connection's request of more than `MAX_UNKNOWN_BYTES` is answered
@@ -33,7 +37,6 @@ import contextlib
 import logging
 import os
 import queue
-import resource
 import socket
 import struct
 import threading
@@ -45,9 +48,10 @@ import zmq
 from kvtier import protocol as p
 from kvtier.errors import KVTierError, MalformedFrameError, NoSpaceError, NotConnectedError
 from kvtier.names import MAX_NAME_BYTES, MAX_NAMES
+from kvtier.server.descriptors import raise_limit
 from kvtier.server.engine import Engine
 
-__all__ = ["MAX_UNKNOWN_BYTES", "Transport", "frame_limit", "peer_pid"]
+__all__ = ["MAX_SEQ_BYTES", "MAX_UNKNOWN_BYTES", "Transport", "frame_limit", "peer_pid"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ _POLL_MS = 100  # how often the loop checks its stop event while idle
 #: the most a connection may send in one request before its Hello (a Hello is a few hundred
 #: bytes; its fields are bounded to well under this by limits.py)
 MAX_UNKNOWN_BYTES = 64 << 10
+#: the longest sequence frame echoed in a reply (a kvtier Client sends 8 bytes)
+MAX_SEQ_BYTES = 64
 #: requests up to this size never count against --max-inflight-bytes (heartbeats, commits,
 #: short lookups); every bigger one does, whether a handler thread or this one takes it
 _SMALL_BYTES = 4096
@@ -100,21 +106,13 @@ def peer_pid(frame: zmq.Frame) -> int | None:
     return pid
 
 
-def _raise_descriptor_limit() -> None:
-    """Every connection is a descriptor, and libzmq aborts the process when an ipc:// accept
-    finds none left: take the whole hard limit, as servers do."""
-    with contextlib.suppress(ValueError, OSError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def frame_limit(configured: int, l1_size: int, max_request_tokens: int) -> int:
+def frame_limit(configured: int, max_request_tokens: int) -> int:
     """The largest frame worth reading: `configured`, but no more than a valid request's
-    largest frame (an inline chunk fits the arena; a header carries at most the tokens or the
-    names a request may have, plus its other bounded fields)."""
+    largest frame: a header carries at most the tokens or the names a request may have, plus
+    its other bounded fields; inline KV travels in frames of at most INLINE_FRAME_BYTES. It
+    does not follow the arena's size: every peer may send it before any credential."""
     header = 4 * max_request_tokens + MAX_NAMES * (MAX_NAME_BYTES + 8) + (64 << 10)
-    return min(configured, max(l1_size, header))
+    return min(configured, max(p.INLINE_FRAME_BYTES, header))
 
 
 _umask_lock = threading.Lock()
@@ -153,9 +151,9 @@ class Transport:
         self.engine = engine
         cfg = engine.config
         configured = max_frame_bytes if max_frame_bytes > 0 else cfg.max_frame_bytes
-        self.max_frame_bytes = frame_limit(configured, cfg.l1_size, cfg.max_request_tokens)
+        self.max_frame_bytes = frame_limit(configured, cfg.max_request_tokens)
         self.max_inflight_bytes = cfg.max_inflight_bytes
-        _raise_descriptor_limit()
+        raise_limit()  # every connection is a descriptor (see descriptors.py)
         self.context = context or zmq.Context.instance()
         self.socket: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -241,6 +239,11 @@ class Transport:
 
     def _serve_one(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
+        if len(frames) > 1 and len(frames[1]) > MAX_SEQ_BYTES:
+            self._refuse(identity, frames[1].buffer[:MAX_SEQ_BYTES].tobytes(), MalformedFrameError(
+                f"the sequence frame has {len(frames[1])} bytes; at most {MAX_SEQ_BYTES}"
+            ))  # fmt: skip
+            return
         if len(frames) < 3:
             seq = frames[1].bytes if len(frames) > 1 else b""
             err = MalformedFrameError(

@@ -198,7 +198,7 @@ class AdminViews:
                     client_id=c.client_id[:8],
                     connected_s=now - c.connected_at,
                     last_seen_s=now - c.last_seen,
-                    registrations=list(c.registrations),
+                    registrations=list(c.registrations.values()),
                 )
                 for c in e.leases.peers.values()
             ]

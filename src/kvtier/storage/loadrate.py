@@ -9,6 +9,11 @@ recompute. `paying_prefix` picks the leading run of L2 chunks whose load saves t
 against recomputing them: a chunk only pays when the chunks before it do, since a hit is a
 prefix.
 
+Each tenant has estimates of its own (what its own loads measured), and the hit gate of a
+tenant's lookup reads only those: a tenant whose loads are all tiny (a read's fixed cost over
+few bytes) drags down the throughput it sees itself, never the one another tenant's lookups are
+gated by. The tier-wide estimate, over every tenant's loads, is what /status shows.
+
 The estimates are exponentially weighted (`_WEIGHT` per sample): one slow read moves them a
 fifth of the way, a tier that turned slow is seen within a few loads. A tier not measured yet
 is trusted (predicted free): the first loads measure it, and refusing every load of an unmeasured
@@ -71,29 +76,44 @@ class LoadRates:
     def __init__(self, tiers: Sequence[str]) -> None:
         self._lock = threading.Lock()
         self._est = {name: _Estimate() for name in tiers}
+        self._tenants: dict[tuple[str, str], _Estimate] = {}  # (tier, tenant)
 
-    def observe_probe(self, tier: str, seconds: float) -> None:
-        """An existence check of `tier` took `seconds`: one round trip."""
+    def _both(self, tier: str, tenant: str | None) -> tuple[_Estimate, ...]:
+        """The tier-wide estimate and, for a tenant, its own; under `_lock`."""
+        if tenant is None:
+            return (self._est[tier],)
+        own = self._tenants.get((tier, tenant))
+        if own is None:
+            own = self._tenants[tier, tenant] = _Estimate()
+        return self._est[tier], own
+
+    def observe_probe(self, tier: str, seconds: float, tenant: str | None = None) -> None:
+        """An existence check of `tier` for `tenant` took `seconds`: one round trip."""
         with self._lock:
-            est = self._est[tier]
-            est.latency_s = _moved(est.latency_s, max(0.0, seconds), est.probes == 0)
-            est.probes += 1
+            for est in self._both(tier, tenant):
+                est.latency_s = _moved(est.latency_s, max(0.0, seconds), est.probes == 0)
+                est.probes += 1
 
-    def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
-        """A batch read of `tier` moved `nbytes` in `seconds` (reads that moved nothing teach
-        nothing about throughput and are not passed)."""
+    def observe_read(
+        self, tier: str, nbytes: int, seconds: float, tenant: str | None = None
+    ) -> None:
+        """A batch read of `tier` for `tenant` moved `nbytes` in `seconds` (reads that moved
+        nothing teach nothing about throughput and are not passed)."""
         if nbytes <= 0:
             return
         with self._lock:
-            est = self._est[tier]
-            transfer = max(seconds - est.latency_s, _MIN_TRANSFER_SHARE * seconds, 1e-9)
-            est.bytes_per_s = _moved(est.bytes_per_s, nbytes / transfer, est.reads == 0)
-            est.reads += 1
-            est.bytes_read += nbytes
+            for est in self._both(tier, tenant):
+                transfer = max(seconds - est.latency_s, _MIN_TRANSFER_SHARE * seconds, 1e-9)
+                est.bytes_per_s = _moved(est.bytes_per_s, nbytes / transfer, est.reads == 0)
+                est.reads += 1
+                est.bytes_read += nbytes
 
-    def get(self, tier: str) -> LoadRate:
+    def get(self, tier: str, tenant: str | None = None) -> LoadRate:
+        """`tier`'s estimate: tier-wide, or `tenant`'s own (unmeasured until its first load)."""
         with self._lock:
-            est = self._est[tier]
+            est = self._est[tier] if tenant is None else self._tenants.get((tier, tenant))
+            if est is None:
+                est = _Estimate()
             return LoadRate(
                 tier=tier,
                 bytes_per_s=est.bytes_per_s,
@@ -102,9 +122,9 @@ class LoadRates:
                 bytes_read=est.bytes_read,
             )
 
-    def snapshot(self) -> list[LoadRate]:
-        """Every tier's estimate, in read order."""
-        return [self.get(name) for name in list(self._est)]
+    def snapshot(self, tenant: str | None = None) -> list[LoadRate]:
+        """Every tier's estimate (tier-wide, or `tenant`'s own), in read order."""
+        return [self.get(name, tenant) for name in list(self._est)]
 
 
 def paying_prefix(

@@ -319,7 +319,7 @@ class TierManager:
         """Whether each key is in any tier; a later tier is asked only about keys still missing."""
         return [where >= 0 for where in self.locate_many(keys)]
 
-    def locate_many(self, keys: Sequence[ObjectKey]) -> list[int]:
+    def locate_many(self, keys: Sequence[ObjectKey], tenant: str | None = None) -> list[int]:
         """The index of the first tier holding each key (the one a read gets it from), or -1;
         a later tier is asked only about keys still missing. Each tier's check is timed: it is
         that tier's latency sample (see `LoadRates`)."""
@@ -335,7 +335,7 @@ class TierManager:
                 logger.exception("tier manager: tier %s failed contains_many", tier.name)
                 self._count_read_error()
                 continue
-            self.rates.observe_probe(tier.name, time.perf_counter() - start)
+            self.rates.observe_probe(tier.name, time.perf_counter() - start, tenant)
             for i, flag in zip(missing, flags, strict=True):
                 if flag:
                     where[i] = t
@@ -354,7 +354,7 @@ class TierManager:
         return None
 
     def get_many_into(
-        self, items: Sequence[tuple[ObjectKey, memoryview, str]]
+        self, items: Sequence[tuple[ObjectKey, memoryview, str]], tenant: str | None = None
     ) -> list[Found | None]:
         """`get_into` for several objects in one batch read per tier (pipelined, and fanned out
         across masters for a Redis Cluster); where each item was found (and whether it is a
@@ -382,7 +382,7 @@ class TierManager:
                 if flag:
                     got[i] = Found(tier.name, flag != Hit.UNRESUMABLE)
                     nbytes += items[i][1].nbytes
-            self.rates.observe_read(tier.name, nbytes, seconds)
+            self.rates.observe_read(tier.name, nbytes, seconds, tenant)
             missing = [i for i in missing if got[i] is None]
         return got
 

@@ -245,7 +245,7 @@ class Prefetcher:
             if not leading:  # every group the tiers hold whole, past the ones they lack
                 keys = self._whole_in_tiers(keys)
                 outcome = LoadOutcome(loaded, [LoadStatus.BEHIND] * len(keys), [""] * len(keys))
-            loadable = self._plan(keys, nbytes, prefill_tokens_per_s, outcome)
+            loadable = self._plan(keys, nbytes, prefill_tokens_per_s, outcome, tenant)
             for lo in range(0, loadable, _BATCH):  # short holds: a batch of groups each
                 with self._hold():
                     batch = self._reserve(
@@ -255,7 +255,7 @@ class Prefetcher:
                 if len(batch) < min(_BATCH, loadable - lo):
                     outcome.statuses[len(reserved)] = LoadStatus.NO_ROOM
                     break
-            resumable = self._read(reserved, nbytes, layout)  # the I/O: no lock held
+            resumable = self._read(reserved, nbytes, layout, tenant)  # the I/O: no lock held
             good = len(resumable)
             if good < len(reserved):
                 outcome.statuses[good] = LoadStatus.FAILED
@@ -291,12 +291,17 @@ class Prefetcher:
         return [key for i, key in enumerate(keys) if all(present[i * ws : (i + 1) * ws])]
 
     def _plan(
-        self, keys: list[ChunkKey], nbytes: int, prefill_tokens_per_s: float, outcome: LoadOutcome
+        self,
+        keys: list[ChunkKey],
+        nbytes: int,
+        prefill_tokens_per_s: float,
+        outcome: LoadOutcome,
+        tenant: str,
     ) -> int:
         """Where each chunk's shards are; how many leading chunks to load: those every rank has
         in some tier and whose load pays. Marks the others' statuses in `outcome`."""
         ws = keys[0].world_size if keys else 1
-        where = self._tiers.locate_many([k.shard(w) for k in keys for w in range(ws)])
+        where = self._tiers.locate_many([k.shard(w) for k in keys for w in range(ws)], tenant)
         names = [tier.name for tier in self._tiers.tiers]
         chunk_tiers: list[list[int]] = []
         loadable = len(keys)
@@ -310,7 +315,7 @@ class Prefetcher:
             chunk_tiers.append(found)
         paying = paying_prefix(
             chunk_tiers[:loadable],
-            self._tiers.rates.snapshot(),
+            self._tiers.rates.snapshot(tenant),  # its own loads' estimate: no one else's
             shard_bytes=nbytes,
             chunk_tokens=self._chunk_size,
             prefill_tokens_per_s=prefill_tokens_per_s,
@@ -357,7 +362,11 @@ class Prefetcher:
         return out
 
     def _read(
-        self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]], nbytes: int, layout: str
+        self,
+        reserved: list[tuple[ChunkKey, list[tuple[int, int]]]],
+        nbytes: int,
+        layout: str,
+        tenant: str,
     ) -> list[list[bool]]:
         """Read every reserved shard from L2 in one batch (each tier pipelines it, a Redis
         Cluster fans it out across its masters); for each leading group read completely, which
@@ -367,7 +376,7 @@ class Prefetcher:
             for key, slots in reserved
             for worker_id, offset in slots
         ]
-        got = self._readers.submit(self._tiers.get_many_into, items).result()
+        got = self._readers.submit(self._tiers.get_many_into, items, tenant).result()
         at = 0
         groups: list[list[bool]] = []
         for _, slots in reserved:

@@ -51,6 +51,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvtier._version import __version__
 from kvtier.config import ADMIN_TOKEN_ENV
 from kvtier.periodic import PeriodicThreadRegistry
+from kvtier.server.observe.http_cap import capped_protocol
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.snapshots import Health, ServerStatus, SessionInfo, TierChunks
 
@@ -62,6 +63,8 @@ DEFAULT_SESSIONS_LIMIT = 50
 MAX_SESSIONS_LIMIT = 1000
 DEFAULT_CHUNKS_LIMIT = 10_000
 MAX_CHUNKS_LIMIT = 1_000_000
+#: connections waiting to be accepted, and accepted in one round (see start_admin_server)
+_ACCEPT_BACKLOG = 32
 #: the largest admin request body read (the bodies are a few small JSON fields)
 MAX_BODY_BYTES = 64 << 10
 
@@ -693,24 +696,30 @@ def start_admin_server(
     *,
     registry: PeriodicThreadRegistry | None = None,
     startup_timeout: float = 10.0,
+    max_connections: int = 64,
 ) -> AdminServer:
     """Serve the admin API on host:port (0 = a free port) from a background thread.
 
     With `token` None (no --admin-token) a random one guards the changing routes; read it from
     `AdminServer.token` (the server writes it to its token file). Off loopback a configured token
-    is mandatory: reads would otherwise be open to other machines.
+    is mandatory: reads would otherwise be open to other machines. At most `max_connections`
+    connections are held at once (see `http_cap.py`).
     """
     check_admin_exposure(host, token)
     if not 0 <= port <= 65535:
         raise ValueError(f"admin port must be in [0, 65535] (--admin-port), got {port}")
     effective = token if token is not None else secrets.token_urlsafe(32)
     app = create_admin_app(backend, token=effective, open_reads=token is None, registry=registry)
+    # uvicorn's backlog is also how many connections one accept round takes before their
+    # protocols run (and close those past the cap): kept small, so a burst of connections
+    # holds only a few descriptors more than the cap, for a moment
+    backlog = min(_ACCEPT_BACKLOG, max_connections)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(backlog)
     except OSError as exc:
         sock.close()
         raise OSError(
@@ -719,7 +728,13 @@ def start_admin_server(
             f"{exc.strerror or exc}",
         ) from exc
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2
+        app,
+        http=capped_protocol(max_connections),
+        backlog=backlog,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
     )
     server = AdminServer(uvicorn.Server(config), sock, host, effective)
     server._start(startup_timeout)

@@ -11,22 +11,31 @@ it, so the same bytes decode in both. vLLM is not imported: the server does not 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import ipaddress
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from kvtier.keys import decompose
+
 __all__ = [
     "END_SEQ",
+    "MAX_BATCH_BYTES",
     "MEDIUM_CPU",
     "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "KVEventBatch",
+    "binds_locally",
+    "client_salt",
     "external_hash",
+    "published_hash",
     "seq_bytes",
+    "split_batches",
     "token_array",
 ]
 
@@ -49,6 +58,16 @@ def external_hash(chunk_hash: bytes, *, as_int: bool) -> ExternalHash:
     if not as_int:
         return chunk_hash
     return int.from_bytes(chunk_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def published_hash(chunk_hash: bytes, salt: str, *, as_int: bool) -> ExternalHash:
+    """The block hash a chunk is published under: `external_hash` of its name, first mixed
+    with the cache salt the client sent (length-prefixed, BLAKE2b) when it has one, so that
+    salted and unsalted copies of a prompt (which vLLM hashes apart too) differ."""
+    if salt:
+        raw = salt.encode("utf-8", "surrogatepass")
+        chunk_hash = hashlib.blake2b(len(raw).to_bytes(4, "big") + raw + chunk_hash).digest()
+    return external_hash(chunk_hash, as_int=as_int)
 
 
 _ITEM = np.dtype([("tag", "u1"), ("value", ">u4")])  # a msgpack uint32: 0xce, 4 bytes
@@ -113,3 +132,105 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+#: the largest batch published (more events go in more batches; see `split_batches`)
+MAX_BATCH_BYTES = 256 << 10
+#: token ids and block hashes in one event at most (a longer chain is several events)
+_EVENT_TOKENS = 32 << 10
+_EVENT_HASHES = 16 << 10
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def _size(event: Event) -> int:
+    """About the bytes `event` encodes to."""
+    if isinstance(event, BlockStored):
+        tokens = event.token_ids
+        n = len(tokens) if isinstance(tokens, msgspec.Raw) else 5 * len(tokens)
+        return 96 + n + 10 * len(event.block_hashes)
+    if isinstance(event, BlockRemoved):
+        return 48 + 10 * len(event.block_hashes)
+    return 32
+
+
+def split_batches(events: list[Event], chunk_size: int) -> Iterator[list[Event]]:
+    """`events` in batches of at most about MAX_BATCH_BYTES, each event first cut to at most
+    `_EVENT_TOKENS` tokens and `_EVENT_HASHES` hashes (a chain cut in two is two events, the
+    second's parent the first's last block)."""
+    batch: list[Event] = []
+    size = 0
+    for whole in events:
+        for event in _cut(whole, chunk_size):
+            n = _size(event)
+            if batch and size + n > MAX_BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+            batch.append(event)
+            size += n
+    if batch:
+        yield batch
+
+
+def _cut(event: Event, chunk_size: int) -> Iterator[Event]:
+    if isinstance(event, BlockRemoved) and len(event.block_hashes) > _EVENT_HASHES:
+        hashes = event.block_hashes
+        for i in range(0, len(hashes), _EVENT_HASHES):
+            yield msgspec.structs.replace(event, block_hashes=hashes[i : i + _EVENT_HASHES])
+        return
+    if not isinstance(event, BlockStored):
+        yield event
+        return
+    blocks = max(1, min(_EVENT_HASHES, _EVENT_TOKENS // max(1, chunk_size)))
+    hashes = event.block_hashes
+    if len(hashes) <= blocks:
+        yield event
+        return
+    tokens = event.token_ids
+    raw = bytes(tokens) if isinstance(tokens, msgspec.Raw) else b""
+    extra = event.extra_keys
+    parent = event.parent_block_hash
+    for i in range(0, len(hashes), blocks):
+        part = hashes[i : i + blocks]
+        if raw:
+            ids: list[int] | msgspec.Raw = _raw_slice(raw, i * chunk_size, len(part) * chunk_size)
+        elif tokens:
+            ids = list(tokens[i * chunk_size : (i + len(part)) * chunk_size])
+        else:
+            ids = []
+        yield msgspec.structs.replace(
+            event,
+            block_hashes=part,
+            parent_block_hash=parent,
+            token_ids=ids,
+            extra_keys=None if extra is None else extra[i : i + len(part)],
+        )
+        parent = part[-1]
+
+
+def _raw_slice(raw: bytes, first: int, n: int) -> msgspec.Raw:
+    """Tokens [first, first + n) of a `token_array` (a msgpack array of 5-byte uint32s)."""
+    head = 3 if raw[0] == 0xDC else 5
+    body = raw[head + 5 * first : head + 5 * (first + n)]
+    prefix = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(prefix + body)
+
+
+def client_salt(cache_salt: str) -> str:
+    """The salt the client sent (the part after its tenant), as vLLM publishes a request's."""
+    try:
+        parts = decompose(cache_salt)
+    except ValueError:
+        return cache_salt
+    return parts[-1] if len(parts) == 2 else cache_salt
+
+
+def binds_locally(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint names a wildcard or loopback host (bound, not connected)."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "", "0.0.0.0", "::", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

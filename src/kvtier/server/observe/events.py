@@ -9,7 +9,8 @@ chunk names and `block_size` the chunk size, so with `--hash-algorithm sha256_cb
 vLLM's block hashes for a block size of the chunk size (requests without a cache salt or extra
 key), sent as vLLM sends them (by default the last 8 bytes as an integer, see
 `--kv-events-int-hashes`). `parent_block_hash`, `token_ids` and `extra_keys` (the cache salt
-on a prompt's first chunk, as vLLM puts it) come from the store that named the chunk
+on a prompt's first chunk, as vLLM puts it, and the store's extra key on each; a salted
+chunk's published hash is its name mixed with the salt) come from the store that named the chunk
 (`ChunkNotes`); a chunk stored by name, or one whose note is gone (an L2 write long after
 its store, a chunk that survived a restart), is published alone, without tokens or parent. A
 batch's topic is `--kv-events-topic` followed by its chunks' model.
@@ -17,7 +18,8 @@ batch's topic is `--kv-events-topic` followed by its chunks' model.
 Delivery is vLLM's: one sequence number per batch, monotonic from 0 at each start (a consumer
 that sees it go back knows the server restarted; each topic's first batch of a run begins with
 `AllBlocksCleared`, and the disk tier's survivors are the first chunks stored), at least once, a
-bounded replay buffer behind a ROUTER socket answering vLLM's replay request. Storage only
+replay buffer bounded in bytes, one window per tenant, behind a ROUTER socket answering vLLM's
+replay request (`event_replay.py`). Storage only
 adds a report to a list (under the engine lock for the L1's), where a run of one kind and tier
 joins the previous report, and a store's note keeps its tokens as they came: one thread of
 this module takes the list every few milliseconds, turns it into batches, encodes the tokens,
@@ -42,13 +44,14 @@ import msgspec
 import zmq
 
 from kvtier.config import ConfigError, ServerConfig
-from kvtier.keys import ChunkKey, decompose, shown
+from kvtier.keys import ChunkKey, shown
 from kvtier.storage.observers import L1_TIER, Removal
 from kvtier.storage.tiers.base import L2Tier
 
+from .event_replay import ReplayBuffer, ReplayServer, tenant_of
 from .event_wire import (
-    END_SEQ,
     LOCAL,
+    MAX_BATCH_BYTES,
     MEDIUM_CPU,
     MEDIUM_STORAGE,
     REMOTE,
@@ -56,8 +59,11 @@ from .event_wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    external_hash,
+    binds_locally,
+    client_salt,
+    published_hash,
     seq_bytes,
+    split_batches,
     token_array,
 )
 
@@ -66,6 +72,9 @@ __all__ = ["ChunkNotes", "EventPublisher", "EventStats", "Place", "open_events",
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 20  # a publishing round at most this often (a batch's added latency)
+_REPLAY_POLL_MS = 2  # while a replay waits for its peer's queue
+#: the longest subscription message taken (a topic prefix and the model's name)
+_MAX_SUBSCRIPTION_BYTES = 4096
 _MAX_REPORTS = 1 << 20  # chunks reported, waiting for the thread; past it, dropped (a seq gap)
 _SHUTDOWN_S = 2.0
 
@@ -93,6 +102,7 @@ class _Store(NamedTuple):
     keys: tuple[ChunkKey, ...]
     parent: bytes | None  # the chunk before keys[0] (None: they start the prompt)
     tokens: bytes  # their token ids, packed uint32, chunk after chunk
+    extra: bytes = b""  # the extra key the store named them under (in every chunk's hash)
 
 
 _NO_STORE = _Store((), None, b"")
@@ -118,7 +128,12 @@ class ChunkNotes:
         self._lock = threading.Lock()
 
     def note(
-        self, keys: Sequence[ChunkKey], parent: bytes | None, tokens: bytes, chunk_size: int
+        self,
+        keys: Sequence[ChunkKey],
+        parent: bytes | None,
+        tokens: bytes,
+        chunk_size: int,
+        extra_key: bytes = b"",
     ) -> None:
         """`keys` name consecutive chunks of `tokens` (packed uint32, starting at the first
         key's chunk), after the chunk named `parent` (None: they start the prompt)."""
@@ -129,7 +144,7 @@ class ChunkNotes:
             return
         if first:
             parent = keys[first - 1].chunk_hash
-        store = _Store(tuple(keys[first:n]), parent, tokens[first * step : n * step])
+        store = _Store(tuple(keys[first:n]), parent, tokens[first * step : n * step], extra_key)
         places = zip(itertools.repeat(store), range(n - first), strict=False)
         with self._lock:
             self._where.update(zip(store.keys, places, strict=False))
@@ -164,6 +179,9 @@ class EventStats(msgspec.Struct, frozen=True, kw_only=True):
     dropped_reports: int
     replays: int
     buffered: int
+    buffered_bytes: int = 0  # bytes of the batches kept for replay
+    malformed_replays: int = 0  # replay requests ignored
+    subscriptions: int = 0  # subscribe and unsubscribe messages taken
 
 
 class EventPublisher:
@@ -180,8 +198,10 @@ class EventPublisher:
         places: Mapping[str, Place],
         notes: ChunkNotes,
         int_hashes: bool = True,
-        hwm: int = 100_000,
         max_reports: int = _MAX_REPORTS,
+        buffer_bytes: int = 256 << 20,
+        queue_bytes: int = 32 << 20,
+        max_connections: int = 16,
     ) -> None:
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -196,20 +216,32 @@ class EventPublisher:
         self._pending = 0  # chunks (and clears) in them
         self._lock = threading.Lock()
         self._max_reports = max_reports
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_batches)
+        self._buffer = ReplayBuffer(buffer_bytes, buffer_batches)
+        # a batch is at most MAX_BATCH_BYTES (see _split): a queue of that many bytes is this
+        # many batches, for a subscriber or a replay peer that does not read
+        queued = max(4, queue_bytes // MAX_BATCH_BYTES)
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
+        self._ctx.set(zmq.MAX_SOCKETS, 16)
+        # XPUB in manual mode: what a subscriber subscribes to is taken here, and the server
+        # keeps one subscription per connection (everything; SUB filters on its side too), so
+        # subscriptions cost nothing however many or long a peer sends
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        self._pub.setsockopt(zmq.SNDHWM, queued)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket[bytes] | None = None
+        self._replays: ReplayServer | None = None
         try:
             self._open(self._pub, endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                # room for a whole replay and its end marker (as vLLM 0.33 sizes it)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_batches + 1))
-                self._replay.bind(replay_endpoint)
+                self._replay.setsockopt(zmq.SNDHWM, queued)
+                self._replay.setsockopt(zmq.RCVHWM, 16)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
+                self._open(self._replay, replay_endpoint)
+                self._replays = ReplayServer(self._replay, self._buffer, max_connections)
         except zmq.ZMQError:
             self._close_sockets()
             raise
@@ -219,16 +251,24 @@ class EventPublisher:
         self._seen_models: set[str] = set()  # whose topics an unfiltered clear empties
         self._announced: set[bytes] = set()  # topics published since start
         self._topics: dict[str, bytes] = {}  # a model's topic
+        self._tenants: dict[bytes, str] = {}  # a topic's tenant
+        self._salts: dict[str, str] = {}  # a composed salt's client salt
         self._num_reported = 0  # reports taken in (under `_lock`)
         self._num_published = 0  # reports turned into sent batches (the thread's own count)
-        self._n = dict.fromkeys(("batches", "events", "blocks", "dropped_reports", "replays"), 0)
+        self._n = dict.fromkeys(
+            ("batches", "events", "blocks", "dropped_reports", "subscriptions"), 0
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-kv-events", daemon=True)
 
     @staticmethod
     def _open(sock: zmq.Socket[bytes], endpoint: str) -> None:
-        """Bind a wildcard, ipc or inproc address; connect to any other (as vLLM does)."""
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        """Bind a wildcard, loopback, ipc or inproc address; connect to any other (as vLLM
+        does). A loopback address binds: connecting out to it would send every tenant's
+        events to whichever local process binds that port first."""
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        if endpoint.startswith(("ipc://", "inproc://")) or binds_locally(endpoint):
             sock.bind(endpoint)
         else:
             sock.connect(endpoint)
@@ -279,16 +319,21 @@ class EventPublisher:
         # meanwhile goes out together. Draining each report as it came would make this thread
         # take the GIL from the request threads once per chunk, which halved store throughput.
         poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        replays = self._replays
         while True:
             stopping = self._stop.is_set()
             try:
-                if self._replay is not None:
-                    if dict(poller.poll(_POLL_MS)):
-                        self._serve_replay()
-                else:
-                    self._stop.wait(_POLL_MS / 1000)
+                busy = replays is not None and replays.busy
+                ready = dict(poller.poll(_REPLAY_POLL_MS if busy else _POLL_MS))
+                if self._pub in ready:
+                    self._take_subscriptions()
+                if replays is not None:
+                    if self._replay in ready:
+                        replays.receive()
+                    replays.send()
                 if self._reports:
                     self._publish_reports()
             except Exception:
@@ -296,6 +341,15 @@ class EventPublisher:
                 time.sleep(0.1)
             if stopping:
                 return
+
+    def _take_subscriptions(self) -> None:
+        """Read what subscribers sent; each subscription gives its connection everything."""
+        pub = self._pub
+        while pub.poll(0, zmq.POLLIN):
+            message = pub.recv(zmq.NOBLOCK)
+            if message[:1] == b"\x01":
+                pub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._n["subscriptions"] += 1
 
     def _publish_reports(self) -> None:
         with self._lock:
@@ -311,19 +365,22 @@ class EventPublisher:
                 topic = self._topics.get(model)
                 if topic is None:
                     topic = self._topics[model] = (self._topic + shown(model)).encode()
+                    self._tenants[topic] = tenant_of(model)
                 by_topic.setdefault(topic, []).append(event)
         now = time.time()
         for topic, events in by_topic.items():
             if topic not in self._announced:  # what a router knew of an earlier run is void
                 self._announced.add(topic)
                 events.insert(0, AllBlocksCleared())
-            self._send(topic, self._encoder.encode(KVEventBatch(now, events)), events)
+            tenant = self._tenants[topic]
+            for batch in split_batches(events, self._chunk_size):
+                self._send(tenant, topic, self._encoder.encode(KVEventBatch(now, batch)), batch)
         self._num_published = taken
 
-    def _send(self, topic: bytes, payload: bytes, events: list[Event]) -> None:
+    def _send(self, tenant: str, topic: bytes, payload: bytes, events: list[Event]) -> None:
         seq = self._seq
         self._seq += 1
-        self._buffer.append((seq, topic, payload))
+        self._buffer.add(tenant, seq, topic, payload)
         with contextlib.suppress(zmq.Again):  # PUB drops at its high-water mark, never blocks
             self._pub.send_multipart((topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
         self._n["batches"] += 1
@@ -383,14 +440,14 @@ class EventPublisher:
                 pieces.append(store.tokens[first * step : (last + 1) * step])
             if note is None:
                 if run:
-                    yield self._block_stored(run, parent, pieces, place)
+                    yield self._block_stored(run, parent, pieces, place, store.extra)
                 yield self._block_stored([key], None, [], place)
                 run, pieces, store = [], [], _NO_STORE
                 continue
             at, i = note
             previous = at.parent if i == 0 else at.keys[i - 1].chunk_hash
             if run and previous != run[-1].chunk_hash:  # not the chain's next chunk
-                yield self._block_stored(run, parent, pieces, place)
+                yield self._block_stored(run, parent, pieces, place, store.extra)
                 run, pieces = [], []
             if not run:
                 parent = previous
@@ -398,24 +455,32 @@ class EventPublisher:
             store, first, last = at, i, i
         if run:
             pieces.append(store.tokens[first * step : (last + 1) * step])
-            yield self._block_stored(run, parent, pieces, place)
+            yield self._block_stored(run, parent, pieces, place, store.extra)
 
     def _block_stored(
-        self, keys: list[ChunkKey], parent: bytes | None, tokens: list[bytes], place: Place
+        self,
+        keys: list[ChunkKey],
+        parent: bytes | None,
+        tokens: list[bytes],
+        place: Place,
+        extra_key: bytes = b"",
     ) -> BlockStored:
         """One BlockStored of the chain `keys` after `parent`, whose packed token ids are
-        `tokens` joined (none: a chunk published alone, without tokens or parent)."""
-        salt = _client_salt(keys[0].cache_salt)
+        `tokens` joined (none: a chunk published alone, without tokens or parent), stored
+        under `extra_key`: each chunk's `extra_keys` carries it (hex), the first chunk of a
+        prompt its cache salt too, as vLLM puts a request's salt."""
+        salt = self._salt(keys[0].cache_salt)
+        mark = (extra_key.hex(),) if extra_key else None
         if tokens:
             token_ids: list[int] | msgspec.Raw = token_array(tokens)
-            extra: list[tuple[Any, ...] | None] = [None] * len(keys)
+            extra: list[tuple[Any, ...] | None] = [mark] * len(keys)
             if salt and parent is None:
-                extra[0] = (salt,)
+                extra[0] = (salt, *(mark or ()))
         else:
-            token_ids, parent, extra = [], None, [None]
+            token_ids, parent, extra = [], None, [mark]
         return BlockStored(
             block_hashes=self._hashes(keys),
-            parent_block_hash=None if parent is None else self._hash(parent),
+            parent_block_hash=None if parent is None else self._hash(parent, salt),
             token_ids=token_ids,
             block_size=self._chunk_size,
             lora_id=None,
@@ -425,37 +490,42 @@ class EventPublisher:
             locality=place.locality,
         )
 
-    def _hash(self, chunk_hash: bytes) -> bytes | int:
-        return external_hash(chunk_hash, as_int=self._int_hashes)
+    def _salt(self, cache_salt: str) -> str:
+        """The salt the client sent for a key's composed `cache_salt` (remembered)."""
+        salt = self._salts.get(cache_salt)
+        if salt is None:
+            if len(self._salts) > 4096:
+                self._salts.clear()
+            salt = self._salts[cache_salt] = client_salt(cache_salt)
+        return salt
+
+    def _hash(self, chunk_hash: bytes, salt: str = "") -> bytes | int:
+        """A chunk's published hash: its name, mixed with its cache salt when it has one, so
+        that salted and unsalted copies of a prompt (which vLLM hashes apart) differ."""
+        return published_hash(chunk_hash, salt, as_int=self._int_hashes)
 
     def _hashes(self, keys: Sequence[ChunkKey]) -> list[bytes | int]:
+        salt = self._salt(keys[0].cache_salt) if keys else ""
+        if salt or any(k.cache_salt != keys[0].cache_salt for k in keys):
+            return [self._hash(k.chunk_hash, self._salt(k.cache_salt)) for k in keys]
         if not self._int_hashes:
             return [k.chunk_hash for k in keys]
         from_bytes = int.from_bytes
         return [from_bytes(k.chunk_hash[-8:], "big") for k in keys]
 
-    def _serve_replay(self) -> None:
-        """Answer one replay request: the buffered batches from its sequence number on, then
-        vLLM's end marker. A malformed request is ignored (as vLLM does)."""
-        assert self._replay is not None
-        frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
-        if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("kv events: ignoring a malformed replay request")
-            return
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
-        self._n["replays"] += 1
-        try:
-            for seq, topic, payload in list(self._buffer):
-                if seq >= first:
-                    self._replay.send_multipart(
-                        (client, b"", topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK
-                    )
-            self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-        except zmq.Again:  # a subscriber that does not read its replay loses it, not us time
-            logger.warning("kv events: a replay subscriber is not reading; reply cut short")
-
     # -- admin and lifecycle --------------------------------------------------------------------
+
+    def sockets(self) -> list[tuple[str, zmq.Socket[bytes], list[str]]]:
+        """(name, socket, bound endpoints) of each socket peers connect to (a PUB that
+        connects out is none), for the connection guard."""
+        out = []
+        for name, sock in (("kv-events", self._pub), ("kv-events-replay", self._replay)):
+            if sock is None:
+                continue
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if endpoint:
+                out.append((name, sock, [endpoint]))
+        return out
 
     def stats(self) -> EventStats:
         return EventStats(
@@ -463,6 +533,9 @@ class EventPublisher:
             replay_endpoint=self._replay_endpoint or "",
             next_seq=self._seq,
             buffered=len(self._buffer),
+            buffered_bytes=self._buffer.total_bytes,
+            replays=self._replays.replays if self._replays is not None else 0,
+            malformed_replays=self._replays.malformed if self._replays is not None else 0,
             **self._n,
         )
 
@@ -504,18 +577,12 @@ def open_events(config: ServerConfig, tiers: Sequence[L2Tier]) -> EventPublisher
             places={tier.name: place_of(tier) for tier in tiers},
             notes=ChunkNotes(config.kv_events_token_chunks),
             int_hashes=config.kv_events_int_hashes,
+            buffer_bytes=config.kv_events_buffer_bytes,
+            queue_bytes=config.kv_events_queue_bytes,
+            max_connections=config.kv_events_max_connections,
         )
     except zmq.ZMQError as exc:
         raise ConfigError(
             f"--kv-events-endpoint / --kv-events-replay-endpoint: {exc}: give addresses this "
             "user can bind (a free tcp:// port, e.g. 'tcp://*:5557') or connect to"
         ) from None
-
-
-def _client_salt(cache_salt: str) -> str:
-    """The salt the client sent (the part after its tenant), as vLLM publishes a request's."""
-    try:
-        parts = decompose(cache_salt)
-    except ValueError:
-        return cache_salt
-    return parts[-1] if len(parts) == 2 else cache_salt

@@ -68,6 +68,7 @@ class Handshake:
         max_clients_per_tenant: int = 1024,
         max_connections_per_client: int = 256,
         max_watched_processes: int = 1024,
+        max_registrations_per_client: int = 1024,
     ) -> None:
         self.hasher = hasher
         self.contract = hasher.contract()
@@ -81,6 +82,7 @@ class Handshake:
         self.max_clients_per_tenant = max_clients_per_tenant
         self.max_connections_per_client = max_connections_per_client
         self.watches = ProcessWatches(max_watched_processes)
+        self.max_registrations_per_client = max_registrations_per_client
         # the process behind a connection, as the transport proved it for the Hello it is
         # handing over right now (set and taken on the transport thread)
         self._proofs: dict[bytes, int] = {}
@@ -176,7 +178,17 @@ class Handshake:
 
     def register(self, client: Peer, req: p.Register) -> p.Ok:
         """Record a worker's KV layout for a model (refused, and not recorded, when one chunk
-        cannot fit L1: see `LayoutRegistry.register`)."""
+        cannot fit L1: see `LayoutRegistry.register`, or past the client's bound). The layout
+        is kept while the client lives (see `LayoutRegistry.expire`)."""
+        slot = (req.model, req.world_size, req.worker_id)
+        if (
+            slot not in client.registrations
+            and len(client.registrations) >= self.max_registrations_per_client
+        ):
+            raise NoSpaceError(
+                f"this client registered {len(client.registrations)} layouts, the most "
+                f"(--max-registrations-per-client {self.max_registrations_per_client})"
+            )
         # Layouts live in the tenant's namespace: another tenant registering a bogus layout for
         # the same model name first cannot lock this tenant's workers out.
         layout = self.layouts.register(
@@ -186,6 +198,7 @@ class Handshake:
             req.chunk_shape,
             req.dtype,
             max_group_bytes=self.arena.size,
+            user=client.client_id,
         )
         registration = Registration(
             model=req.model,
@@ -194,6 +207,5 @@ class Handshake:
             chunk_shape=list(layout.chunk_shape),
             dtype=layout.dtype,
         )
-        if registration not in client.registrations:
-            client.registrations.append(registration)
+        client.registrations[slot] = registration
         return p.Ok()

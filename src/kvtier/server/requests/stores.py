@@ -103,7 +103,8 @@ class StoreBook:
         )
         if isinstance(req, p.RangeRequest) and self._notes:
             cs = self._config.chunk_size
-            self._notes.note(keys, parent, req.tokens[4 * req.start : 4 * req.end], cs)
+            tokens = req.tokens[4 * req.start : 4 * req.end]
+            self._notes.note(keys, parent, tokens, cs, req.extra_key)
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
         flags = req.resumable if isinstance(req, p.Reserve | p.StoreInline) else []
@@ -266,25 +267,19 @@ class StoreBook:
         layout = self._layouts.check(
             req.model, req.world_size, req.worker_id, req.chunk_shape, req.dtype
         )
-        if len(payloads) != req.num_chunks:
-            raise BadArrayError(
-                f"StoreInline announced {req.num_chunks} chunks but carried {len(payloads)} frames"
-            )
-        for i, frame in enumerate(payloads):
-            if len(frame) != layout.nbytes:
-                raise BadArrayError(
-                    f"chunk {i} carries {len(frame)} bytes; layout {layout.text} needs "
-                    f"{layout.nbytes}"
-                )
+        pieces = _chunk_pieces(payloads, req.num_chunks, layout.nbytes, layout.text)
         keys, parent = self._sessions.range_chain(req)
         # The server copies into the slots itself, outside the lock: the guard keeps them
         # fenced, should the lease lapse, until that copy is over.
         guard = CopyGuard()
         reply = self.reserve(client_id, req, keys, guard, parent)
         try:
-            for offset, frame in zip(reply.offsets, payloads, strict=True):
+            for offset, chunk in zip(reply.offsets, pieces, strict=True):
                 if offset >= 0:  # a remote client's bytes have to land in the arena somehow
-                    self._arena.view(offset, layout.nbytes)[:] = memoryview(frame).cast("B")
+                    at = offset
+                    for piece in chunk:
+                        self._arena.view(at, len(piece))[:] = piece
+                        at += len(piece)
         except BaseException:
             if reply.reservation_id:
                 with self._lock.hold("StoreInline"):
@@ -314,3 +309,30 @@ class StoreBook:
         return Shard(
             key.shard(worker_id), view, layout, done, self._l1.is_resumable(key, worker_id)
         )
+
+
+def _chunk_pieces(
+    payloads: Sequence[Any], num_chunks: int, nbytes: int, layout: str
+) -> list[list[memoryview]]:
+    """The frames of an inline store cut at chunk boundaries: each chunk's `nbytes` bytes as
+    the pieces of the frames that carry them (a chunk may span several frames, see
+    `protocol.INLINE_FRAME_BYTES`). BadArrayError unless they add up to `num_chunks` chunks."""
+    views = [memoryview(frame).cast("B") for frame in payloads]
+    total = sum(len(v) for v in views)
+    if total != num_chunks * nbytes:
+        raise BadArrayError(
+            f"StoreInline announced {num_chunks} chunks of {nbytes} bytes (layout {layout}) "
+            f"but its {len(views)} frames carry {total} bytes"
+        )
+    chunks: list[list[memoryview]] = []
+    current: list[memoryview] = []
+    room = nbytes
+    for view in views:
+        while len(view):
+            piece, view = view[:room], view[room:]
+            current.append(piece)
+            room -= len(piece)
+            if room == 0:
+                chunks.append(current)
+                current, room = [], nbytes
+    return chunks
