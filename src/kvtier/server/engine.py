@@ -50,6 +50,7 @@ from kvtier.server.observe.chunkmemory import ChunkMemory
 from kvtier.server.observe.events import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.snapshots import ErrorRecord
+from kvtier.server.requests.handoffs import HandoffBook
 from kvtier.server.requests.handshake import Handshake
 from kvtier.server.requests.lookups import LookupBook
 from kvtier.server.requests.retrieves import RetrieveBook
@@ -150,6 +151,9 @@ class Engine:
         )
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
         self.sessions.destroy_listeners.append(self.session_book.end)
+        self.handoffs = HandoffBook(
+            l1=self.l1, tiers=self.tiers, metrics=self.metrics, lease_s=config.handoff_lease
+        )
         self.stores = StoreBook(
             config,
             arena=self.arena,
@@ -163,6 +167,7 @@ class Engine:
             lock=self._lock,
             clock=clock,
             notes=parts.notes,
+            handoffs=self.handoffs,
         )
         self.retrieves = RetrieveBook(
             config,
@@ -302,7 +307,9 @@ class Engine:
             staging = len(expired.reservations) + len(expired.fenced)
             lapsed = self.l1.reclaim_pins(self._pin_owner_seen)
             self.retrieves.pins_lapsed(lapsed)
+            handed_off = self.handoffs.lapsed(lapsed)
             pins = len(lapsed)
+        self.handoffs.delete_l2(handed_off)  # tier I/O, outside the lock
         return ThreadRunSummary(
             success=True,
             message=(

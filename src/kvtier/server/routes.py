@@ -24,6 +24,7 @@ from kvtier.names import named_chunk_keys
 from kvtier.server import naming, tenants
 from kvtier.server.leases import Peer
 from kvtier.server.limits import Limits
+from kvtier.server.requests.handoffs import handoff_holder
 
 if TYPE_CHECKING:  # the engine runs the routes; they only read it
     from kvtier.server.answers import Answer
@@ -73,6 +74,10 @@ def _never(req: object) -> bool:
 
 def _always(req: object) -> bool:
     return True
+
+
+def _always_offloaded(req: object, chunk_size: int) -> bool:
+    return True  # deletes from the L2 tiers: I/O, never on the transport thread
 
 
 def _unless_inline(req: p.Retrieve | p.RetrieveKeys) -> bool:
@@ -252,6 +257,23 @@ def _retrieve_done(engine: Engine, call: Call[p.RetrieveDone]) -> Answered:
         return engine.retrieves.done(call.client.client_id, call.request.lease_id)
 
 
+def _end_handoff(engine: Engine, call: Call[p.EndHandoff]) -> Answered:
+    """Drop the hand-off's chunks from L1 (under the lock), then from the L2 tiers."""
+    req = call.request
+    keys = named_chunk_keys(
+        req.names,
+        model=req.model,
+        cache_salt=req.cache_salt,
+        world_size=req.world_size,
+        extra_key=req.extra_key,
+    )
+    holder = handoff_holder(call.client.tenant, req.request_id)
+    with engine.lock.hold(call.operation):
+        gone = engine.handoffs.end(holder, keys)
+    engine.handoffs.delete_l2(gone)
+    return p.Ok()
+
+
 # -- sessions ----------------------------------------------------------------------------------
 
 
@@ -353,6 +375,14 @@ ROUTES: tuple[Route[Any], ...] = (
         watched=_unless_inline,
     ),
     Route(p.RetrieveDone, ("retrieve", "done"), Limits.nothing, _retrieve_done),
+    Route(
+        p.EndHandoff,
+        ("end_handoff", "end_handoff"),
+        Limits.end_handoff,
+        _end_handoff,
+        offloaded=_always_offloaded,
+        scope=tenants.scope_names,
+    ),
     # sessions
     Route(p.Release, ("release", "release"), Limits.session, _release, scope=tenants.scope_session),
     Route(
