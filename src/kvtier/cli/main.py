@@ -157,12 +157,12 @@ def demo(
 def pd_proxy(
     prefill: list[str] = typer.Option(
         ...,
-        help="A prefill instance (vLLM, kv_role kv_producer); repeat, or separate by commas, for several",
+        help="A prefill instance (vLLM, kv_role kv_producer); repeat or comma-separate for more",
         metavar="URL",
     ),
     decode: list[str] = typer.Option(
         ...,
-        help="A decode instance (vLLM, kv_role kv_consumer); repeat, or separate by commas, for several",
+        help="A decode instance (vLLM, kv_role kv_consumer); repeat or comma-separate for more",
         metavar="URL",
     ),
     port: int = typer.Option(8000, help="The port to serve the OpenAI API on", metavar="N"),
