@@ -35,6 +35,7 @@ MODULES = [
     "benchmarks.bench_vllm",
     "benchmarks.bench_hybrid",
     "benchmarks.bench_traffic",
+    "benchmarks.bench_pd",
 ]
 
 
