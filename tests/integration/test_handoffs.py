@@ -4,7 +4,10 @@ counted in /metrics, and read across two servers that share a Redis tier."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,3 +124,41 @@ def test_handoff_across_two_servers_sharing_redis(
     while list(r.scan_iter(match=f"{redis_prefix}:*")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not list(r.scan_iter(match=f"{redis_prefix}:*")), "read hand-off left in Redis"
+
+
+def test_handoff_is_never_in_the_kv_events(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """A hand-off's chunks are no prefix-cache entries: neither their store (L1, then the disk
+    tier) nor their end is published; the named chunks stored beside them are."""
+    from .kv_follower import Follower
+
+    tag = uuid.uuid4().hex[:8]
+    pub, rep = f"ipc:///tmp/kvtier-ho-{tag}.pub", f"ipc:///tmp/kvtier-ho-{tag}.rep"
+    srv = server_factory(
+        "--chunk-size", str(CS), "--l2", f"disk://{tmp_path}/l2?size=1MiB",
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep,
+    )  # fmt: skip
+    follower = Follower(pub, rep)
+    names = [f"h5/{i}" for i in range(3)]
+    try:
+        with connect(srv) as c:
+            hand_off(c, "h5", names, chunks(5, 3))
+            assert wait_for(lambda: written(srv, 3))  # in the disk tier too
+            c.end_handoff("h5", names, model="m")
+            c.put_keys(["after/0", "after/1"], chunks(6, 2), model="m")
+            assert wait_for(lambda: written(srv, 5))
+
+            def both_places() -> bool:
+                follower.poll(0.1)
+                cpu, disk = follower.hashes("CPU", "LOCAL"), follower.hashes("STORAGE", "LOCAL")
+                return len(cpu) == 2 and len(disk) == 2
+
+            assert wait_for(both_places, timeout=10), follower.held
+        announced = {h for _, event in follower.stored for h in event.block_hashes}
+        assert len(announced) == 2, f"hand-off chunks announced: {announced}"
+    finally:
+        follower.close()
+        for path in (pub, rep):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path.removeprefix("ipc://"))

@@ -112,6 +112,8 @@ class StoreBook:
         reserved: list[ChunkKey] = []
         flags = req.resumable if isinstance(req, p.Reserve | p.StoreInline) else []
         handoff = isinstance(req, p.ReserveKeys | p.StoreKeysInline) and req.handoff
+        if handoff:
+            self._notes.hide(keys)  # no prefix-cache entries: never in the KV events
         with self._lock.hold("Reserve"):
             peer = self._leases.peers.get(client_id)
             tenant = "" if peer is None else peer.tenant
