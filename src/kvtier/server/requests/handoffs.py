@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.keys import ChunkKey, compose
+from kvtier.storage.observers import Removal
 
 if TYPE_CHECKING:  # routes import this module, and metrics imports routes
     from kvtier.server.observe.metrics import Metrics
@@ -87,8 +88,11 @@ class HandoffBook:
         return gone
 
     def delete_l2(self, keys: Sequence[ChunkKey]) -> None:
-        """Delete the chunks' shards from every L2 tier (tier I/O: outside the lock). A tier
-        that fails keeps the copy until its own eviction; nothing reads it again."""
+        """Delete the chunks' shards from every L2 tier (tier I/O: outside the lock), and tell
+        the tiers' observer (the chunk memory) they left. A tier that fails keeps the copy
+        until its own eviction; nothing reads it again."""
+        if not keys:
+            return
         for tier in self._tiers.tiers:
             for key in keys:
                 for worker_id in range(key.world_size):
@@ -96,3 +100,4 @@ class HandoffBook:
                         tier.delete(key.shard(worker_id))
                     except Exception:  # a failed delete costs only space
                         continue
+            self._tiers.observer.removed(keys, tier.name, Removal.DELETED)
