@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from testkit.pd_stack import Proc, kv_config, llama, prompt, start_proxy, start_vllm
@@ -100,7 +101,7 @@ def _ms(values: list[float], q: float) -> str:
     return f"{percentile(values, q) * 1e3:.0f}" if values else "-"
 
 
-def _latency(url: str, text: str, max_tokens: int, **extra: object) -> tuple[float, dict]:
+def _latency(url: str, text: str, max_tokens: int, **extra: object) -> tuple[float, dict[str, Any]]:
     body = {"model": "m", "prompt": text, "max_tokens": max_tokens, "temperature": 0, **extra}
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/completions", json=body, timeout=600)

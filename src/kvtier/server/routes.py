@@ -24,7 +24,6 @@ from kvtier.names import named_chunk_keys
 from kvtier.server import naming, tenants
 from kvtier.server.leases import Peer
 from kvtier.server.limits import Limits
-from kvtier.server.requests.handoffs import handoff_holder
 
 if TYPE_CHECKING:  # the engine runs the routes; they only read it
     from kvtier.server.answers import Answer
@@ -267,7 +266,7 @@ def _end_handoff(engine: Engine, call: Call[p.EndHandoff]) -> Answered:
         world_size=req.world_size,
         extra_key=req.extra_key,
     )
-    holder = handoff_holder(call.client.tenant, req.request_id)
+    holder = engine.handoffs.holder(call.client.tenant, req.request_id)
     with engine.lock.hold(call.operation):
         gone = engine.handoffs.end(holder, keys)
     engine.handoffs.delete_l2(gone)

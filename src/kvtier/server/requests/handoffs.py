@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvtier.keys import ChunkKey, compose
 from kvtier.storage.observers import Removal
 
-if TYPE_CHECKING:  # routes import this module, and metrics imports routes
+if TYPE_CHECKING:  # type-only: metrics imports routes, which reach this book through the engine
     from kvtier.server.observe.metrics import Metrics
     from kvtier.storage.l1 import L1Store
     from kvtier.storage.manager import TierManager
@@ -47,6 +47,11 @@ class HandoffBook:
         self._metrics = metrics
         self._lease_s = lease_s
         self._held: dict[str, list[ChunkKey]] = {}  # holder -> the chunks it stored
+
+    @staticmethod
+    def holder(tenant: str, handoff_id: str) -> str:
+        """The pin holder of hand-off `handoff_id` in `tenant`'s namespace."""
+        return handoff_holder(tenant, handoff_id)
 
     @property
     def num_held(self) -> int:
