@@ -49,12 +49,15 @@ class Run:
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
     failed: int = 0
+    errors: list[str] = field(default_factory=list)
     wall: float = 0.0
 
 
-async def _one(client: httpx.AsyncClient, url: str, text: str, load: Load, run: Run) -> None:
+async def _one(
+    client: httpx.AsyncClient, url: str, text: str, model: str, load: Load, run: Run
+) -> None:
     body = {
-        "model": "m", "prompt": text, "max_tokens": load.output_tokens, "temperature": 0,
+        "model": model, "prompt": text, "max_tokens": load.output_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True,
     }  # fmt: skip
     t0 = time.perf_counter()
@@ -63,6 +66,7 @@ async def _one(client: httpx.AsyncClient, url: str, text: str, load: Load, run: 
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 run.failed += 1
+                run.errors.append(f"{r.status_code}: {(await r.aread())[:300]!r}")
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
@@ -75,8 +79,9 @@ async def _one(client: httpx.AsyncClient, url: str, text: str, load: Load, run: 
                         run.itl.append(now - last)
                     last = now
                     run.tokens += 1
-    except httpx.HTTPError:
+    except httpx.HTTPError as exc:
         run.failed += 1
+        run.errors.append(repr(exc))
 
 
 async def _drive(urls: list[str], model: str, load: Load, seed: int) -> Run:
@@ -90,7 +95,7 @@ async def _drive(urls: list[str], model: str, load: Load, seed: int) -> Run:
         for i in range(load.requests):
             text = prompt(load.prompt_tokens, seed * 1000 + i)
             url = urls[i % len(urls)]
-            tasks.append(asyncio.create_task(_one(client, url, text, load, run)))
+            tasks.append(asyncio.create_task(_one(client, url, text, model, load, run)))
             await asyncio.sleep(rng.expovariate(load.rate))
         await asyncio.gather(*tasks)
         run.wall = time.perf_counter() - t0
@@ -166,6 +171,9 @@ def measure(load: Load, workdir: Path) -> str:
             p.stop()
         server.close()
 
+    for name, got in runs.items():
+        if not got.tokens:
+            raise RuntimeError(f"{name}: no token streamed ({got.failed} failed: {got.errors[:3]})")
     base = runs["one aggregated engine"]
     rows = []
     for name, run in runs.items():
