@@ -216,6 +216,12 @@ def measure(load: Load, workdir: Path) -> str:
         f"stored by the producer; the decoder's time to its first token (load from kvtier and "
         f"one decode step) {dec_ms:.0f} ms, against {pre_ms:.0f} ms for one engine's prefill of "
         f"the same prompt: the decoder saves {pre_ms / dec_ms:.2f}x of the prefill time.",
+        "",
+        "On a CPU machine every engine shares the same cores: the P/D arm's prefill and decode "
+        "instances compete for them (two engines busy for each request where an aggregated arm "
+        "has one). Its ITL p99 against one engine's is the figure disaggregation is for (decode "
+        "steps no longer wait behind arriving prompts' prefills); compare its TTFT and throughput "
+        "with the aggregated arms' above.",
     ]
     return "\n".join(lines) + "\n"
 
