@@ -20,6 +20,7 @@ def vllm_config(
     max_model_len: int = 4096,
     extra: dict[str, Any] | None = None,
     kv_load_failure_policy: str = "recompute",
+    kv_role: str = "kv_both",
     mamba_cache_mode: str = "none",
     enable_prefix_caching: bool = True,
 ) -> Any:
@@ -56,7 +57,7 @@ def vllm_config(
     kv_transfer = KVTransferConfig(
         kv_connector="KVTierConnector",
         kv_connector_module_path="kvtier.integrations.vllm",
-        kv_role="kv_both",
+        kv_role=kv_role,
         kv_connector_extra_config={"address": address, "timeout": 2.0, **(extra or {})},
         kv_load_failure_policy=kv_load_failure_policy,
     )

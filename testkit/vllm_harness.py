@@ -137,6 +137,7 @@ class Harness:
     invalid_blocks_seen: set[int] = field(default_factory=set)
     failed_loads_seen: set[str] = field(default_factory=set)  # failed_recving, every rank's
     finish_reasons: dict[str, Any] = field(default_factory=dict)
+    transfer_params: dict[str, Any] = field(default_factory=dict)  # a finished request's
     # per request: how many ranks reported its save / its load done (vLLM's aggregator's count)
     _pending_sends: dict[str, int] = field(default_factory=dict)
     _pending_recvs: dict[str, int] = field(default_factory=dict)
@@ -160,6 +161,7 @@ class Harness:
         mamba_cache_mode: str = "none",
         enable_prefix_caching: bool = True,
         kv_load_failure_policy: str = "recompute",
+        kv_role: str = "kv_both",
     ) -> Harness:
         """`specs`: rank -> {layer name: KVCacheSpec} for a model vLLM's hybrid KV cache
         manager groups (sliding window, MLA, Mamba); None: the tiny Llama's one group."""
@@ -188,6 +190,7 @@ class Harness:
             "mamba_cache_mode": mamba_cache_mode,
             "enable_prefix_caching": enable_prefix_caching,
             "kv_load_failure_policy": kv_load_failure_policy,
+            "kv_role": kv_role,
         }
         sched_config = vllm_config(model_dir, **knobs)
         if specs is None:
@@ -266,9 +269,11 @@ class Harness:
         *,
         max_tokens: int = 2,
         salt: str = "",
+        kv_transfer_params: dict[str, Any] | None = None,
         **request_kw: Any,
     ) -> Any:
-        """Add a request; `request_kw` go to vLLM's Request (lora_request, mm_features...)."""
+        """Add a request; `request_kw` go to vLLM's Request (lora_request, mm_features...);
+        `kv_transfer_params` as an API server's request carries them."""
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -276,6 +281,8 @@ class Harness:
 
         init_none_hash(sha256)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if kv_transfer_params is not None:
+            params.extra_args = {"kv_transfer_params": kv_transfer_params}
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -349,6 +356,7 @@ class Harness:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
                     self.finish_reasons[o.request_id] = o.finish_reason
+                    self.transfer_params[o.request_id] = o.kv_transfer_params
         return out
 
     def _every_rank(self, pending: dict[str, int], counts: dict[str, int]) -> set[str]:

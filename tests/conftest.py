@@ -24,6 +24,7 @@ SHARES_DEFAULTS = ("test_readme.py", "test_deploy.py")
 #: out first, so that the workers finish together instead of one waiting on a late engine test.
 SLOW_FIRST = (
     "test_vllm_hybrid_engines.py",
+    "test_vllm_pd.py",
     "test_traffic.py",
     "test_vllm_engine.py",
     "test_vllm_lora.py",
@@ -32,6 +33,7 @@ SLOW_FIRST = (
     "SHARES_DEFAULTS",
     "test_demo.py",
     "test_vllm_scheduler.py",
+    "test_vllm_pd_scheduler.py",
     "test_transformers.py",
     "test_vllm_trust.py",
     "test_tier_cluster.py",

@@ -188,6 +188,13 @@ class ServerConfig:
         example="--staging-lease 30",
         metavar="SECONDS",
     )
+    handoff_lease: float = _opt(
+        60.0,
+        "Seconds a prefill instance's hand-off object stays pinned for its decode instance; "
+        "freed when the decoder has read it or this lease lapses",
+        example="--handoff-lease 60",
+        metavar="SECONDS",
+    )
     client_timeout: float = _opt(
         10.0,
         "Seconds without a heartbeat after which a client's leases are reclaimed",
@@ -513,7 +520,8 @@ class ServerConfig:
                 "first parent comes from the engine's PYTHONHASHSEED: pass that value",
             )
         for name in ("session_ttl", "session_cleanup_interval", "pin_lease", "staging_lease",
-                     "client_timeout", "reap_interval", "layout_ttl"):  # fmt: skip
+                     "handoff_lease", "client_timeout", "reap_interval",
+                     "layout_ttl"):  # fmt: skip
             value = getattr(self, name)
             if not value > 0:
                 raise self.error(name, f"must be a positive number of seconds, got {value}")

@@ -19,7 +19,8 @@ import msgspec
 
 from kvtier.errors import KVTierError, MalformedFrameError, UnknownRequestError
 
-PROTOCOL_VERSION = 3  # 2: extra keys; composed (tenant, name) keys; 3: readers, resume points
+PROTOCOL_VERSION = 4  # 2: extra keys; composed (tenant, name) keys; 3: readers, resume points;
+#: 4: hand-off objects (ReserveKeys/StoreKeysInline.handoff, EndHandoff)
 
 
 #: the most bytes of KV one frame carries inline: a chunk bigger than this travels as several
@@ -244,17 +245,40 @@ class ExistsKeys(_Msg):
 
 
 class ReserveKeys(KeyRequest):
-    """Store named chunks, step 1: staging slots (then Commit, as for Reserve)."""
+    """Store named chunks, step 1: staging slots (then Commit, as for Reserve).
+
+    `handoff`: the chunks are a hand-off object for one reader (a decode instance): stored
+    whatever the cache policy says, pinned under the hand-off `request_id` for the server's
+    --handoff-lease, freed by EndHandoff or when that lease lapses.
+    """
+
+    handoff: bool = False
 
 
 class StoreKeysInline(KeyRequest):
-    """Store named chunks for a client without the arena: one payload frame per chunk."""
+    """Store named chunks for a client without the arena: one payload frame per chunk.
+
+    `handoff` as in ReserveKeys.
+    """
+
+    handoff: bool = False
 
 
 class RetrieveKeys(KeyRequest):
     """Slots (or, `inline`, the bytes) of this rank's shards of the leading stored names."""
 
     inline: bool = False
+
+
+class EndHandoff(_Msg):
+    """The reader has the hand-off `request_id`: free its named chunks (L1 and L2 tiers)."""
+
+    request_id: str
+    names: list[bytes]
+    model: str
+    world_size: int = 1
+    cache_salt: str = ""
+    extra_key: bytes = b""
 
 
 Request = (
@@ -276,6 +300,7 @@ Request = (
     | ReserveKeys
     | StoreKeysInline
     | RetrieveKeys
+    | EndHandoff
 )
 
 REQUEST_TAGS = frozenset(t.__name__ for t in Request.__args__)  # type: ignore[attr-defined]

@@ -22,4 +22,8 @@ def test_only_names_a_module_exactly_before_by_suffix() -> None:
         "benchmarks.bench_hashing",
         "benchmarks.bench_traffic",
     ]
-    assert _chosen(None)[-2:] == ["benchmarks.bench_trace_vllm", "benchmarks.bench_traffic"]
+    assert _chosen(None)[-3:] == [
+        "benchmarks.bench_trace_vllm",
+        "benchmarks.bench_traffic",
+        "benchmarks.bench_pd",
+    ]

@@ -177,6 +177,7 @@ def test_every_request_has_its_labels_and_they_never_change() -> None:
         "RetrieveDone": ("retrieve", "done"),
         "Release": ("release", "release"),
         "EndSession": ("end_session", "end_session"),
+        "EndHandoff": ("end_handoff", "end_handoff"),
         "ExistsKeys": ("exists_keys", "exists_keys"),
         "ReserveKeys": ("reserve_keys", "reserve_keys"),
         "StoreKeysInline": ("store_keys_inline", "store_keys_inline"),

@@ -157,6 +157,33 @@ def demo(
     typer.echo(f"plot: {path}")
 
 
+@app.command("pd-proxy")
+def pd_proxy(
+    prefill: list[str] = typer.Option(
+        ...,
+        help="A prefill instance (vLLM, kv_role kv_producer); repeat or comma-separate for more",
+        metavar="URL",
+    ),
+    decode: list[str] = typer.Option(
+        ...,
+        help="A decode instance (vLLM, kv_role kv_consumer); repeat or comma-separate for more",
+        metavar="URL",
+    ),
+    port: int = typer.Option(8000, help="The port to serve the OpenAI API on", metavar="N"),
+    host: str = typer.Option("127.0.0.1", help="The address to listen on", metavar="HOST"),
+) -> None:
+    """An OpenAI-compatible front for prefill/decode disaggregation through kvtier."""
+    from kvtier.integrations.pdproxy import serve
+
+    prefill = [u for given in prefill for u in given.split(",") if u]
+    decode = [u for given in decode for u in given.split(",") if u]
+    for url in [*prefill, *decode]:
+        if not url.startswith(("http://", "https://")):
+            _fail("pd-proxy", f"{url!r} is not an http:// or https:// URL", 2)
+    typer.echo(f"kvtier pd-proxy: http://{host}:{port} (prefill {prefill}, decode {decode})")
+    serve(prefill, decode, host=host, port=port)
+
+
 def _usage_hint(exc: Exception) -> str:
     """The config example of the option a usage error names, if it is a serve option."""
     name = getattr(getattr(exc, "param", None), "name", None)

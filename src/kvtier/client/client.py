@@ -634,15 +634,20 @@ class Client:
         cache_salt: str = "",
         extra_key: bytes = b"",
         world_size: int | None = None,
+        handoff: str = "",
     ) -> StoreSlots:
         """Slots to write this rank's named chunks into; `with` commits them.
 
         As `store_slots`, with `targets()` indexing into `names` and `stored_chunks` counting
-        the named chunks stored after the commit.
+        the named chunks stored after the commit. `handoff`: the chunks are (part of) hand-off
+        object `handoff` for one reader, pinned until `end_handoff` or the server's
+        --handoff-lease (never subject to the cache policy).
         """
         fields = self._key_fields(
             names, model, worker_id, chunk_shape, dtype, cache_salt, extra_key, world_size
         )
+        if handoff:
+            fields.update(request_id=handoff, handoff=True)
         return StoreSlots(
             self._connection, fields, reserve=p.ReserveKeys, store_inline=p.StoreKeysInline
         )
@@ -762,6 +767,22 @@ class Client:
             "cache_salt": cache_salt,
             "extra_key": extra_key,
         }
+
+    def end_handoff(
+        self,
+        handoff: str,
+        names: Sequence[ChunkName],
+        *,
+        model: str,
+        world_size: int = 1,
+        cache_salt: str = "",
+        extra_key: bytes = b"",
+    ) -> None:
+        """The reader has hand-off `handoff` (its chunks `names`): the server frees them from L1
+        and deletes them from its L2 tiers."""
+        checked = check_names(names)
+        msg = p.EndHandoff(handoff, checked, model, world_size, cache_salt, extra_key)
+        self._connection.call(msg)
 
     def release(self, request_id: str, *, cache_salt: str = "") -> None:
         """Drop the request's lookup pins (the engine computed those chunks itself)."""

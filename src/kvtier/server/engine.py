@@ -50,6 +50,7 @@ from kvtier.server.observe.chunkmemory import ChunkMemory
 from kvtier.server.observe.events import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.snapshots import ErrorRecord
+from kvtier.server.requests.handoffs import HandoffBook
 from kvtier.server.requests.handshake import Handshake
 from kvtier.server.requests.lookups import LookupBook
 from kvtier.server.requests.retrieves import RetrieveBook
@@ -151,6 +152,9 @@ class Engine:
         )
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
         self.sessions.destroy_listeners.append(self.session_book.end)
+        self.handoffs = HandoffBook(
+            l1=self.l1, tiers=self.tiers, metrics=self.metrics, lease_s=config.handoff_lease
+        )
         self.stores = StoreBook(
             config,
             arena=self.arena,
@@ -164,6 +168,7 @@ class Engine:
             lock=self._lock,
             clock=clock,
             notes=parts.notes,
+            handoffs=self.handoffs,
         )
         self.retrieves = RetrieveBook(
             config,
@@ -304,7 +309,9 @@ class Engine:
             self.layouts.expire(self.config.layout_ttl)
             lapsed = self.l1.reclaim_pins(self._pin_owner_seen)
             self.retrieves.pins_lapsed(lapsed)
+            handed_off = self.handoffs.lapsed(lapsed)
             pins = len(lapsed)
+        self.handoffs.delete_l2(handed_off)  # tier I/O, outside the lock
         return ThreadRunSummary(
             success=True,
             message=(

@@ -74,6 +74,7 @@ class Reservation:
     fenced: list[tuple[int, int]] = field(default_factory=list)  # quarantined (offset, nbytes)
     tenant: str = ""  # whose staging and quarantine bytes its slots count in
     request_id: str | None = None  # the session that stores (None: chunks named by the caller)
+    handoff: str | None = None  # the hand-off's pin holder (handoffs.py), for a hand-off's store
 
 
 @dataclass(slots=True)

@@ -183,6 +183,13 @@ class Limits:
         self._world(req.world_size, req.worker_id)
         self._shape(req.chunk_shape, req.dtype)
 
+    def end_handoff(self, req: p.EndHandoff) -> None:
+        _name("request_id", req.request_id)
+        self._strings(req.request_id, req.model, req.cache_salt)
+        _extra_key(req.extra_key)
+        self._world(req.world_size, 0)
+        self._lookup_work(len(req.names), req.world_size)
+
     def session(self, req: p.Release | p.EndSession) -> None:
         _name("request_id", req.request_id)
 

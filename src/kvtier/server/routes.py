@@ -29,6 +29,7 @@ from kvtier.server.answers import Answer
 from kvtier.server.leases import Peer
 from kvtier.server.limits import Limits
 from kvtier.server.locking import TimedLock
+from kvtier.server.requests.handoffs import HandoffBook
 from kvtier.server.requests.handshake import Handshake
 from kvtier.server.requests.lookups import LookupBook
 from kvtier.server.requests.retrieves import RetrieveBook
@@ -53,6 +54,7 @@ class RouteHost(Protocol):
     retrieves: RetrieveBook
     layouts: LayoutRegistry
     l1: L1Store
+    handoffs: HandoffBook
 
     @property
     def lock(self) -> TimedLock: ...
@@ -100,6 +102,10 @@ def _never(req: object) -> bool:
 
 def _always(req: object) -> bool:
     return True
+
+
+def _always_offloaded(req: object, chunk_size: int) -> bool:
+    return True  # deletes from the L2 tiers: I/O, never on the transport thread
 
 
 def _unless_inline(req: p.Retrieve | p.RetrieveKeys) -> bool:
@@ -279,6 +285,23 @@ def _retrieve_done(engine: RouteHost, call: Call[p.RetrieveDone]) -> Answered:
         return engine.retrieves.done(call.client.client_id, call.request.lease_id)
 
 
+def _end_handoff(engine: RouteHost, call: Call[p.EndHandoff]) -> Answered:
+    """Drop the hand-off's chunks from L1 (under the lock), then from the L2 tiers."""
+    req = call.request
+    keys = named_chunk_keys(
+        req.names,
+        model=req.model,
+        cache_salt=req.cache_salt,
+        world_size=req.world_size,
+        extra_key=req.extra_key,
+    )
+    holder = engine.handoffs.holder(call.client.tenant, req.request_id)
+    with engine.lock.hold(call.operation):
+        gone = engine.handoffs.end(holder, keys)
+    engine.handoffs.delete_l2(gone)
+    return p.Ok()
+
+
 # -- sessions ----------------------------------------------------------------------------------
 
 
@@ -372,6 +395,13 @@ ROUTES: tuple[Route[Any], ...] = (
         watched=_unless_inline,
     ),
     Route(p.RetrieveDone, Limits.nothing, _retrieve_done),
+    Route(
+        p.EndHandoff,
+        Limits.end_handoff,
+        _end_handoff,
+        offloaded=_always_offloaded,
+        scope=tenants.scope_names,
+    ),
     # sessions
     Route(p.Release, Limits.session, _release, scope=tenants.scope_session),
     Route(

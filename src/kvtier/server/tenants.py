@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 Scoped = TypeVar("Scoped", p.Lookup, p.Reserve, p.StoreInline, p.Retrieve)
-ScopedNames = TypeVar("ScopedNames", p.ExistsKeys, p.ReserveKeys, p.StoreKeysInline, p.RetrieveKeys)
+ScopedNames = TypeVar(
+    "ScopedNames", p.ExistsKeys, p.ReserveKeys, p.StoreKeysInline, p.RetrieveKeys, p.EndHandoff
+)
 ScopedSession = TypeVar("ScopedSession", p.LookupPoll, p.Release, p.EndSession)
 
 

@@ -19,6 +19,10 @@ from kvtier.integrations.seam import (
 
 DEFAULT_ADDRESS = "ipc:///tmp/kvtier.sock"
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_HANDOFF_WAIT_S = 10.0
+
+Role = Literal["kv_both", "kv_producer", "kv_consumer"]
+ROLES: tuple[Role, ...] = ("kv_both", "kv_producer", "kv_consumer")
 
 #: the keys `kv_connector_extra_config` may hold, with what each means
 EXTRA_CONFIG_KEYS = {
@@ -27,6 +31,8 @@ EXTRA_CONFIG_KEYS = {
     "its weights, dtypes, block size)",
     "timeout": f"seconds a kvtier call may take before it counts as failed (default "
     f"{DEFAULT_TIMEOUT_S:g})",
+    "handoff_wait": "a kv_consumer: seconds a request waits for its hand-off while the prefill "
+    f"instance still saves it, then its load fails (default {DEFAULT_HANDOFF_WAIT_S:g})",
     **PREFILL_KEY,
     **CREDENTIAL_KEYS,
 }
@@ -69,6 +75,8 @@ class ConnectorConfig:
     pp_size: int
     groups: tuple[CacheGroup, ...]  # vLLM's KV cache groups, in vLLM's order
     prefill_tokens_per_s: float = 0.0  # stated to kvtier with each lookup (0 = unknown)
+    role: Role = "kv_both"  # vLLM's kv_role: kv_producer stores hand-offs, kv_consumer reads
+    handoff_wait: float = DEFAULT_HANDOFF_WAIT_S  # kv_consumer: bounded wait for a hand-off
 
     @property
     def mla(self) -> bool:
@@ -131,6 +139,24 @@ class ConnectorConfig:
                 f"kv_connector_extra_config timeout={extra['timeout']!r} must be > 0 seconds"
             )
         prefill = prefill_speed(extra, "kv_connector_extra_config")
+        role = vllm_config.kv_transfer_config.kv_role or "kv_both"
+        if role not in ROLES:
+            raise InvalidArgumentError(
+                f"kv_role={role!r}: KVTierConnector takes one of {', '.join(ROLES)}"
+            )
+        wait = float(extra.get("handoff_wait", DEFAULT_HANDOFF_WAIT_S))
+        if not wait >= 0:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config handoff_wait={extra['handoff_wait']!r} must be >= 0 "
+                "seconds"
+            )
+        if role != "kv_both" and any(g.kind == "mamba" for g in groups):
+            raise InvalidArgumentError(
+                f"kv_role={role}: KVTierConnector hands off full-attention, sliding-window and "
+                "MLA KV caches; a Mamba / linear-attention state exists only at the prompt's "
+                "end, not one token before it, where the decode instance resumes: run this "
+                "model with kv_role kv_both"
+            )
         return cls(
             address=str(extra.get("address", DEFAULT_ADDRESS)),
             model=str(model),
@@ -141,6 +167,8 @@ class ConnectorConfig:
             pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
             groups=groups,
             prefill_tokens_per_s=prefill,
+            role=role,
+            handoff_wait=wait,
         )
 
 

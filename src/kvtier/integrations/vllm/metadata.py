@@ -10,6 +10,8 @@ a load's Mamba tuple may name a second block, the one its step runs from (vLLM's
 copies the state at `end` there before the forward pass, so before the connector's load).
 Loads and saves name whole kvtier chunks `[chunk_start, chunk_end)`; a load may skip the leading
 blocks of its first chunk that vLLM's own prefix cache already holds (`start > chunk_start`).
+A hand-off's transfers name their chunks (`names`); its tail's span may start before token 0
+(its block ids there are the null block 0).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Transfer:
     start: int  # first token copied (>= chunk_start)
     end: int  # end of the tokens copied (<= chunk_end)
     block_ids: tuple[tuple[int, ...], ...]  # per KV cache group: blocks of [start, end)
+    #: a hand-off's objects (handoff.py): the chunks' names, in order (empty: token-addressed)
+    names: tuple[bytes, ...] = ()
+    handoff: str = ""  # a producer's save: the hand-off id the objects are pinned under
 
 
 @dataclass

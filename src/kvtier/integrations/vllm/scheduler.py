@@ -4,8 +4,9 @@ the scheduler loop, and plans each step's loads and saves for the workers."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -14,11 +15,14 @@ from kvtier.client import Client, LookupHandle
 from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
+from kvtier.integrations.vllm import handoff
 from kvtier.integrations.vllm.config import ConnectorConfig, check_group_blocks
 from kvtier.integrations.vllm.inputs import AdapterFingerprints, request_extra_key
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
 
 logger = logging.getLogger(__name__)
+
+_POLL_S = 0.002  # a consumer asks about a hand-off still being saved at most this often
 
 
 @dataclass
@@ -37,6 +41,17 @@ class _Request:
     saved_end: int = 0  # tokens whose chunks are stored or planned to be
     saves_planned: bool = False  # a save went to the workers: blocks wait for get_finished
     load_failed: bool = False  # its last load failed: its next lookup is a miss, once
+    # a kv_producer's hand-off: its id, the full chunks planned so far, whether all of it is
+    handoff_out: str | None = None
+    handoff_end: int = 0
+    handoff_done: bool = False
+    # a kv_consumer's hand-off: its params, until when to wait for it, whether it was seen
+    # complete (or given up on), whether the server was told it is read
+    handoff_in: dict[str, Any] | None = None
+    handoff_deadline: float = 0.0
+    handoff_known: bool = False
+    handoff_ended: bool = False
+    handoff_polled: float = 0.0
 
 
 def _tokens(token_ids: Any, end: int) -> bytes:
@@ -79,6 +94,8 @@ class SchedulerSide:
         waits for its load in vLLM's WAITING_FOR_REMOTE_KVS, and a failed load names it.
         """
         state = self._state(request)
+        if state.handoff_in is not None and not state.handoff_ended:
+            return self._handoff_match(state, request, num_computed_tokens)
         if state.load_failed:  # a miss, once: vLLM never loops lookup, failed load, lookup
             state.load_failed, state.lookup, state.hit = False, None, 0
             state.lookup_round = request.num_preemptions
@@ -159,10 +176,14 @@ class SchedulerSide:
                 self._plan_load(meta, req_id, state, block_ids, running=running)
             if not self.chunk_size or state.recompute.last_error is not None:
                 continue  # kvtier never answered, or failed this request: no saves
-            if not self._cacheable(state):
-                continue
+            if self.config.role == "kv_consumer":
+                continue  # a decode instance never stores
             request = state.request
             computed = request.num_computed_tokens + num_new  # once this step has run
+            if state.handoff_out is not None and not state.handoff_done:
+                self._plan_handoff_saves(meta, state, block_ids, computed)
+            if not self._cacheable(state):
+                continue
             end = min(computed, request.num_tokens) // self.chunk_size * self.chunk_size
             if end > state.saved_end:
                 # a Mamba state exists at `end` only when this step ends there
@@ -185,22 +206,36 @@ class SchedulerSide:
         running: int,
     ) -> None:
         assert state.load is not None
-        meta.loads.append(self._transfer(state, *state.load, block_ids, running=running))
-        loaded = frozenset(b for ids in meta.loads[-1].block_ids for b in ids if b)
+        if state.handoff_in is not None and not state.handoff_ended:
+            planned = self._handoff_loads(state, *state.load, block_ids)
+        else:
+            planned = [self._transfer(state, *state.load, block_ids, running=running)]
+        meta.loads.extend(planned)
+        loaded = frozenset(b for t in planned for ids in t.block_ids for b in ids if b)
         self._loading[req_id] = (state, loaded)
         state.load = None
 
-    def request_finished(self, request: Any) -> tuple[bool, None]:
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """True (blocks held) while the workers still save the request's chunks; else the
-        kvtier session ends now."""
+        kvtier session ends now. A producer's hand-off is named in the params returned."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
+        params = None
+        if state.handoff_out is not None and state.handoff_done:
+            params = handoff.produced(
+                state.handoff_out,
+                request.num_prompt_tokens,
+                self.config.model,
+                self.config.world_size,
+                self.chunk_size,
+            )
+        self._end_handoff(state)
         if state.saves_planned:
             self._finished_pending[request.request_id] = state
-            return True, None
+            return True, params
         self._end(state)
-        return False, None
+        return False, params
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Every worker finished saving these requests: end their kvtier sessions. Requests
@@ -208,6 +243,7 @@ class SchedulerSide:
         bad, failed = connector_output.invalid_block_ids, connector_output.failed_recving
         for req_id, (loading, blocks) in self._loading.items():
             loading.load_failed = bool(req_id in (failed or ()) or (bad and bad & blocks))
+            self._end_handoff(loading)  # read (or failed): the server frees it
         self._loading.clear()
         for req_id in connector_output.finished_sending or ():
             state = self._finished_pending.pop(req_id, None)
@@ -226,6 +262,188 @@ class SchedulerSide:
         self._finished_pending.clear()
         self.client.close()
 
+    # -- hand-offs (handoff.py) ------------------------------------------------------------------
+
+    def _handoff_match(
+        self, state: _Request, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """A consumer's request names a hand-off: every prompt token but the last comes from
+        it. While the producer still saves it, ask again later (None), until `handoff_wait`;
+        then claim it all the same: its load fails, and vLLM's kv_load_failure_policy
+        recomputes the request or fails it."""
+        target = request.num_prompt_tokens - 1
+        if state.load_failed or target <= num_computed_tokens:
+            return 0, False
+        if not state.handoff_known:
+            client = self.client.try_connect("KVTierConnector scheduler")
+            if client is None or not self.chunk_size:
+                return 0, False  # no server: nothing to wait for; vLLM computes the prompt
+            params = state.handoff_in
+            assert params is not None
+            why = handoff.refusal(
+                params,
+                request.num_prompt_tokens,
+                self.config.model,
+                self.config.world_size,
+                self.chunk_size,
+            )
+            if why is not None:
+                logger.error(
+                    "KVTierConnector refuses hand-off %r: %s", params.get("kvtier_handoff"), why
+                )
+                state.handoff_known = True  # its load fails: the policy decides
+            else:
+                now = time.monotonic()
+                if now - state.handoff_polled < _POLL_S:
+                    return None, False
+                state.handoff_polled = now
+                names = self._handoff_names(state)
+                found = state.recompute.call(
+                    "hand-off lookup",
+                    0,
+                    client.exists_keys,
+                    names,
+                    model=self.config.model,
+                    world_size=self.config.world_size,
+                    cache_salt=request.cache_salt or "",
+                )
+                failed = state.recompute.last_error is not None
+                if found < len(names) and now < state.handoff_deadline and not failed:
+                    return None, False  # the producer still saves it
+                if found < len(names):
+                    logger.warning(
+                        "KVTierConnector: hand-off %r holds %d of its %d chunks after %.1fs; its "
+                        "load fails (vLLM's kv_load_failure_policy decides)",
+                        params.get("kvtier_handoff"),
+                        found,
+                        len(names),
+                        self.config.handoff_wait,
+                    )
+                state.handoff_known = True
+        state.hit = target
+        return target - num_computed_tokens, self.config.async_loads
+
+    def _handoff_names(self, state: _Request) -> list[bytes]:
+        params = state.handoff_in
+        assert params is not None
+        return handoff.names(
+            str(params[handoff.HANDOFF_KEY]),
+            int(params[handoff.TOKENS_KEY]),
+            self.chunk_size,
+            self.config.block_size,
+        )
+
+    def _handoff_loads(
+        self, state: _Request, start: int, end: int, block_ids: tuple[list[int], ...]
+    ) -> list[Transfer]:
+        """A consumer's load of tokens [start, end) from its hand-off's objects; the blocks
+        are whole, so the one holding the last prompt token is filled too (vLLM then writes
+        that token's KV over it)."""
+        params = state.handoff_in
+        assert params is not None
+        hid, n = str(params[handoff.HANDOFF_KEY]), int(params[handoff.TOKENS_KEY])
+        b = self.config.block_size
+        end = -(-end // b) * b
+        out: list[Transfer] = []
+        full = [o for o in handoff.objects(n, self.chunk_size, b) if o.chunk_start == o.first]
+        tail = [o for o in handoff.objects(n, self.chunk_size, b) if o.chunk_start != o.first]
+        spans = []
+        if full:
+            lo = max(start, full[0].first)
+            first = [o for o in full if o.chunk_end > lo]
+            if first:
+                spans.append((first, first[0].chunk_start, first[-1].chunk_end, lo))
+        spans.extend(([o], o.chunk_start, o.chunk_end, max(start, o.first)) for o in tail)
+        for objs, chunk_start, chunk_end, lo in spans:
+            hi = min(end, chunk_end)
+            if hi <= lo:
+                continue
+            t = self._transfer(state, lo, hi, block_ids)
+            out.append(
+                replace(
+                    t,
+                    tokens=b"",
+                    chunk_start=chunk_start,
+                    chunk_end=chunk_end,
+                    names=tuple(handoff.name(hid, o.index) for o in objs),
+                )
+            )
+        return out
+
+    def _plan_handoff_saves(
+        self,
+        meta: KVTierConnectorMetadata,
+        state: _Request,
+        block_ids: tuple[list[int], ...],
+        computed: int,
+    ) -> None:
+        """A producer's hand-off saves this step: the full chunks it completes (or, in its
+        first step, already holds), and with the prompt's last token, the tail."""
+        assert state.handoff_out is not None
+        c, n = self.chunk_size, state.request.num_prompt_tokens
+        hid = state.handoff_out
+        full = min(computed, n) // c * c
+        if full > state.handoff_end:
+            t = self._transfer(state, state.handoff_end, full, block_ids)
+            meta.saves.append(
+                replace(
+                    t,
+                    tokens=b"",
+                    names=tuple(handoff.name(hid, i) for i in range(t.chunk_start // c, full // c)),
+                    handoff=hid,
+                )
+            )
+            state.handoff_end = full
+            state.saves_planned = True
+        if computed < n:
+            return
+        state.handoff_done = True
+        objs = handoff.objects(n, c, self.config.block_size)
+        if not objs or objs[-1].chunk_start == objs[-1].first:
+            return  # a multiple of the chunk size: no tail
+        tail = objs[-1]
+        per_group = tuple(
+            handoff.window_blocks(
+                block_ids[g.index], tail.chunk_start // g.block_size, c // g.block_size
+            )
+            for g in self.config.groups
+        )
+        meta.saves.append(
+            Transfer(
+                request_id=state.request.request_id,
+                kv_request_id=state.kv_request_id,
+                tokens=b"",
+                cache_salt=state.request.cache_salt or "",
+                extra_key=b"",
+                chunk_start=tail.chunk_start,
+                chunk_end=tail.chunk_end,
+                start=tail.chunk_start,
+                end=tail.chunk_end,
+                block_ids=per_group,
+                names=(handoff.name(hid, tail.index),),
+                handoff=hid,
+            )
+        )
+        state.saves_planned = True
+
+    def _end_handoff(self, state: _Request) -> None:
+        """A consumer read its hand-off (or gave up on it): the server frees it."""
+        if state.handoff_in is None or state.handoff_ended or not self.chunk_size:
+            return
+        state.handoff_ended = True
+        names = self._handoff_names(state)
+        self._quietly(
+            state,
+            "end of hand-off",
+            lambda c: c.end_handoff(
+                str(state.handoff_in[handoff.HANDOFF_KEY]) if state.handoff_in else "",
+                names,
+                model=self.config.model,
+                world_size=self.config.world_size,
+                cache_salt=state.request.cache_salt or "",
+            ),
+        )
+
     # -- helpers ---------------------------------------------------------------------------------
 
     def _state(self, request: Any) -> _Request:
@@ -237,6 +455,14 @@ class SchedulerSide:
                 Recompute(f"KVTierConnector request {request.request_id}"),
                 request_extra_key(request, self._adapters),
             )
+            params = getattr(request, "kv_transfer_params", None)
+            if self.config.role == "kv_producer":
+                wanted = handoff.wanted(params)
+                if wanted is not None:
+                    state.handoff_out = wanted or f"{self._tag}-{request.request_id}"
+            elif self.config.role == "kv_consumer":
+                state.handoff_in = handoff.given(params)
+                state.handoff_deadline = time.monotonic() + self.config.handoff_wait
             self._requests[request.request_id] = state
         return state
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.client import ChunkRange, Client
+from kvtier.client import ChunkRange, Client, RetrievedSlots, StoreSlots
 from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
@@ -130,6 +130,49 @@ class WorkerSide:
             extra_key=transfer.extra_key,
         )
 
+    def _retrieving(
+        self, client: Client, layout: PagedLayout, load: Transfer, reader: int
+    ) -> RetrievedSlots:
+        """The slots of a load: a prompt's chunks, or a hand-off's named objects."""
+        if load.names:
+            return client.retrieve_key_slots(
+                load.names,
+                model=self.config.model,
+                worker_id=self.worker_id,
+                chunk_shape=layout.chunk_shape,
+                dtype=layout.dtype_name,
+                cache_salt=load.cache_salt,
+                world_size=self.config.world_size,
+            )
+        return client.retrieve_slots(
+            self._chunks(load),
+            chunk_shape=layout.chunk_shape,
+            dtype=layout.dtype_name,
+            reader=reader,
+        )
+
+    def _storing(
+        self, client: Client, layout: PagedLayout, save: Transfer, resumable: list[bool]
+    ) -> StoreSlots:
+        """The slots of a save: a prompt's chunks, or a hand-off's named objects."""
+        if save.names:
+            return client.store_key_slots(
+                save.names,
+                model=self.config.model,
+                worker_id=self.worker_id,
+                chunk_shape=layout.chunk_shape,
+                dtype=layout.dtype_name,
+                cache_salt=save.cache_salt,
+                world_size=self.config.world_size,
+                handoff=save.handoff,
+            )
+        return client.store_slots(
+            self._chunks(save),
+            chunk_shape=layout.chunk_shape,
+            dtype=layout.dtype_name,
+            resumable=resumable,
+        )
+
     def _group_index(self, group: CacheGroup) -> int:
         """A group's position in the config (the index of its block ids in a Transfer)."""
         return self.config.groups.index(group)
@@ -165,12 +208,7 @@ class WorkerSide:
         c = layout.chunk_size
         reader = self.reader if self.config.readers else -1  # -1: this rank's worker_id
         try:
-            with client.retrieve_slots(
-                self._chunks(load),
-                chunk_shape=layout.chunk_shape,
-                dtype=layout.dtype_name,
-                reader=reader,
-            ) as got:
+            with self._retrieving(client, layout, load, reader) as got:
                 wanted = (load.chunk_end - load.chunk_start) // c
                 if got.num_chunks < wanted:
                     logger.warning(
@@ -343,12 +381,7 @@ class WorkerSide:
         flags = self._resumable(save, num)
         resumable = [] if all(flags) else flags  # empty: every chunk is
         try:
-            with client.store_slots(
-                self._chunks(save),
-                chunk_shape=layout.chunk_shape,
-                dtype=layout.dtype_name,
-                resumable=resumable,
-            ) as slots:
+            with self._storing(client, layout, save, resumable) as slots:
                 copier.wait(job.event)
                 for li, group in enumerate(layout.groups):
                     if group.group.kind in STAGED_KINDS:

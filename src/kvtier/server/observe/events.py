@@ -13,7 +13,9 @@ on a prompt's first chunk, as vLLM puts it, and the store's extra key on each; a
 chunk's published hash is its name mixed with the salt) come from the store that named the chunk
 (`ChunkNotes`); a chunk stored by name, or one whose note is gone (an L2 write long after
 its store, a chunk that survived a restart), is published alone, without tokens or parent. A
-batch's topic is `--kv-events-topic` followed by its chunks' model.
+hand-off's chunks (a prefill instance's KV for one decode instance) are no prefix-cache entries
+and are never published: their stores hide them (`ChunkNotes.hide`). A batch's topic is
+`--kv-events-topic` followed by its chunks' model.
 
 Delivery is vLLM's: one sequence number per batch, monotonic from 0 at each start (a consumer
 that sees it go back knows the server restarted; each topic's first batch of a run begins with
@@ -36,7 +38,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -76,6 +78,7 @@ _REPLAY_POLL_MS = 2  # while a replay waits for its peer's queue
 #: the longest subscription message taken (a topic prefix and the model's name)
 _MAX_SUBSCRIPTION_BYTES = 4096
 _MAX_REPORTS = 1 << 20  # chunks reported, waiting for the thread; past it, dropped (a seq gap)
+_MAX_HIDDEN = 1 << 16  # hand-off chunks kept unpublished (oldest forgotten first)
 _SHUTDOWN_S = 2.0
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
@@ -126,6 +129,8 @@ class ChunkNotes:
         self._stores: deque[_Store] = deque()
         self._chunks = 0  # chunks of the stores kept
         self._lock = threading.Lock()
+        # hand-off chunks: never published (a late report of one forgotten would be)
+        self._hidden: OrderedDict[ChunkKey, None] = OrderedDict()
 
     def note(
         self,
@@ -160,6 +165,25 @@ class ChunkNotes:
     def __bool__(self) -> bool:
         """Whether notes are kept at all (a server without KV events keeps none)."""
         return self._capacity > 0
+
+    def hide(self, keys: Sequence[ChunkKey]) -> None:
+        """`keys` are a hand-off's chunks, no prefix-cache entries: never publish them (the
+        last `_MAX_HIDDEN` hidden are remembered)."""
+        if not self:
+            return
+        with self._lock:
+            for key in keys:
+                self._hidden[key] = None
+                self._hidden.move_to_end(key)
+            while len(self._hidden) > _MAX_HIDDEN:
+                self._hidden.popitem(last=False)
+
+    def shown(self, keys: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
+        """`keys` less the hidden ones."""
+        if not self._hidden:
+            return keys
+        with self._lock:
+            return [key for key in keys if key not in self._hidden]
 
     def get_many(self, keys: Sequence[ChunkKey]) -> list[Note | None]:
         get = self._where.get
@@ -301,10 +325,15 @@ class EventPublisher:
                 self._reports.append((kind, list(keys), tier))
 
     def stored(self, keys: Sequence[ChunkKey], tier: str) -> None:
-        self._report("stored", keys, tier)
+        keys = self.notes.shown(keys)
+        if keys:
+            self._report("stored", keys, tier)
 
     def removed(self, keys: Sequence[ChunkKey], tier: str, reason: Removal) -> None:
-        if reason is not Removal.DECLINED:  # never announced, so never taken back
+        if reason is Removal.DECLINED:  # never announced, so never taken back
+            return
+        keys = self.notes.shown(keys)
+        if keys:
             self._report("removed", keys, tier)
 
     def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:

@@ -178,6 +178,19 @@ class Metrics:
         self._retrieved_bytes = Counter(
             "kvtier_retrieved_bytes", "KV bytes handed out to clients.", registry=self.registry
         )
+        handoff_chunks = Counter(
+            "kvtier_handoff_chunks",
+            "Chunks of hand-off objects (a prefill instance's KV for one decode instance), by "
+            "event: stored, read (the decoder ended the hand-off), lapsed (its lease ran out).",
+            ["event"],
+            registry=self.registry,
+        )
+        self._handoff_chunks = {e: handoff_chunks.labels(e) for e in ("stored", "read", "lapsed")}
+        self._handoff_bytes = Counter(
+            "kvtier_handoff_stored_bytes",
+            "KV bytes committed into L1 as hand-off objects.",
+            registry=self.registry,
+        )
         failed = Counter(
             "kvtier_failed_loads",
             "Retrieves that could not deliver what the lookup reported, by reason.",
@@ -296,6 +309,12 @@ class Metrics:
         """Count `n` KV bytes stored by clients."""
         self._stored_bytes.inc(n)
         self._stored += n
+
+    def count_handoff(self, event: str, chunks: int, nbytes: int) -> None:
+        """Count hand-off chunks `event` (stored, read, lapsed), and the bytes stored."""
+        self._handoff_chunks[event].inc(chunks)
+        if nbytes:
+            self._handoff_bytes.inc(nbytes)
 
     def count_failed_load(self, reason: str) -> None:
         """Count one load that fell short of its lookup's report (a FAILED_LOAD_REASONS value)."""

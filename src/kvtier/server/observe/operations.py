@@ -30,6 +30,8 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     # sessions
     "Release": ("release", "release"),
     "EndSession": ("end_session", "end_session"),
+    # prefill/decode hand-offs
+    "EndHandoff": ("end_handoff", "end_handoff"),
 }
 
 #: the operation of a request that could not be decoded

@@ -37,6 +37,7 @@ from kvtier.server.limits import tenant_bounds
 from kvtier.server.locking import TimedLock
 from kvtier.server.observe.events import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
+from kvtier.server.requests.handoffs import HandoffBook, handoff_holder
 from kvtier.server.requests.sessions import SessionBook
 from kvtier.server.writethrough import Shard, WriteThrough
 from kvtier.storage.l1 import L1Store, stored_holder
@@ -71,9 +72,12 @@ class StoreBook:
         lock: TimedLock,
         clock: Callable[[], float],
         notes: ChunkNotes,
+        handoffs: HandoffBook,
     ) -> None:
-        """`notes` keeps what the KV events publish of each stored chunk (its tokens)."""
+        """`notes` keeps what the KV events publish of each stored chunk (its tokens);
+        `handoffs` pins the chunks of hand-off stores."""
         self._config = config
+        self._handoffs = handoffs
         self._notes = notes
         self._arena = arena
         self._l1 = l1
@@ -108,6 +112,9 @@ class StoreBook:
         offsets: list[int] = []
         reserved: list[ChunkKey] = []
         flags = req.resumable if isinstance(req, p.Reserve | p.StoreInline) else []
+        handoff = isinstance(req, p.ReserveKeys | p.StoreKeysInline) and req.handoff
+        if handoff:
+            self._notes.hide(keys)  # no prefix-cache entries: never in the KV events
         with self._lock.hold("Reserve"):
             peer = self._leases.peers.get(client_id)
             tenant = "" if peer is None else peer.tenant
@@ -128,6 +135,7 @@ class StoreBook:
                         tenant=tenant,
                         bounds=self._bounds,
                         resumable=flags[i] if flags else True,
+                        admit=True if handoff else None,  # a hand-off is for its reader
                     )
                     offsets.append(p.STORED if offset is None else offset)
                     if offset is not None:
@@ -149,6 +157,7 @@ class StoreBook:
                         watch=None if watch is None else watch.retain(),
                         tenant=tenant,
                         request_id=req.request_id if isinstance(req, p.RangeRequest) else None,
+                        handoff=handoff_holder(tenant, req.request_id) if handoff else None,
                     )
                 )
         return p.ReserveReply(reservation_id, offsets, layout.nbytes)
@@ -208,6 +217,9 @@ class StoreBook:
                 shards.append(self._write_through_shard(key, res.worker_id))
         if declined and res.request_id is not None:
             self._hold_for_request(res, res.request_id, declined)
+        if res.handoff is not None:
+            stored = (len(res.reserved) - lost) * res.nbytes
+            self._handoffs.committed(res.handoff, res.keys, tenant=res.tenant, nbytes=stored)
         self._l1.touch(res.keys)
         self._metrics.add_stored_bytes((len(res.reserved) - lost) * res.nbytes)
         if lost:
