@@ -780,6 +780,12 @@ class L1Store:
             self._observer.removed(complete, L1_TIER, Removal.CLEARED)
         return len(doomed)
 
+    def iter_keys(self) -> Iterator[ChunkKey]:
+        """The keys of the live index (cleared groups left it), in its order: a plain dict
+        iterator, which raises RuntimeError once the index changed size (see
+        `server/chunk_listing.py`, which walks it a slice per hold of the engine lock)."""
+        return iter(self._groups)
+
     def iter_groups(self) -> Iterator[tuple[ChunkKey, int, bool]]:
         """(key, READY shards, pinned) for every group, over a snapshot of the index."""
         for group in list(self._groups.values()):
