@@ -51,7 +51,8 @@ def _measure(groups: int) -> list[list[object]]:
         "--chunk-size", str(CHUNK), "--max-sessions", "100000",
     )  # fmt: skip
     try:
-        assert server.admin_url is not None
+        admin = server.admin_url
+        assert admin is not None
         with Client(server.address) as c:
             c.register(model="m", chunk_shape=list(SHAPE), dtype="float16")
             _fill(c, groups)
@@ -63,7 +64,7 @@ def _measure(groups: int) -> list[list[object]]:
             polls: list[float] = []
 
             def poll() -> None:
-                with httpx.Client(base_url=server.admin_url, timeout=60) as http:
+                with httpx.Client(base_url=admin, timeout=60) as http:
                     while not stop.is_set():
                         t0 = time.perf_counter()
                         reply = http.get("/chunks")
@@ -76,7 +77,7 @@ def _measure(groups: int) -> list[list[object]]:
             busy = _lookups(c, tokens)
             stop.set()
             poller.join(60)
-            holds = httpx.get(server.admin_url + "/status", timeout=30).json()["lock_hold"]
+            holds = httpx.get(admin + "/status", timeout=30).json()["lock_hold"]
         chunks_hold = holds.get("chunks", {}).get("max_s", 0.0) * 1e3
         p_idle, p_busy = percentile(idle, 99) * 1e3, percentile(busy, 99) * 1e3
         return [

@@ -171,7 +171,7 @@ def test_chunks_never_holds_the_engine_lock_for_a_scan_of_the_l1(tmp_path: Path)
     """The attack: poll /chunks on a large L1 while engines look up. Each call holds the engine
     lock one slice of the L1 at a time (the server's own count of its holds says how many), and
     still lists every complete group once, with the exact total."""
-    from kvtier.server.chunk_listing import SLICE
+    from kvtier.server.observe.chunk_listing import SLICE
 
     groups = 3 * SLICE + 100
     srv = start_server("--l1-size", "64MiB", "--chunk-size", "16", "--l2", "none")

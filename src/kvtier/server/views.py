@@ -19,8 +19,8 @@ import msgspec
 from kvtier._version import __version__
 from kvtier.keys import compose, decompose, shown
 from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
-from kvtier.server.chunk_listing import complete_l1_groups
 from kvtier.server.engine import Engine
+from kvtier.server.observe.chunk_listing import complete_l1_groups
 from kvtier.server.observe.snapshots import (
     ClientInfo,
     ErrorRecord,

@@ -814,7 +814,7 @@ class L1Store:
     def iter_keys(self) -> Iterator[ChunkKey]:
         """The keys of the live index (cleared groups left it), in its order: a plain dict
         iterator, which raises RuntimeError once the index changed size (see
-        `server/chunk_listing.py`, which walks it a slice per hold of the engine lock)."""
+        `server/observe/chunk_listing.py`, which walks it a slice per hold of the engine lock)."""
         return iter(self._groups)
 
     def iter_groups(self) -> Iterator[tuple[ChunkKey, int, bool]]:
