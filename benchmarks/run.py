@@ -22,6 +22,7 @@ MODULES = [
     "benchmarks.bench_hashing",
     "benchmarks.bench_session",
     "benchmarks.bench_misses",
+    "benchmarks.bench_admin_chunks",
     "benchmarks.bench_policy",
     "benchmarks.bench_serve",
     "benchmarks.bench_concurrency",

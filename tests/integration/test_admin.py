@@ -167,6 +167,71 @@ def test_chunks_lists_a_tier_and_names_what_it_cannot_list(server: ServerProcess
     assert get(server, "/chunks?limit=-1").status_code == 400
 
 
+def test_chunks_never_holds_the_engine_lock_for_a_scan_of_the_l1(tmp_path: Path) -> None:
+    """The attack: poll /chunks on a large L1 while engines look up. Each call holds the engine
+    lock one slice of the L1 at a time (the server's own count of its holds says how many), and
+    still lists every complete group once, with the exact total."""
+    from kvtier.server.observe.chunk_listing import SLICE
+
+    groups = 3 * SLICE + 100
+    srv = start_server("--l1-size", "64MiB", "--chunk-size", "16", "--l2", "none")
+    try:
+        with Client(srv.address) as c:
+            c.register(model="m", chunk_shape=[2, 4], dtype="float16")
+            tokens = list(range(groups * 16))
+            kv = np.arange(groups * 8, dtype=np.float16).reshape(groups, 2, 4)
+            assert c.store("fill", tokens, kv, model="m") == groups * 16
+
+            def holds() -> int:
+                hold = get(srv, "/status").json()["lock_hold"].get("chunks", {})
+                return int(hold.get("count", 0))
+
+            before = holds()
+            reply = get(srv, f"/chunks?limit={groups + 10}").json()
+            assert reply["total"] == groups and len(reply["chunks"]) == groups
+            assert len({row["chunk_hash"] for row in reply["chunks"]}) == groups
+            assert holds() - before >= groups // SLICE + 1  # one short hold per slice
+            assert len(get(srv, "/chunks?limit=5").json()["chunks"]) == 5
+    finally:
+        srv.close()
+
+
+def test_a_prompt_a_live_client_pinned_can_be_stored_again_after_a_clear() -> None:
+    """The attack: a client looks up a prompt and keeps its session (and pins) alive; after
+    an operator's clear, nobody could store that prompt again until the session ended. Now the
+    new store succeeds into fresh slots, is found and read back byte for byte, while the
+    pinned, cleared copy keeps its slots until its session ends."""
+    from testkit.kv import prompt
+    from testkit.trust import SHAPE, kv_for
+
+    srv = start_server("--l1-size", "1MiB", "--chunk-size", "16", "--l2", "none")
+    try:
+        with Client(srv.address) as holder, Client(srv.address) as writer:
+            for c in (holder, writer):
+                c.register(model="m", chunk_shape=list(SHAPE), dtype="float16")
+            tokens, kv = prompt(1, 2), kv_for(1, 2)
+            assert writer.store("first", tokens, kv, model="m") == 32
+            assert holder.lookup("pinning", tokens, model="m") == 32  # pinned, never released
+            used = get(srv, "/status").json()["l1"]["used_bytes"]
+            cleared = httpx.post(admin_url(srv) + "/clear", json={}, headers=changes(srv))
+            assert cleared.json() == {"cleared": 2}
+            assert writer.lookup("after-clear", tokens, model="m") == 0
+            writer.end_session("after-clear")
+
+            assert writer.store("again", tokens, kv, model="m") == 32
+            assert writer.lookup("found", tokens, model="m") == 32
+            out = np.zeros_like(kv)
+            assert writer.retrieve("found", tokens, out, model="m") == 32
+            assert np.array_equal(out, kv)
+            l1 = get(srv, "/status").json()["l1"]
+            assert l1["used_bytes"] == 2 * used and l1["groups"] == 4  # both copies held
+            assert get(srv, "/sessions/pinning").json()["pinned_chunks"] == 2
+            holder.end_session("pinning")
+            assert wait_for(lambda: get(srv, "/status").json()["l1"]["used_bytes"] == used)
+    finally:
+        srv.close()
+
+
 def test_status_page_and_assets(server: ServerProcess) -> None:
     page = get(server, "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

@@ -74,9 +74,12 @@ def test_each_reason_of_a_miss_in_l1(server_factory: Callable[..., ServerProcess
         assert counted() == {("partial_chunk", ""): 5}
         c.end_session("tail")
 
+        # Another model of the same salt is named; another salt's chunks are never told of
+        # (a salt keeps its prompts apart: see test_a_lookup_learns_nothing_of_...).
         assert c.lookup("salt", prompt(2, 2), model="m", cache_salt="other") == 0
+        assert counted() == {("never_stored", ""): 2 * CS}
         assert c.lookup("model", prompt(2, 2), model="m2") == 0
-        assert counted() == {("other_salt_or_model", ""): 4 * CS}
+        assert counted() == {("other_salt_or_model", ""): 2 * CS}
 
         with Client(srv.address) as rank0:  # rank 0 of two stores, rank 1 never does
             rank0.register(model="m", world_size=2, worker_id=0, chunk_shape=SHAPE, dtype="float16")
@@ -225,3 +228,38 @@ def test_chunks_past_a_tenants_pinned_share_or_a_resume_point_miss_for_that_reas
         assert c.store("w2", prompt(2, 3), kv_for(2, 3), model="m", resumable=flags) == 3 * CS
         assert c.lookup("resume", prompt(2, 3), model="m") == CS
         assert counted() == {("not_resumable", "l1"): 2 * CS}
+
+
+def test_a_lookup_learns_nothing_of_another_tenants_or_salts_chunks(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """The attack: tenant B looks up a prompt it guesses and reads the miss reasons in /status
+    and /metrics, to learn whether tenant A (or another salt of its own) cached it. Each of
+    those misses counts as never stored; only another model of B's own salt is named."""
+    victim, spy = "victim-tenant-token-0123456789", "spying-tenant-token-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{victim} victim\n{spy} spy\n")
+    srv = server_factory(
+        "--l1-size", "1MiB", "--chunk-size", str(CS), "--auth-tokens-file", str(tokens)
+    )
+    with Client(srv.address, token=victim) as a, Client(srv.address, token=spy) as b:
+        for c in (a, b):
+            c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        assert a.store("secret", prompt(1, 3), kv_for(1, 3), model="m") == 3 * CS
+        assert a.store("salted", prompt(2, 2), kv_for(2, 2), model="m", cache_salt="s") == 2 * CS
+        assert b.store("mine", prompt(3, 2), kv_for(3, 2), model="m", cache_salt="x") == 2 * CS
+        counted = Counted(srv)
+        before = {(m["reason"], m["tier"]): m["tokens"] for m in status(srv)["misses"]}
+
+        assert b.lookup("guess", prompt(1, 3), model="m") == 0  # the victim's, same model
+        assert b.lookup("guess-salt", prompt(2, 2), model="m", cache_salt="s") == 0
+        assert b.lookup("own-salt", prompt(3, 2), model="m", cache_salt="y") == 0
+        assert counted() == {("never_stored", ""): 7 * CS}
+        after = {(m["reason"], m["tier"]): m["tokens"] for m in status(srv)["misses"]}
+        assert after.get(("other_salt_or_model", ""), 0) == before.get(
+            ("other_salt_or_model", ""), 0
+        )
+
+        # The reason still serves a tenant's own names: its other model, same salt.
+        assert b.lookup("own-model", prompt(3, 2), model="m2", cache_salt="x") == 0
+        assert counted() == {("other_salt_or_model", ""): 2 * CS}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvtier.errors import NoSpaceError
 from kvtier.keys import ChunkKey
 from kvtier.storage.admission import POLICIES, make_policy
-from kvtier.storage.l1 import L1Store
+from kvtier.storage.l1 import Held, L1Store
 
 PAGE = 4096
 
@@ -70,7 +70,7 @@ def test_no_policy_evicts_a_pinned_or_held_chunk(
 ) -> None:
     l1 = L1Store(12 * PAGE, admission=make_policy(policy))
     pinned: dict[str, list[ChunkKey]] = {}
-    held: list[ChunkKey] = []
+    held: list[tuple[ChunkKey, Held]] = []
     for op, first, length, who in steps:
         chain = [key(first + i) for i in range(length)]
         holder = f"r{who}"
@@ -88,10 +88,9 @@ def test_no_policy_evicts_a_pinned_or_held_chunk(
         elif op == "acquire":
             present = [k for k in chain if l1.is_complete(k)]
             for k in present[:1]:
-                l1.acquire(k)
-                held.append(k)
+                held.append((k, l1.acquire(k)))
         elif held:
-            l1.release(held.pop())
-        for k in [*held, *(k for keys in pinned.values() for k in keys)]:
+            l1.release(held.pop()[1])
+        for k in [*(k for k, _ in held), *(k for keys in pinned.values() for k in keys)]:
             assert l1.is_complete(k), f"{policy} evicted {k} while it was pinned or held"
         assert l1.used_bytes <= l1.capacity_bytes

@@ -380,15 +380,15 @@ def test_acquire_and_release_are_counted() -> None:
     l1, _, _ = make(4)
     k = key(1)
     store(l1, k)
-    l1.acquire(k)
-    l1.acquire(k)
+    first = l1.acquire(k)
+    second = l1.acquire(k)
     l1.pin("req", [k], ranks=[0], lease_s=30)
     l1.unpin("req")
-    l1.release(k)
+    l1.release(first)
     assert not l1.drop(k)
-    l1.release(k)
+    l1.release(second)
     with pytest.raises(ValueError, match="without a matching acquire"):
-        l1.release(k)
+        l1.release(second)
     with pytest.raises(KeyError):
         l1.acquire(key(2))
     assert l1.drop(k)
@@ -399,10 +399,10 @@ def test_aborting_the_last_shard_of_a_held_group_removes_it_on_release() -> None
     l1, _, _ = make(4)
     k = key(1)
     l1.reserve(k, 0, PAGE, owner="w", lease_s=30)
-    l1.acquire(k)
+    held = l1.acquire(k)
     l1.abort(k, 0, owner="w")
     assert l1.num_groups == 1 and l1.used_bytes == 0
-    l1.release(k)
+    l1.release(held)
     assert l1.num_groups == 0
 
 
@@ -437,9 +437,8 @@ def test_clear_by_model_and_salt() -> None:
     assert l1.clear(model="m3") == 0
     assert l1.clear() == 1
     assert [k for k, _, _ in l1.iter_groups()] == []
-    # A cleared busy group keeps its slot until its hold ends, and its key cannot be stored
-    # again until then; the late commit of its staging shard does not make it visible.
-    assert l1.reserve(groups[4], 0, PAGE, owner="w2", lease_s=30) is None
+    # A cleared busy group keeps its slot until its hold ends; the late commit of its staging
+    # shard does not make it visible. Its key can be stored again at once, into fresh slots.
     l1.commit(key(50, model="m1", salt="a"), 0, owner="w")
     assert not l1.is_complete(key(50, model="m1", salt="a"))
     assert l1.used_bytes == PAGE
@@ -681,3 +680,71 @@ def test_a_resume_point_replaces_a_shard_that_is_none_and_an_abort_puts_it_back(
     l2.commit(k, 0, owner="w")
     l2.pin("r", [k], ranks=[0], lease_s=10)
     assert l2.reserve(k, 0, PAGE, owner="w", lease_s=30) is None
+
+
+def test_a_cleared_pinned_group_can_be_stored_again_into_fresh_slots() -> None:
+    """After a clear, a new store of a name a live pin holds succeeds: the cleared group keeps
+    its slot (and its bytes) for its reader until the pin ends, the new one gets its own."""
+    l1, _, _ = make(8)
+    k = key(1, world_size=2)
+    store(l1, k)
+    old = [l1.get_shard(k, rank) for rank in range(2)]
+    assert l1.pin("reader", [k], ranks=[0, 1], lease_s=30, tenant="t") == 1
+    assert l1.tenant_usage("t").pinned_bytes == 2 * PAGE
+    assert l1.clear() == 1
+    assert not l1.is_complete(k) and not l1.is_busy(k, 0, "w2") and l1.num_groups == 1
+    offsets = [l1.reserve(k, rank, PAGE, owner="w2", lease_s=30) for rank in range(2)]
+    assert None not in offsets
+    assert not {o[0] for o in old if o is not None} & set(offsets), "fresh slots"
+    assert l1.commit(k, 0, owner="w2") is False and l1.commit(k, 1, owner="w2") is True
+    assert l1.is_complete(k) and l1.num_ready_groups == 1 and l1.num_groups == 2
+    assert l1.used_bytes == 4 * PAGE
+    assert l1.pinned_keys("reader") == [k]  # the reader still holds the cleared group
+    # A second reader pins the new group; the first one's release frees only the old slots.
+    assert l1.pin("reader2", [k], ranks=[0], lease_s=30, tenant="u") == 1
+    assert l1.mark_retrieved("reader", 0) is False and l1.mark_retrieved("reader", 1) is True
+    assert l1.used_bytes == 2 * PAGE and l1.num_groups == 1
+    assert l1.tenant_usage("t").pinned_bytes == 0 and l1.tenant_usage("u").pinned_bytes == 2 * PAGE
+    assert l1.get_shard(k, 0) == (offsets[0], PAGE, "")
+    assert l1.unpin("reader2")
+    assert l1.drop(k) and l1.used_bytes == 0 and l1.num_groups == 0
+
+
+def test_holds_and_stores_of_a_cleared_group_end_on_that_group() -> None:
+    """An anonymous hold, a staging shard and a fence taken before a clear end on the cleared
+    group, never on the new group of the same key; the writer of a cleared shard cannot store
+    that rank again until its own reservation ends."""
+    l1, _, _ = make(8)
+    k = key(1, world_size=2)
+    store(l1, k)
+    held = l1.acquire(k)  # e.g. an L2 write in flight
+    late = key(2)
+    assert l1.reserve(late, 0, PAGE, owner="slow", lease_s=30) is not None
+    fenced = key(3)
+    assert l1.reserve(fenced, 0, PAGE, owner="gone", lease_s=30, tenant="g") is not None
+    assert l1.clear() == 3 and l1.num_groups == 3 and l1.stats().staging_shards == 2
+    # The new groups of the same keys, from other writers.
+    store(l1, k, owner="w2")
+    new_held = l1.acquire(k)
+    assert (
+        l1.is_busy(late, 0, "slow") and l1.reserve(late, 0, PAGE, owner="slow", lease_s=30) is None
+    )
+    assert not l1.is_busy(late, 0, "w2")
+    assert l1.reserve(late, 0, PAGE, owner="w2", lease_s=30) is not None
+    assert l1.reserve(fenced, 0, PAGE, owner="w3", lease_s=30) is not None
+    # The old ones end on the old groups.
+    l1.release(held)
+    assert l1.commit(late, 0, owner="slow") is False and not l1.is_complete(late)
+    offset, nbytes = l1.fence(fenced, 0, owner="gone")
+    assert l1.tenant_usage("g").fenced_bytes == PAGE
+    with pytest.raises(UnknownReservationError):
+        l1.commit(late, 0, owner="slow")
+    assert l1.commit(late, 0, owner="w2") is True and l1.is_complete(late)
+    assert l1.commit(fenced, 0, owner="w3") is True and l1.is_complete(fenced)
+    with pytest.raises(ValueError, match="without a matching acquire"):
+        l1.release(held)
+    l1.release(new_held)
+    l1.unfence(offset, nbytes, tenant="g")
+    assert l1.num_groups == 3 and l1.used_bytes == 4 * PAGE and l1.stats().staging_shards == 0
+    assert l1.tenant_usage("g").fenced_bytes == 0
+    assert l1.clear() == 3 and l1.used_bytes == 0 and l1.num_groups == 0

@@ -26,6 +26,7 @@ from kvtier.errors import LeaseExpiredError, UnauthorizedError, UnknownReservati
 from kvtier.keys import ChunkKey
 from kvtier.server.auth import ANONYMOUS, Credential
 from kvtier.server.fencing import ProcessWatch, Watch
+from kvtier.storage.l1 import Held
 
 __all__ = ["Expired", "LeaseBook", "Peer", "Reservation", "RetrieveLease"]
 
@@ -90,6 +91,8 @@ class RetrieveLease:
     watch: Watch | None = None
     lapsed: bool = False
     tenant: str = ""  # whose held bytes its chunks count in (see `LeaseBook.held_bytes`)
+    # the L1's holds on their groups, one per key (each names its group, not its key)
+    held: list[Held] = field(default_factory=list)
 
     @property
     def held_bytes(self) -> int:

@@ -20,6 +20,7 @@ from kvtier._version import __version__
 from kvtier.keys import compose, decompose, shown
 from kvtier.periodic import PeriodicThreadRegistry, ThreadRunSummary
 from kvtier.server.engine import Engine
+from kvtier.server.observe.chunk_listing import complete_l1_groups
 from kvtier.server.observe.snapshots import (
     ClientInfo,
     ErrorRecord,
@@ -285,17 +286,17 @@ class AdminViews:
         """The complete groups `tier` holds (the L1, or an L2 tier that lists what it holds,
         as the disk tier does); None for a tier that does not exist or cannot list them."""
         e = self.engine
-        if tier == L1_TIER:
-            with e.lock.hold("chunks"):
-                held = [k for k, ready, _ in e.l1.iter_groups() if ready == k.world_size]
+        if tier == L1_TIER:  # a slice at a time under the lock, never a scan of all of it
+            total, held = complete_l1_groups(e.l1, e.lock, limit)
         else:
             found = [t for t in e.tiers.tiers if t.name == tier]
             if not found or not isinstance(found[0], ListsChunks):
                 return None
             held = found[0].complete_chunks()
+            total = len(held)
         return TierChunks(
             tier=tier,
-            total=len(held),
+            total=total,
             chunks=[
                 HeldChunk(
                     model=shown(k.model),

@@ -29,7 +29,15 @@ from kvtier.storage.allocator import Allocator
 from kvtier.storage.observers import L1_TIER, NO_OBSERVER, Removal, StorageObserver
 from kvtier.storage.shares import UNBOUNDED, TenantBounds, Usage, check_staging
 
-__all__ = ["UNBOUNDED", "L1Store", "OwnerSeen", "ShardState", "TenantBounds", "stored_holder"]
+__all__ = [
+    "UNBOUNDED",
+    "Held",
+    "L1Store",
+    "OwnerSeen",
+    "ShardState",
+    "TenantBounds",
+    "stored_holder",
+]
 
 #: (pin holder, its owner) -> when the owner was last seen (the L1's clock), None when gone
 OwnerSeen = Callable[[str, str], float | None]
@@ -78,6 +86,7 @@ class ShardState(enum.Enum):
 class _Shard:
     __slots__ = (
         "deadline",
+        "group",
         "layout",
         "nbytes",
         "offset",
@@ -99,7 +108,9 @@ class _Shard:
         deadline: float,
         tenant: str,
         resumable: bool,
+        group: _Group,
     ) -> None:
+        self.group = group  # the group it belongs to (a cleared one too: see `L1Store.clear`)
         self.offset = offset
         self.size = size  # bytes asked for: what a reader copies
         self.nbytes = nbytes  # bytes allocated (page-rounded): what counts against capacity
@@ -144,9 +155,13 @@ class _Group:
         self.pin_tenant = ""
         self.charged = 0  # bytes charged to pin_tenant's pinned bytes while pins > 0
         self.nbytes = 0
-        # Cleared while busy: invisible at once, freed when the last hold or staging shard
-        # ends. Its key cannot be stored again until then (a reserve finds it busy).
+        # Cleared while busy: out of the index at once (its key may be stored again, into a new
+        # group), its slots kept until the last hold or staging shard ends, then freed.
         self.doomed = False
+
+
+#: an anonymous hold on one group (`L1Store.acquire`), given back by `L1Store.release`
+Held = _Group
 
 
 class _Pin:
@@ -208,11 +223,14 @@ class L1Store:
         self._observer = observer
         self._admission = admission if admission is not None else AdmissionPolicy()
         self._declined_evictions = 0
-        self._groups: dict[ChunkKey, _Group] = {}
+        self._groups: dict[ChunkKey, _Group] = {}  # the live index: what readers find
+        # Groups cleared while in use: out of the index, freed when their last user ends.
+        self._doomed: set[_Group] = set()
         # Evictable groups only (no staging shard, no hold), least recently used first.
         self._lru: OrderedDict[ChunkKey, _Group] = OrderedDict()
         self._lru_bytes = 0
-        self._staging: dict[tuple[ChunkKey, int], _Shard] = {}
+        # by (key, rank, owner): a cleared group's shard and a new one of its key may both stage
+        self._staging: dict[tuple[ChunkKey, int, str], _Shard] = {}
         self._staging_bytes = 0
         # The same shards by owner, so a client's end costs its own shards, not everyone's.
         self._by_owner: dict[str, dict[tuple[ChunkKey, int], _Shard]] = {}
@@ -241,7 +259,8 @@ class L1Store:
 
     @property
     def num_groups(self) -> int:
-        return len(self._groups)
+        """Groups holding arena slots: those in the index and those cleared while in use."""
+        return len(self._groups) + len(self._doomed)
 
     @property
     def num_ready_groups(self) -> int:
@@ -252,7 +271,7 @@ class L1Store:
         return L1Stats(
             capacity_bytes=self._alloc.capacity,
             used_bytes=self._alloc.used_bytes,
-            groups=len(self._groups),
+            groups=len(self._groups) + len(self._doomed),
             ready_groups=self._ready_groups,
             staging_shards=len(self._staging),
             pinned_groups=self._held_groups,
@@ -328,9 +347,9 @@ class L1Store:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         group = self._groups.get(key)
         old = None if group is None else group.shards[worker_id]
-        if group is not None and (
-            group.doomed or (old is not None and not self._replaceable(group, old, resumable))
-        ):
+        if (key, worker_id, owner) in self._staging:  # it writes this rank of a cleared group
+            return None
+        if group is not None and old is not None and not self._replaceable(group, old, resumable):
             return None
         nbytes = self._alloc.rounded(size)
         if bounds is not UNBOUNDED:
@@ -355,7 +374,7 @@ class L1Store:
                 self._admission.set_capacity(chunks)
             group.admitted = admit if admit is not None else self._admission.admits(key)
         shard = _Shard(
-            offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant, resumable
+            offset, size, nbytes, layout, owner, self._clock() + lease_s, tenant, resumable, group
         )
         if old is not None:  # steps aside: the group is incomplete until the new one commits
             shard.replaces = old
@@ -367,7 +386,7 @@ class L1Store:
         group.staging += 1
         group.unresumable += not resumable
         group.nbytes += nbytes
-        self._staging[key, worker_id] = shard
+        self._staging[key, worker_id, owner] = shard
         self._staging_bytes += nbytes
         self._by_owner.setdefault(owner, {})[key, worker_id] = shard
         self._usage_of(tenant).staging += nbytes
@@ -387,7 +406,7 @@ class L1Store:
 
     def _unstage(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
         """Take a shard out of the staging index and its tenant's staging bytes."""
-        del self._staging[key, worker_id]
+        del self._staging[key, worker_id, shard.owner]
         self._staging_bytes -= shard.nbytes
         owned = self._by_owner[shard.owner]
         del owned[key, worker_id]
@@ -403,12 +422,10 @@ class L1Store:
 
         A shard whose lease expired but was not reclaimed yet still commits.
         """
-        shard = self._staging.get((key, worker_id))
-        if shard is None or shard.owner != owner:
-            raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
+        shard = self._staged(key, worker_id, owner)
         self._unstage(key, worker_id, shard)
         shard.state = ShardState.READY
-        group = self._groups[key]
+        group = shard.group
         old, shard.replaces = shard.replaces, None
         if old is not None:
             self._alloc.free(old.offset, old.nbytes)
@@ -428,10 +445,7 @@ class L1Store:
 
     def abort(self, key: ChunkKey, worker_id: int, *, owner: str) -> None:
         """Drop a staging shard (the writer gave up) and free its range."""
-        shard = self._staging.get((key, worker_id))
-        if shard is None or shard.owner != owner:
-            raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
-        self._drop_staging(key, worker_id, shard)
+        self._drop_staging(key, worker_id, self._staged(key, worker_id, owner))
 
     def fence(self, key: ChunkKey, worker_id: int, *, owner: str) -> tuple[int, int]:
         """Quarantine a lapsed staging shard whose writer may still be copying into it.
@@ -441,9 +455,7 @@ class L1Store:
         late writer's bytes may land. Its bytes move from the tenant's staging bytes to its
         quarantined ones. Returns (offset, nbytes) for `unfence`.
         """
-        shard = self._staging.get((key, worker_id))
-        if shard is None or shard.owner != owner:
-            raise UnknownReservationError(self._unknown(key, worker_id, owner, shard))
+        shard = self._staged(key, worker_id, owner)
         self._detach_staging(key, worker_id, shard)
         self._fenced_slots += 1
         self._fenced_bytes += shard.nbytes
@@ -457,16 +469,27 @@ class L1Store:
         self._fenced_bytes -= nbytes
         self._usage_of(tenant).fenced -= nbytes
 
-    def is_busy(self, key: ChunkKey, worker_id: int) -> bool:
-        """True while the shard is being written (staging), or its group was cleared while in
-        use: a store of it now would not make it stored."""
+    def is_busy(self, key: ChunkKey, worker_id: int, owner: str | None = None) -> bool:
+        """True while the shard is being written (staging), or `owner` still writes this rank
+        of a group cleared meanwhile: a store of it now would not make it stored. A group
+        cleared while in use is not busy otherwise: its key can be stored again at once."""
+        if owner is not None and (key, worker_id, owner) in self._staging:
+            return True
         group = self._groups.get(key)
         if group is None:
             return False
-        if group.doomed:
-            return True
         shard = group.shards[worker_id] if 0 <= worker_id < key.world_size else None
         return shard is not None and shard.state is ShardState.STAGING
+
+    def _staged(self, key: ChunkKey, worker_id: int, owner: str) -> _Shard:
+        """The owner's staging shard of that rank; UnknownReservationError when it has none."""
+        shard = self._staging.get((key, worker_id, owner))
+        if shard is not None:
+            return shard
+        group = self._groups.get(key)
+        other = group.shards[worker_id] if group and 0 <= worker_id < key.world_size else None
+        staging = other if other is not None and other.state is ShardState.STAGING else None
+        raise UnknownReservationError(self._unknown(key, worker_id, owner, staging))
 
     def reclaim_staging(self, owner: str | None = None) -> int:
         """Drop staging shards: all of `owner`'s, or with owner None every expired one.
@@ -475,7 +498,7 @@ class L1Store:
         """
         if owner is None:
             now = self._clock()
-            doomed = [(k, s) for k, s in self._staging.items() if s.deadline <= now]
+            doomed = [((k, w), s) for (k, w, _), s in self._staging.items() if s.deadline <= now]
         else:  # the owner's own shards only (indexed), not a scan of everyone's
             doomed = list(self._by_owner.get(owner, {}).items())
         for (key, worker_id), shard in doomed:
@@ -728,21 +751,25 @@ class L1Store:
         pin = self._pins.get(holder)
         return [] if pin is None else [group.key for group in pin.groups]
 
-    def acquire(self, key: ChunkKey) -> None:
-        """Take an anonymous hold on a group (e.g. an L2 write-through in flight)."""
+    def acquire(self, key: ChunkKey) -> Held:
+        """Take an anonymous hold on a group (e.g. an L2 write-through in flight); give it back
+        with `release(held)`. The hold names the group, not its key: should the group be
+        cleared meanwhile and its key stored again, the release still ends this group's."""
         group = self._groups.get(key)
         if group is None:
             raise KeyError(f"cannot acquire {key}: not in L1")
         group.refs += 1
         self._hold(group)
+        return group
 
-    def release(self, key: ChunkKey) -> None:
+    def release(self, held: Held) -> None:
         """Drop one anonymous hold taken by `acquire`."""
-        group = self._groups.get(key)
-        if group is None or group.refs == 0:
-            raise ValueError(f"release of {key} without a matching acquire")
-        group.refs -= 1
-        self._unhold(group)
+        if held.refs == 0 or (held.doomed and held not in self._doomed):
+            raise ValueError(f"release of {held.key} without a matching acquire")
+        if not held.doomed and self._groups.get(held.key) is not held:
+            raise ValueError(f"release of {held.key} without a matching acquire")
+        held.refs -= 1
+        self._unhold(held)
 
     # ---------------------------------------------------------------- maintenance
 
@@ -775,16 +802,24 @@ class L1Store:
                 continue
             if group.missing == 0:
                 self._ready_groups -= 1
+            # Out of the index, so that a new store of its key gets a new group and fresh
+            # slots; this one keeps its slots for its pins, readers and writers until they end.
+            del self._groups[group.key]
             group.doomed = True
+            self._doomed.add(group)
         if complete:
             self._observer.removed(complete, L1_TIER, Removal.CLEARED)
         return len(doomed)
 
+    def iter_keys(self) -> Iterator[ChunkKey]:
+        """The keys of the live index (cleared groups left it), in its order: a plain dict
+        iterator, which raises RuntimeError once the index changed size (see
+        `server/observe/chunk_listing.py`, which walks it a slice per hold of the engine lock)."""
+        return iter(self._groups)
+
     def iter_groups(self) -> Iterator[tuple[ChunkKey, int, bool]]:
         """(key, READY shards, pinned) for every group, over a snapshot of the index."""
         for group in list(self._groups.values()):
-            if group.doomed:
-                continue
             yield group.key, group.key.world_size - group.missing, group.holds > 0
 
     # ---------------------------------------------------------------- internals
@@ -866,7 +901,7 @@ class L1Store:
     def _detach_staging(self, key: ChunkKey, worker_id: int, shard: _Shard) -> None:
         """Take a staging shard out of its group (the caller frees or quarantines its range)."""
         self._unstage(key, worker_id, shard)
-        group = self._groups[key]
+        group = shard.group
         group.shards[worker_id] = None
         group.staging -= 1
         group.unresumable -= not shard.resumable
@@ -892,7 +927,10 @@ class L1Store:
         Returns the size of the largest free range the freeing produced.
         """
         assert group.staging == 0 and group.holds == 0, "removing a busy group"
-        del self._groups[group.key]
+        if group.doomed:
+            self._doomed.remove(group)
+        else:
+            del self._groups[group.key]
         if group.missing == 0 and not group.doomed:
             self._ready_groups -= 1
         largest = 0

@@ -55,7 +55,7 @@ import msgspec
 from kvtier.arena import Arena
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
-from kvtier.storage.l1 import UNBOUNDED, L1Store, TenantBounds
+from kvtier.storage.l1 import UNBOUNDED, Held, L1Store, TenantBounds
 from kvtier.storage.loadrate import paying_prefix
 from kvtier.storage.manager import TierManager
 
@@ -239,6 +239,7 @@ class Prefetcher:
         prefill_tokens_per_s: float,
     ) -> None:
         loaded: list[ChunkKey] = []
+        held: list[Held] = []  # the holds on the loaded groups, given back after on_done
         reserved: list[tuple[ChunkKey, list[tuple[int, int]]]] = []
         outcome = LoadOutcome(loaded, [LoadStatus.BEHIND] * len(keys), [""] * len(keys))
         try:
@@ -262,7 +263,7 @@ class Prefetcher:
             for lo in range(0, good, _BATCH):
                 with self._hold():
                     hi = min(good, lo + _BATCH)
-                    done = self._commit(reserved[lo:hi], resumable[lo:hi])
+                    done = self._commit(reserved[lo:hi], resumable[lo:hi], held)
                 loaded += done
                 if len(done) < min(_BATCH, good - lo):
                     good = lo + len(done)
@@ -280,8 +281,8 @@ class Prefetcher:
                     on_done(outcome)
                 except Exception:
                     logger.exception("prefetch on_done failed")
-                for key in loaded:
-                    self._l1.release(key)
+                for hold in held:
+                    self._l1.release(hold)
             self._job_ended(tenant, len(loaded))
 
     def _whole_in_tiers(self, keys: list[ChunkKey]) -> list[ChunkKey]:
@@ -388,10 +389,13 @@ class Prefetcher:
         return groups
 
     def _commit(
-        self, reserved: list[tuple[ChunkKey, list[tuple[int, int]]]], resumable: list[list[bool]]
+        self,
+        reserved: list[tuple[ChunkKey, list[tuple[int, int]]]],
+        resumable: list[list[bool]],
+        held: list[Held],
     ) -> list[ChunkKey]:
         """Commit the read groups in chain order, each shard a resume point as its object
-        says; the leading ones now complete in L1."""
+        says; the leading ones now complete in L1 (a hold on each added to `held`)."""
         l1 = self._l1
         loaded: list[ChunkKey] = []
         for n, ((key, slots), flags) in enumerate(zip(reserved, resumable, strict=True)):
@@ -407,7 +411,7 @@ class Prefetcher:
                 for later_key, later_slots in reserved[n + 1 :]:
                     self._abort(later_key, later_slots)
                 return loaded
-            l1.acquire(key)  # held until the job's on_done has pinned it
+            held.append(l1.acquire(key))  # held until the job's on_done has pinned it
             loaded.append(key)
         return loaded
 

@@ -48,7 +48,7 @@ class Whereabouts(NamedTuple):
     cleared: bool  # it left by a clear
     declined: bool  # it left L1 unkept: the cache policy had declined it
     lapsed: bool  # a store of it lapsed, and it was not stored since
-    other_name: bool  # the same chunk hash is stored under another name
+    other_name: bool  # the same chunk hash is stored under another model of the same salt
 
 
 _UNKNOWN = Whereabouts("", "", False, False, False, False)
@@ -124,14 +124,17 @@ class ChunkMemory:
 
     def whereabouts(self, keys: Sequence[ChunkKey]) -> list[Whereabouts]:
         """What is known of each of `keys` (one hold of the lock for all): an L2 tier holding
-        it, the tier it left, a lapsed store, another name under its hash."""
+        it, the tier it left, a lapsed store, another name under its hash in the same tenant
+        and cache salt (another model or world size; never another tenant's or salt's)."""
         records, by_hash, make = self._records, self._by_hash, Whereabouts._make
         out: list[Whereabouts] = []
         with self._lock:
             for key in keys:
                 record = records.get(key)  # type: ignore[call-overload]
-                others = by_hash.get(key.chunk_hash)
-                other = others is not None and (len(others) > 1 or others[0] != key)
+                # Only the names of the lookup's own tenant and salt count (its composed salt
+                # names both): whether another tenant or salt stored these tokens is theirs.
+                salt = key.cache_salt
+                other = any(o[1] == salt and o != key for o in by_hash.get(key.chunk_hash, ()))
                 if record is None:
                     out.append(_UNKNOWN_OTHER if other else _UNKNOWN)
                     continue

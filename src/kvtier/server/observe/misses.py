@@ -28,7 +28,9 @@ class MissReason(enum.StrEnum):
     NEVER_STORED = "never_stored"  # no tier holds it, none remembers it
     EVICTED = "evicted"  # it left the tier in the `tier` label last (eviction, TTL, corrupt)
     CLEARED = "cleared"  # an operator's clear took it out of the tier in the `tier` label
-    OTHER_SALT_OR_MODEL = "other_salt_or_model"  # its tokens are stored under another name
+    # its tokens are stored under another model (or world size) of the same tenant and salt;
+    # never said of another tenant's or salt's chunks, which a lookup must not learn of
+    OTHER_SALT_OR_MODEL = "other_salt_or_model"
     INCOMPLETE = "incomplete"  # some ranks' shards are stored, not all
     LEASE_LAPSED = "lease_lapsed"  # its store's staging lease lapsed before the commit
     LOAD_FAILED = "load_failed"  # an L2 read of it failed or found it corrupt

@@ -109,8 +109,7 @@ class RetrieveBook:
                 self._l1.touch(found)
                 if session_id is not None and self._l1.pinned_keys(session_id):
                     self._l1.renew(session_id, self._config.pin_lease)  # pins live while in use
-                for key in found:
-                    self._l1.acquire(key)  # held while the bytes are copied out
+                held = [self._l1.acquire(key) for key in found]  # while the bytes are copied
                 lease_id = self._leases.add_lease(
                     RetrieveLease(
                         client_id,
@@ -121,6 +120,7 @@ class RetrieveBook:
                         self._clock() + self._config.staging_lease,
                         watch=guard if guard is not None else watch and watch.retain(),
                         tenant=tenant,
+                        held=held,
                     )
                 )
         if not req.inline:
@@ -181,8 +181,8 @@ class RetrieveBook:
 
     def end_lease(self, lease: RetrieveLease) -> None:
         """Release what an ended lease holds: its groups, its watch."""
-        for key in lease.keys:
-            self._l1.release(key)
+        for held in lease.held:
+            self._l1.release(held)
         if lease.watch is not None:
             lease.watch.release()
             lease.watch = None

@@ -120,7 +120,7 @@ class StoreBook:
             tenant = "" if peer is None else peer.tenant
             try:
                 for i, key in enumerate(keys):
-                    if self._l1.is_busy(key, req.worker_id):
+                    if self._l1.is_busy(key, req.worker_id, client_id):
                         # Another client is storing it right now: this store cannot call it
                         # stored (that client may still abort or die).
                         offsets.append(p.IN_FLIGHT)
@@ -311,11 +311,11 @@ class StoreBook:
         shard = self._l1.get_shard(key, worker_id)
         assert shard is not None
         offset, size, layout = shard
-        self._l1.acquire(key)
+        held = self._l1.acquire(key)
 
         def done() -> None:
             with self._lock.hold("L2 written"):
-                self._l1.release(key)
+                self._l1.release(held)
 
         view = self._arena.view(offset, size)
         return Shard(
