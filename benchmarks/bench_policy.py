@@ -50,20 +50,59 @@ def _replay(share: float, *extra: str) -> dict[str, Any]:
         return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
+def _admission_oracle(chains: list[tuple[int, ...]], capacity: int) -> float:
+    """Blocks hit by LRU behind an admission that knows which blocks are ever read again (and
+    stores only those): the best an admission policy can do that predicts whether a block comes
+    back, not when."""
+    from collections import OrderedDict
+
+    reused: set[int] = set()
+    seen: set[int] = set()
+    for chain in chains:
+        for block in chain:
+            (reused if block in seen else seen).add(block)
+    last: dict[int, int] = {}
+    for i, chain in enumerate(chains):
+        for block in chain:
+            last[block] = i
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit = total = 0
+    for i, chain in enumerate(chains):
+        total += len(chain)
+        for block in chain:
+            if block not in cache:
+                break
+            hit += 1
+        for block in chain:
+            if block not in cache and block in reused and last[block] > i:
+                cache[block] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+        for block in reversed(chain):
+            if block in cache:
+                cache.move_to_end(block)
+    return hit / total
+
+
 def _hit_rates() -> tuple[str, list[dict[str, Any]]]:
     results = [_replay(share) for share in SHARES]
+    from kvtier.cli.trace import read
+
+    chains = [tuple(r.hash_ids) for r in read(TRACE)]
     rows = []
     for share, r in zip(SHARES, results, strict=True):
         pol, lru, bel, inf = (
             r[k]["block_hit_rate"] for k in ("policy", "lru", "belady", "infinite")
         )
+        oracle = _admission_oracle(chains, r["capacity_chunks"])
         rows.append([
             f"{share:.0%} ({r['capacity_chunks']:,} chunks)", f"{pol:.1%}", f"{lru:.1%}",
-            f"{bel:.1%}", f"{inf:.1%}", f"{pol / lru:.2f}x", f"{pol / bel:.0%}",
+            f"{bel:.1%}", f"{oracle:.1%}", f"{inf:.1%}", f"{pol / lru:.2f}x",
+            f"{pol / bel:.0%}", f"{pol / oracle:.0%}",
         ])  # fmt: skip
     md = table(
-        ["capacity", "adaptive (default)", "LRU, store everything", "Belady's MIN", "infinite",
-         "vs LRU", "of Belady"],
+        ["capacity", "adaptive (default)", "LRU, store everything", "Belady's MIN",
+         "admission oracle", "infinite", "vs LRU", "of Belady", "of the oracle"],
         rows,
     )  # fmt: skip
     return md, results
@@ -209,6 +248,13 @@ def run() -> str:
             "to store), computed from the trace by the same command.",
             "",
             hit_md,
+            "",
+            "The admission oracle is LRU behind an admission that knows which blocks are ever",
+            "read again and stores only those: the best any admission can do that predicts",
+            "*whether* a block comes back. At 1% capacity it gets half of Belady's hit rate:",
+            "Belady also knows *when* (it keeps the blocks read again soonest), which nothing in",
+            "a request tells. The default policy's share of the oracle is the measure of its",
+            "admission; the remaining gap to Belady is timing.",
             "",
             f"![hit rate against capacity]({PLOT.name})",
             "",
