@@ -98,6 +98,8 @@ ADMIN = "test_readme.py::test_the_admin_synopsis_names_real_options"
 MAKE_RUN = "test_readme.py::test_make_run_installs_then_serves"
 CLONE = "test_readme.py::test_the_clone_line_clones"
 PROMTOOL = "test_dashboards.py::test_promtool_checks_the_rules_and_their_unit_tests_pass"
+PD_PROXY = "test_vllm_pd.py::test_same_tokens_and_one_token_computed"
+REPLAY = "test_replay.py::test_replay_matches_the_servers_model_and_an_independent_belady"
 
 #: Every command of the ```bash blocks of the README and its guides (by how it starts) and the
 #: test that checks it, as "file::test" (and what that test does when it cannot run the command
@@ -133,6 +135,8 @@ SHELL_CHECKS: dict[str, str] = {
     "sudo cp deploy/kvtier.service": SYSTEMD,
     "promtool check rules": PROMTOOL,
     "promtool test rules": PROMTOOL,
+    "kvtier pd-proxy": PD_PROXY,
+    "kvtier replay": REPLAY,
 }  # fmt: skip
 
 

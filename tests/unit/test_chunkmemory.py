@@ -29,9 +29,16 @@ def test_a_group_that_left_every_tier_names_the_last_one() -> None:
 
 def test_the_same_hash_under_another_name_is_seen_while_stored() -> None:
     memory = ChunkMemory(16)
-    memory.stored([key(2, salt="a")], L1_TIER)
+    memory.stored([key(2, model="m2")], L1_TIER)
     assert [w.other_name for w in memory.whereabouts([key(2), key(3)])] == [True, False]
-    memory.removed([key(2, salt="a")], L1_TIER, Removal.EVICTED)
+    memory.removed([key(2, model="m2")], L1_TIER, Removal.EVICTED)
+    assert not memory.whereabouts([key(2)])[0].other_name
+
+
+def test_another_salts_name_under_the_same_hash_is_never_told() -> None:
+    """A lookup learns nothing of another salt's (or tenant's) chunks from its miss reasons."""
+    memory = ChunkMemory(16)
+    memory.stored([key(2, salt="a")], L1_TIER)
     assert not memory.whereabouts([key(2)])[0].other_name
 
 
