@@ -315,7 +315,7 @@ class Harness:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             if forward:
-                self._forward(out, rank)
+                self._forward(out, rank, worker)
             worker.wait_for_save()
             results = worker.get_transfer_results(out.finished_req_ids)
             for r in results.finished_sending:
@@ -377,28 +377,52 @@ class Harness:
                 return out
         raise AssertionError(f"{req_id} was not scheduled in {steps} steps")
 
-    def _forward(self, out: Any, rank: int) -> None:
-        """Write `token_kv` for every token this step computes into each attention group (not
-        into null blocks), and each Mamba layer's state after the step's last token into the
-        block vLLM keeps it in."""
+    def forward_layers(self) -> list[tuple[HGroup, int, str]]:
+        """(group, layer in the group, name) in the model's order (by the numbers in the
+        layer names), as vLLM's forward pass runs them."""
+        import re
+
+        layers = [(g, i, n) for g in self.groups for i, n in enumerate(g.names)]
+        return sorted(layers, key=lambda x: [int(d) for d in re.findall(r"\d+", x[2])])
+
+    def _forward(self, out: Any, rank: int, worker: Any = None) -> None:
+        """Layer after layer, as vLLM's attention layers do: `wait_for_layer_load`, write
+        `token_kv` for every token this step computes (not into null blocks), `save_kv_layer`;
+        a Mamba layer (which vLLM runs without the connector) writes its state after the
+        step's last token into the block vLLM keeps it in."""
+        steps = []
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # schedule() advanced it past this step
-            start = end - num_new
             tokens = request.all_token_ids[:end]
             all_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            for g in self.groups:
+            steps.append((tokens, end - num_new, end, all_ids))
+        cache = self.caches[rank]
+        values: dict[tuple[int, int], Any] = {}  # (request, group) -> its token_kv
+        for g, layer, name in self.forward_layers():
+            if name not in cache:  # a pipeline stage holds its own layers
+                continue
+            attention = g.kind != "mamba"
+            if attention and worker is not None and steps:
+                worker.wait_for_layer_load(name)
+            for r, (tokens, start, end, all_ids) in enumerate(steps):
                 ids = all_ids[g.index]
-                if g.kind == "mamba":
-                    self._write_state(rank, g, ids, tokens, end)
+                if attention:
+                    if (r, g.index) not in values:
+                        values[r, g.index] = token_kv(
+                            tokens, len(g.names), g.heads_total, g.content, g.dtype
+                        )
+                    self._write_kv(rank, g, ids, values[r, g.index], start, end, layer)
                 else:
-                    self._write_kv(rank, g, ids, tokens, start, end)
+                    self._write_state(rank, g, ids, tokens, end, layer)
+            if attention and worker is not None and steps:
+                worker.save_kv_layer(name, cache[name], None)
 
-    def _write_kv(self, rank: int, g: HGroup, ids: Any, tokens: Any, start: int, end: int) -> None:
+    def _write_kv(
+        self, rank: int, g: HGroup, ids: Any, values: Any, start: int, end: int, layer: int
+    ) -> None:
         import torch
 
-        cache = self.caches[rank]
-        values = token_kv(tokens, len(g.names), g.heads_total, g.content, g.dtype)
         heads = self._heads(g, rank)
         pos = [p for p in range(start, end) if ids[p // g.block_size] != 0]
         if not pos:
@@ -406,25 +430,24 @@ class Harness:
         device = kv_device()
         blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
         offsets = torch.tensor(pos, device=device) % g.block_size
-        for layer, name in enumerate(g.names):
-            if name in cache:  # a pipeline stage holds its own layers
-                cache[name][blocks, :, offsets] = values[pos, layer, heads].to(device)
+        view = self.caches[rank][g.names[layer]]
+        view[blocks, :, offsets] = values[pos, layer, heads].to(device)
 
     def state_block(self, g: HGroup, ids: Any, end: int) -> int:
         """vLLM's block for a Mamba state after `end` tokens: in "align" mode block p holds
         the state after (p + 1) * block_size tokens; in "none" mode the one running block."""
         return int(ids[(end - 1) // g.block_size] if self.mamba_align else ids[0])
 
-    def _write_state(self, rank: int, g: HGroup, ids: Any, tokens: Any, end: int) -> None:
+    def _write_state(
+        self, rank: int, g: HGroup, ids: Any, tokens: Any, end: int, layer: int
+    ) -> None:
         import torch
 
         block = self.state_block(g, ids, end)
         assert block != 0, "the fake forward pass would write vLLM's null block"
-        for layer, name in enumerate(g.names):
-            view = self.caches[rank][name]
-            nbytes = view[block].numel()
-            state = state_bytes([*tokens[:end], rank], nbytes, layer)
-            view[block].view(-1).copy_(torch.from_numpy(state).to(view.device))
+        view = self.caches[rank][g.names[layer]]
+        state = state_bytes([*tokens[:end], rank], view[block].numel(), layer)
+        view[block].view(-1).copy_(torch.from_numpy(state).to(view.device))
 
     def _heads(self, g: HGroup, rank: int) -> slice:
         if g.kind == "mla":

@@ -12,7 +12,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,16 @@ from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
 from kvtier.integrations.vllm.config import CacheGroup, ConnectorConfig, check_group_blocks
+from kvtier.integrations.vllm.layerwise import (
+    LayerGate,
+    Loader,
+    Overlap,
+    StepLoads,
+    Stopwatch,
+    forward_order,
+    run_step_loads,
+    use_layerwise,
+)
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
 from kvtier.integrations.vllm.paged import (
     SKIP,
@@ -48,6 +59,10 @@ class _SaveJob:
     staged: Bytes | None = None  # (chunks, tail bytes): pieces copied in wait_for_save
     event: Any = None  # GPU: recorded on the compute stream after the forward pass
     skip: bool = False  # nothing to store from this rank (only counted for get_finished)
+    #: layer-wise: each layer opens once the forward pass wrote it (save_kv_layer)
+    gate: LayerGate | None = None
+    staged_ready: threading.Event | None = None  # layer-wise: `staged` is set
+    waited: float = 0.0  # seconds the saver waited for the forward pass (not copy time)
 
 
 class WorkerSide:
@@ -77,6 +92,16 @@ class WorkerSide:
         )
         self._saver.start()
         self._closed = False
+        # layer-wise loads and saves (layerwise.py), resolved once the layout is known
+        self.overlap = Overlap()
+        self.layerwise = False
+        self._order: list[tuple[int, int, str]] = []  # (layout group, layer, name), forward order
+        self._loader: Loader | None = None
+        self._step: StepLoads | None = None  # this step's layer-wise loads
+        self._step_saves: list[_SaveJob] = []  # this step's layer-wise saves, queued early
+        self._step_exposed = 0.0  # seconds the forward pass waited on this step's loads
+        #: called on the loader thread once a layer's loads are in place (observes the order)
+        self.layer_hook: Callable[[str], None] | None = None
         atexit.register(self.shutdown)
         self.client = LazyClient(
             config.address, timeout=config.timeout, on_connect=self._setup, token=config.token
@@ -102,6 +127,10 @@ class WorkerSide:
                 self._kv_caches, self.config.groups, client.chunk_size
             )
             self._copier = copier_for(self.layout, client.arena_bytes)  # pinned for GPU copies
+            self._order = forward_order(self.layout)
+            self.layerwise = use_layerwise(self.config.layerwise, self.layout.device.type)
+            if self.layerwise and self._loader is None:
+                self._loader = Loader(f"kvtier-vllm-loader-{self.worker_id}")
         client.register(
             model=self.config.model,
             world_size=self.config.world_size,
@@ -180,50 +209,131 @@ class WorkerSide:
     # -- loads ------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
-        """Copy this step's loads from the arena into vLLM's blocks before the forward pass.
-        Asynchronous loads (several KV cache groups) are done here too; get_finished reports
-        them, so vLLM schedules their requests from the next step on."""
+        """Whole-request: copy this step's loads from the arena into vLLM's blocks before the
+        forward pass. Layer-wise: start them on the loader thread (wait_for_layer_load waits
+        for each layer), and hand this step's saves to the saver (save_kv_layer releases each
+        layer). Asynchronous loads (several KV cache groups) are done within the step either
+        way; get_finished reports them, so vLLM schedules their requests from the next step."""
+        ready = self._ready() if self.layerwise else None
+        if ready is not None:
+            with Stopwatch() as sw:
+                if meta.loads:
+                    self._start_step_loads(meta.loads, *ready)
+                self._queue_saves(meta, early=True)
+            self._step_exposed = sw.seconds
+            return
         for load in meta.loads:
             t0 = time.perf_counter()
             ok = self._load(load)
-            if self.config.async_loads:
-                self._received.add(load.request_id)
-                if not ok:
-                    self._failed.add(load.request_id)
-            elif not ok:
-                self._load_errors.update(b for ids in load.block_ids for b in ids if b)
-            logger.info(
-                "kvtier load of %s: %d tokens %s in %.2f ms",
-                load.request_id,
-                load.end - load.start,
-                "copied" if ok else "failed",
-                (time.perf_counter() - t0) * 1e3,
+            seconds = time.perf_counter() - t0
+            self._loaded(load, ok, seconds)
+            self.overlap.add(load_copy_s=seconds, load_exposed_s=seconds, loads=1)
+
+    def _loaded(self, load: Transfer, ok: bool, seconds: float) -> None:
+        """Report a load's outcome to vLLM (through get_finished or the blocks with errors)."""
+        if self.config.async_loads:
+            self._received.add(load.request_id)
+            if not ok:
+                self._failed.add(load.request_id)
+        elif not ok:
+            self._load_errors.update(b for ids in load.block_ids for b in ids if b)
+        logger.info(
+            "kvtier load of %s: %d tokens %s in %.2f ms",
+            load.request_id,
+            load.end - load.start,
+            "copied" if ok else "failed",
+            seconds * 1e3,
+        )
+
+    def _start_step_loads(
+        self, loads: list[Transfer], client: Client, layout: PagedLayout, copier: Copier
+    ) -> None:
+        """Hand this step's loads to the loader thread (layerwise.run_step_loads)."""
+        step = StepLoads(LayerGate([name for _, _, name in self._order]), loads)
+        event = copier.mark()  # GPU: the blocks may be in use by work queued before this step
+
+        def load_layer(views: list[Bytes], li: int, load: Transfer, layer: int) -> bool:
+            ids = load.block_ids[self._group_index(layout.groups[li].group)]
+            return self._load_group(copier, views, li, layout.groups[li], load, ids, [layer])
+
+        assert self._loader is not None
+        self._loader.submit(
+            lambda: run_step_loads(
+                step,
+                self._order,
+                copier,
+                event,
+                open_load=lambda stack, load: self._open_load(stack, client, layout, load),
+                load_layer=load_layer,
+                on_lost=lambda exc: self.recompute.fail("layer-wise load", exc),
+                hook=self.layer_hook,
             )
+        )
+        self._step = step
+
+    def _open_load(
+        self, stack: ExitStack, client: Client, layout: PagedLayout, load: Transfer
+    ) -> list[Bytes] | None:
+        """A load's chunk views, held open by `stack`; None when kvtier no longer holds them
+        all (the load fails and vLLM recomputes)."""
+        reader = self.reader if self.config.readers else -1  # -1: this rank's worker_id
+        try:
+            got = stack.enter_context(self._retrieving(client, layout, load, reader))
+        except KVTierError as exc:
+            self.recompute.fail(f"load of {load.request_id}", exc)
+            return None
+        wanted = (load.chunk_end - load.chunk_start) // layout.chunk_size
+        if got.num_chunks < wanted:
+            logger.warning(
+                "kvtier holds %d of the %d chunks planned for %s (evicted since the lookup?): "
+                "vLLM recomputes them",
+                got.num_chunks,
+                wanted,
+                load.request_id,
+            )
+            return None
+        return list(got.views)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise: wait until this layer's loads are in place (a GPU: until they are
+        queued, and make the compute stream wait for them); other layers may still copy."""
+        step = self._step
+        if step is None:
+            return
+        t0 = time.perf_counter()
+        event = step.gate.wait(layer_name)
+        self._step_exposed += time.perf_counter() - t0
+        if event is not None and self._copier is not None:
+            self._copier.wait_compute(event)
+
+    def _finish_step_loads(self) -> None:
+        """End of the forward pass: wait for the rest of this step's loads, report them."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        t0 = time.perf_counter()
+        step.done.wait()
+        exposed = self._step_exposed + time.perf_counter() - t0
+        self._step_exposed = 0.0
+        for load in step.loads:
+            self._loaded(load, step.ok.get(load.request_id, False), step.copy_s)
+        self.overlap.add(load_copy_s=step.copy_s, load_exposed_s=exposed, loads=len(step.ok))
 
     def _load(self, load: Transfer) -> bool:
         ready = self._ready()
         if ready is None:
             return False
         client, layout, copier = ready
-        c = layout.chunk_size
-        reader = self.reader if self.config.readers else -1  # -1: this rank's worker_id
         try:
-            with self._retrieving(client, layout, load, reader) as got:
-                wanted = (load.chunk_end - load.chunk_start) // c
-                if got.num_chunks < wanted:
-                    logger.warning(
-                        "kvtier holds %d of the %d chunks planned for %s (evicted since the "
-                        "lookup?): vLLM recomputes them",
-                        got.num_chunks,
-                        wanted,
-                        load.request_id,
-                    )
+            with ExitStack() as stack:
+                views = self._open_load(stack, client, layout, load)
+                if views is None:
                     return False  # a load is all or nothing: its blocks are recomputed
                 # GPU: the blocks may have been another request's, still in use by queued work
                 copier.wait(copier.mark())
                 for li, group in enumerate(layout.groups):
                     ids = load.block_ids[self._group_index(group.group)]
-                    if not self._load_group(copier, got.views, li, group, load, ids):
+                    if not self._load_group(copier, views, li, group, load, ids):
                         return False
                 copier.sync()
         except KVTierError as exc:  # a lapsed lease, the server gone: the bytes are not vouched
@@ -239,16 +349,18 @@ class WorkerSide:
         group: GroupLayout,
         load: Transfer,
         block_ids: Sequence[int],
+        layers: Sequence[int] | None = None,
     ) -> bool:
-        """Queue one group's copies of a load; False where a block vLLM allocated has no
-        stored page (the load then fails, and vLLM recomputes)."""
+        """Queue one group's copies of a load (of `layers` of the group; default: all); False
+        where a block vLLM allocated has no stored page (the load then fails, and vLLM
+        recomputes)."""
         c = self.layout.chunk_size if self.layout is not None else 0
         if group.group.kind == "mamba":
             if not block_ids:
                 logger.warning("no Mamba state block for the load of %s", load.request_id)
                 return False
             for block in block_ids:  # the state at the end, into each block that holds it
-                copier.load(views[-1], li, 0, group.pages([block]))
+                copier.load(views[-1], li, 0, group.pages([block]), layers=layers)
             return True
         kb = group.group.block_size // group.pages_per_block
         pages = group.pages(block_ids)
@@ -270,7 +382,7 @@ class WorkerSide:
                     )
                     return False
                 mine, first = mine[-first:], 0
-            copier.load(view, li, first, mine)
+            copier.load(view, li, first, mine, layers=layers)
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -287,22 +399,58 @@ class WorkerSide:
     # -- saves ------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
-        """Queue this step's saves; the saver thread copies them while the next steps run. The
-        pieces of groups whose blocks vLLM frees soon (sliding window, Mamba state) are staged
-        here, before this returns: the next schedule may free or overwrite those blocks."""
+        """Queue this step's saves; the saver thread copies them while the next steps run
+        (layer-wise: queued in start_load_kv, copied as save_kv_layer releases each layer;
+        here every layer is released). The pieces of groups whose blocks vLLM frees soon
+        (sliding window, Mamba state) are staged here, before this returns: the next schedule
+        may free or overwrite those blocks. Layer-wise, first waits for this step's loads."""
+        self._finish_step_loads()
+        with Stopwatch() as sw:
+            jobs, self._step_saves = self._step_saves, []
+            if jobs:
+                ready = self._ready()
+                for job in jobs:
+                    if ready is not None:
+                        _, layout, copier = ready
+                        job.event = copier.mark()
+                        job.staged = self._stage(layout, copier, job.save, job.event)
+                    assert job.gate is not None and job.staged_ready is not None
+                    job.gate.open_all(job.event)
+                    job.staged_ready.set()
+            else:
+                self._queue_saves(meta, early=False)
+        if meta.saves:
+            self.overlap.add(save_exposed_s=sw.seconds, saves=len(meta.saves))
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer-wise: the forward pass wrote this layer; its saves may copy it now."""
+        if not self._step_saves or self._copier is None:
+            return
+        event = self._copier.mark()  # GPU: after the layer's writes were queued
+        for job in self._step_saves:
+            assert job.gate is not None
+            job.gate.open(layer_name, event)
+
+    def _queue_saves(self, meta: KVTierConnectorMetadata, *, early: bool) -> None:
+        """Hand this step's saves to the saver: after the forward pass (whole-request: each
+        job's pieces staged here), or before it (layer-wise: each job waits for its layers)."""
         with self._cond:
             for save in meta.saves:
                 self._pending[save.request_id] = self._pending.get(save.request_id, 0) + 1
                 self._saved_any.add(save.request_id)
         ready = self._ready() if meta.saves and self.config.stores(self.rank) else None
+        names = [name for _, _, name in self._order]
         for save in meta.saves:
             job = _SaveJob(save)
-            if ready is not None:
+            if ready is None:
+                job.skip = True  # no server, or another TP rank stores this MLA shard
+            elif early:
+                job.gate, job.staged_ready = LayerGate(names), threading.Event()
+                self._step_saves.append(job)
+            else:
                 _, layout, copier = ready
                 job.event = copier.mark()
                 job.staged = self._stage(layout, copier, save, job.event)
-            else:
-                job.skip = True  # no server, or another TP rank stores this MLA shard
             self._jobs.put(job)
 
     def _stage(self, layout: PagedLayout, copier: Copier, save: Transfer, event: Any) -> Bytes:
@@ -354,7 +502,9 @@ class WorkerSide:
                 return
             try:
                 if not job.skip:
-                    self._save(job)
+                    with Stopwatch() as sw:
+                        self._save(job)
+                    self.overlap.add(save_copy_s=sw.seconds - job.waited)
             except Exception:  # a bug must not kill the saver: vLLM waits on get_finished
                 logger.exception("kvtier save of %s failed", job.save.request_id)
             finally:
@@ -371,6 +521,25 @@ class WorkerSide:
         last = all(save.block_ids[i] for i in mamba)
         return [False] * (num - 1) + [last]
 
+    def _save_group(
+        self,
+        copier: Copier,
+        slots: StoreSlots,
+        li: int,
+        save: Transfer,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        """Queue a group's copies of a save into its slots (`layers` of it; default: all); the
+        staged groups' pieces come from `_stage`."""
+        assert self.layout is not None
+        group = self.layout.groups[li]
+        if group.group.kind in STAGED_KINDS:
+            return
+        pages = group.pages(save.block_ids[self._group_index(group.group)])
+        per = group.chunk_blocks * group.pages_per_block
+        for i, view in slots.targets():
+            copier.save(view, li, 0, pages[i * per : (i + 1) * per], layers=layers)
+
     def _save(self, job: _SaveJob) -> None:
         ready = self._ready()
         if ready is None:
@@ -382,14 +551,24 @@ class WorkerSide:
         resumable = [] if all(flags) else flags  # empty: every chunk is
         try:
             with self._storing(client, layout, save, resumable) as slots:
-                copier.wait(job.event)
-                for li, group in enumerate(layout.groups):
-                    if group.group.kind in STAGED_KINDS:
-                        continue
-                    pages = group.pages(save.block_ids[self._group_index(group.group)])
-                    per = group.chunk_blocks * group.pages_per_block
-                    for i, view in slots.targets():
-                        copier.save(view, li, 0, pages[i * per : (i + 1) * per])
+                if job.gate is None:
+                    copier.wait(job.event)
+                    for li in range(len(layout.groups)):
+                        self._save_group(copier, slots, li, save)
+                else:
+                    for li, j, name in self._order:  # each layer once the forward wrote it
+                        if layout.groups[li].group.kind in STAGED_KINDS:
+                            continue
+                        t0 = time.perf_counter()
+                        event = job.gate.wait(name)
+                        job.waited += time.perf_counter() - t0
+                        copier.wait(event)
+                        self._save_group(copier, slots, li, save, [j])
+                        copier.flush()
+                    assert job.staged_ready is not None
+                    t0 = time.perf_counter()
+                    job.staged_ready.wait()
+                    job.waited += time.perf_counter() - t0
                 copier.sync()
                 if job.staged is not None and job.staged.shape[1]:
                     for i, view in slots.targets():
@@ -414,5 +593,7 @@ class WorkerSide:
             logger.warning("kvtier: saves still running after %.0fs at shutdown", SHUTDOWN_FLUSH_S)
         self._jobs.put(None)
         self._saver.join(timeout=max(0.1, SHUTDOWN_FLUSH_S - (time.monotonic() - t0)))
+        if self._loader is not None:
+            self._loader.close(timeout=5.0)
         self.client.close()
         atexit.unregister(self.shutdown)
