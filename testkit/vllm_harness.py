@@ -34,6 +34,13 @@ def require_vllm() -> None:
         raise RuntimeError(VLLM_MISSING) from exc
 
 
+#: the worker's two ways to copy (kv_connector_extra_config): whole requests around the forward
+#: pass, or layer by layer beside it
+COPY_MODES: dict[str, dict[str, Any]] = {
+    "whole": {"layerwise": False},
+    "layerwise": {"layerwise": True},
+}
+
 #: where the harness puts vLLM's KV cache: "cpu", or "cuda" under `make gpu-check`
 DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 

@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 from testkit.servers import ServerProcess, start_server
 from testkit.tiny_models import write_tiny_llama
-from testkit.vllm_harness import Harness, require_vllm
+from testkit.vllm_harness import COPY_MODES, Harness, require_vllm
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
 CHUNK = 64  # kvtier chunk: two vLLM blocks of 32
-#: the worker's two ways to copy: whole requests around the forward pass, or layer by layer
-MODES = {"whole": {"layerwise": False}, "layerwise": {"layerwise": True}}
+MODES = COPY_MODES
 
 
 @pytest.fixture(scope="module")
