@@ -91,13 +91,14 @@ class HGroup:
     window: int = 0
 
 
-def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any) -> Any:
+def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any, first: int = 0) -> Any:
     """The KV a "forward pass" writes: (T, layers, heads, content), a function of each token's
-    id and position, so two prompts differ and a misplaced block shows."""
+    id and position, so two prompts differ and a misplaced block shows; `tokens` start at
+    position `first`."""
     import torch
 
     t = torch.as_tensor(tokens, dtype=torch.int64)
-    pos = torch.arange(len(t), dtype=torch.int64)
+    pos = torch.arange(first, first + len(t), dtype=torch.int64)
     base = (t * 131 + pos * 7)[:, None, None, None]
     lay = torch.arange(layers)[None, :, None, None] * 1009
     head = torch.arange(heads)[None, None, :, None] * 37
@@ -139,6 +140,9 @@ class Harness:
     groups: list[HGroup] = field(default_factory=list)
     mamba_align: bool = False
     tp: int = 1  # tensor-parallel size: worker r is TP rank r % tp of pipeline stage r // tp
+    #: run in each attention layer of the fake forward pass, after its KV is written (the
+    #: layer's compute, for the layer-wise benchmark)
+    layer_work: Any = None
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
@@ -415,19 +419,23 @@ class Harness:
             for r, (tokens, start, end, all_ids) in enumerate(steps):
                 ids = all_ids[g.index]
                 if attention:
-                    if (r, g.index) not in values:
+                    if (r, g.index) not in values:  # only the tokens this step computes
                         values[r, g.index] = token_kv(
-                            tokens, len(g.names), g.heads_total, g.content, g.dtype
-                        )
+                            tokens[start:end], len(g.names), g.heads_total, g.content, g.dtype,
+                            start,
+                        )  # fmt: skip
                     self._write_kv(rank, g, ids, values[r, g.index], start, end, layer)
                 else:
                     self._write_state(rank, g, ids, tokens, end, layer)
+            if attention and steps and self.layer_work is not None:
+                self.layer_work()
             if attention and worker is not None and steps:
                 worker.save_kv_layer(name, cache[name], None)
 
     def _write_kv(
         self, rank: int, g: HGroup, ids: Any, values: Any, start: int, end: int, layer: int
     ) -> None:
+        """`values`: token_kv of the tokens [start, end)."""
         import torch
 
         heads = self._heads(g, rank)
@@ -438,7 +446,8 @@ class Harness:
         blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
         offsets = torch.tensor(pos, device=device) % g.block_size
         view = self.caches[rank][g.names[layer]]
-        view[blocks, :, offsets] = values[pos, layer, heads].to(device)
+        rows = [p - start for p in pos]
+        view[blocks, :, offsets] = values[rows, layer, heads].to(device)
 
     def state_block(self, g: HGroup, ids: Any, end: int) -> int:
         """vLLM's block for a Mamba state after `end` tokens: in "align" mode block p holds

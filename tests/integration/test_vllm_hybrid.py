@@ -325,7 +325,7 @@ def test_mamba_without_prefix_caching_loads_the_running_state(
 
 
 def test_sliding_window_request_preempted_resumes_from_kvtier(
-    mode: str, server: ServerProcess, harness: Callable[..., Harness]
+    server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     b = harness(
         server.address,

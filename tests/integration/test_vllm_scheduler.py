@@ -96,6 +96,10 @@ def test_round_trip_is_byte_exact(
     assert figures["loads"] == 1 and figures["load_copy_ms"] > 0
     if mode == "whole":
         assert figures["load_hidden"] == 0
+    # vLLM rebuilds each worker's stats from their data and sums them
+    summed = type(b.workers[0]).build_kv_connector_stats(dict(stats.data))
+    assert summed is not None and summed.aggregate(stats).reduce()["loads"] == 2
+    assert b.workers[0].get_kv_connector_stats() is None  # nothing copied since
 
 
 def test_layerwise_wait_returns_once_its_own_layer_is_in_place(
@@ -313,6 +317,9 @@ def test_config_is_checked_at_start(
         harness(server.address, extra={"adress": "ipc:///tmp/x.sock"})
     with pytest.raises(InvalidArgumentError, match=r"layerwise='yes' must be true, false"):
         harness(server.address, extra={"layerwise": "yes"})
+    # "auto", the default, copies whole requests where the KV cache is on the CPU
+    auto = harness(server.address).workers[0].worker_side
+    assert auto.config.layerwise == "auto" and auto.layerwise == (auto.layout.device.type == "cuda")
     odd = start_server("--l1-size", "16MiB", "--chunk-size", "48")
     try:
         with pytest.raises(InvalidArgumentError, match="multiple of the engine's block size"):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.metadata import Transfer
 from kvtier.integrations.vllm.paged import Bytes, Copier, PagedLayout
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,27 @@ class LayerGate:
 
 
 @dataclass
+class SaveJob:
+    """One save for the saver thread: the transfer, the staged pieces, the ordering event."""
+
+    save: Transfer
+    staged: Bytes | None = None  # (chunks, tail bytes): pieces copied in wait_for_save
+    event: Any = None  # GPU: recorded on the compute stream after the forward pass
+    skip: bool = False  # nothing to store from this rank (only counted for get_finished)
+    #: layer-wise: each layer opens once the forward pass wrote it (save_kv_layer)
+    gate: LayerGate | None = None
+    staged_ready: threading.Event | None = None  # layer-wise: `staged` is set
+    waited: float = 0.0  # seconds the saver waited for the forward pass (not copy time)
+    cancelled: bool = False  # layer-wise: the step never ended (shutdown): store nothing
+
+    def release(self, event: Any = None) -> None:
+        """Layer-wise: the forward pass is over (or never ends): every layer may be copied."""
+        if self.gate is not None and self.staged_ready is not None:
+            self.gate.open_all(event)
+            self.staged_ready.set()
+
+
+@dataclass
 class StepLoads:
     """One step's layer-wise loads: the gate per layer, and each load's outcome."""
 
@@ -98,6 +120,20 @@ class StepLoads:
     done: threading.Event = field(default_factory=threading.Event)
     ok: dict[str, bool] = field(default_factory=dict)  # vLLM request id -> loaded
     copy_s: float = 0.0  # the loader's time on this step
+    exposed: float = 0.0  # the forward pass's time waiting for it
+
+    def wait_layer(self, name: str) -> Any:
+        """Wait until layer `name` is in place (counted as exposed); its GPU event."""
+        t0 = time.perf_counter()
+        event = self.gate.wait(name)
+        self.exposed += time.perf_counter() - t0
+        return event
+
+    def finish(self) -> None:
+        """Wait until every copy of the step is done and its slots released."""
+        t0 = time.perf_counter()
+        self.done.wait()
+        self.exposed += time.perf_counter() - t0
 
 
 def run_step_loads(

@@ -351,9 +351,12 @@ class GpuCopier:
 
     Ordering, by construction: `mark()` records an event on the compute stream when vLLM's
     `wait_for_save` runs (after the forward pass that wrote the blocks was queued); the saver's
-    `wait(event)` makes the copy stream wait on it before any save copy starts. Loads are
-    queued on the copy stream and `sync()` waits for them before `start_load_kv` returns, so
-    attention never reads a block a load is still writing. Not exercised by `make test` (there
+    `wait(event)` makes the copy stream wait on it before any save copy starts (layer-wise: an
+    event per layer, recorded in `save_kv_layer`). Whole-request loads are queued on the copy
+    stream and `sync()` waits for them before `start_load_kv` returns; layer-wise, `flush()`
+    records an event after each layer's loads and `wait_for_layer_load` makes the compute
+    stream wait on it (`wait_compute`), so attention never reads a block a load is still
+    writing. Not exercised by `make test` (there
     is no GPU there): `make gpu-check` runs the connector tests on a CUDA machine.
     """
 

@@ -1,9 +1,10 @@
 """The worker half of the connector: registers this rank's paged layout with kvtier, loads
-chunks from the arena into vLLM's blocks before the forward pass, and saves full chunks from
-vLLM's blocks into arena slots on a background thread, so a save never holds up the forward
-pass. A failed load reports its blocks to vLLM (one KV cache group) or its request (several
-groups, whose loads vLLM waits for asynchronously); vLLM then fails the request or recomputes,
-as its `kv_load_failure_policy` says."""
+chunks from the arena into vLLM's blocks before the forward pass (or layer by layer beside it:
+layerwise.py), and saves full chunks from vLLM's blocks into arena slots on a background
+thread, so a save never holds up the forward pass. A failed load reports its blocks to vLLM
+(one KV cache group) or its request (several groups, whose loads vLLM waits for
+asynchronously); vLLM then fails the request or recomputes, as its `kv_load_failure_policy`
+says."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from kvtier.integrations.vllm.layerwise import (
     LayerGate,
     Loader,
     Overlap,
+    SaveJob,
     StepLoads,
     Stopwatch,
     forward_order,
@@ -51,20 +52,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_FLUSH_S = 60.0  # how long a clean shutdown waits for saves in flight
 
 
-@dataclass
-class _SaveJob:
-    """One save for the saver thread: the transfer, the staged pieces, the ordering event."""
-
-    save: Transfer
-    staged: Bytes | None = None  # (chunks, tail bytes): pieces copied in wait_for_save
-    event: Any = None  # GPU: recorded on the compute stream after the forward pass
-    skip: bool = False  # nothing to store from this rank (only counted for get_finished)
-    #: layer-wise: each layer opens once the forward pass wrote it (save_kv_layer)
-    gate: LayerGate | None = None
-    staged_ready: threading.Event | None = None  # layer-wise: `staged` is set
-    waited: float = 0.0  # seconds the saver waited for the forward pass (not copy time)
-
-
 class WorkerSide:
     """One rank's loads and saves: its tensor-parallel heads of its pipeline stage's layers (MLA:
     the stage's latent cache, the same on every TP rank, stored by TP rank 0 only)."""
@@ -82,7 +69,7 @@ class WorkerSide:
         self._received: set[str] = set()  # asynchronous loads done since get_finished
         self._failed: set[str] = set()  # ... and those of them that failed
         # saves: one background thread; counts of queued saves per vLLM request id
-        self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
         self._pending: dict[str, int] = {}
         self._finishing: set[str] = set()  # finished requests whose saves may still run
         self._saved_any: set[str] = set()  # requests this worker was told to save
@@ -98,8 +85,7 @@ class WorkerSide:
         self._order: list[tuple[int, int, str]] = []  # (layout group, layer, name), forward order
         self._loader: Loader | None = None
         self._step: StepLoads | None = None  # this step's layer-wise loads
-        self._step_saves: list[_SaveJob] = []  # this step's layer-wise saves, queued early
-        self._step_exposed = 0.0  # seconds the forward pass waited on this step's loads
+        self._step_saves: list[SaveJob] = []  # this step's layer-wise saves, queued early
         #: called on the loader thread once a layer's loads are in place (observes the order)
         self.layer_hook: Callable[[str], None] | None = None
         atexit.register(self.shutdown)
@@ -220,7 +206,8 @@ class WorkerSide:
                 if meta.loads:
                     self._start_step_loads(meta.loads, *ready)
                 self._queue_saves(meta, early=True)
-            self._step_exposed = sw.seconds
+            if self._step is not None:
+                self._step.exposed += sw.seconds
             return
         for load in meta.loads:
             t0 = time.perf_counter()
@@ -297,27 +284,19 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: wait until this layer's loads are in place (a GPU: until they are
         queued, and make the compute stream wait for them); other layers may still copy."""
-        step = self._step
-        if step is None:
-            return
-        t0 = time.perf_counter()
-        event = step.gate.wait(layer_name)
-        self._step_exposed += time.perf_counter() - t0
-        if event is not None and self._copier is not None:
-            self._copier.wait_compute(event)
+        if self._step is not None and self._copier is not None:
+            self._copier.wait_compute(self._step.wait_layer(layer_name))
 
     def _finish_step_loads(self) -> None:
         """End of the forward pass: wait for the rest of this step's loads, report them."""
         step, self._step = self._step, None
-        if step is None:
-            return
-        t0 = time.perf_counter()
-        step.done.wait()
-        exposed = self._step_exposed + time.perf_counter() - t0
-        self._step_exposed = 0.0
-        for load in step.loads:
-            self._loaded(load, step.ok.get(load.request_id, False), step.copy_s)
-        self.overlap.add(load_copy_s=step.copy_s, load_exposed_s=exposed, loads=len(step.ok))
+        if step is not None:
+            step.finish()
+            for load in step.loads:
+                self._loaded(load, step.ok.get(load.request_id, False), step.copy_s)
+            self.overlap.add(
+                load_copy_s=step.copy_s, load_exposed_s=step.exposed, loads=len(step.loads)
+            )
 
     def _load(self, load: Transfer) -> bool:
         ready = self._ready()
@@ -414,9 +393,7 @@ class WorkerSide:
                         _, layout, copier = ready
                         job.event = copier.mark()
                         job.staged = self._stage(layout, copier, job.save, job.event)
-                    assert job.gate is not None and job.staged_ready is not None
-                    job.gate.open_all(job.event)
-                    job.staged_ready.set()
+                    job.release(job.event)
             else:
                 self._queue_saves(meta, early=False)
         if meta.saves:
@@ -441,7 +418,7 @@ class WorkerSide:
         ready = self._ready() if meta.saves and self.config.stores(self.rank) else None
         names = [name for _, _, name in self._order]
         for save in meta.saves:
-            job = _SaveJob(save)
+            job = SaveJob(save)
             if ready is None:
                 job.skip = True  # no server, or another TP rank stores this MLA shard
             elif early:
@@ -540,7 +517,7 @@ class WorkerSide:
         for i, view in slots.targets():
             copier.save(view, li, 0, pages[i * per : (i + 1) * per], layers=layers)
 
-    def _save(self, job: _SaveJob) -> None:
+    def _save(self, job: SaveJob) -> None:
         ready = self._ready()
         if ready is None:
             return
@@ -569,6 +546,8 @@ class WorkerSide:
                     t0 = time.perf_counter()
                     job.staged_ready.wait()
                     job.waited += time.perf_counter() - t0
+                    if job.cancelled:  # the forward pass may not have written every layer
+                        raise KVTierError("the engine shut down during the step")
                 copier.sync()
                 if job.staged is not None and job.staged.shape[1]:
                     for i, view in slots.targets():
@@ -588,6 +567,9 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
+        for job in self._step_saves:  # a step that never reached wait_for_save
+            job.cancelled = True
+            job.release()
         t0 = time.monotonic()
         if not self.wait_idle(SHUTDOWN_FLUSH_S):
             logger.warning("kvtier: saves still running after %.0fs at shutdown", SHUTDOWN_FLUSH_S)
