@@ -159,6 +159,7 @@ def _row(label: str, kind: str, got: list[Any]) -> list[str]:
 def _measure(model: Path, address: str) -> str:
     import torch
 
+    load0 = os.getloadavg()[0]
     prompt = [(i * 31) % 500 + 3 for i in range(CACHED + TAIL)]
     store = _harness(model, address, False)
     store.add("store", prompt, max_tokens=1)
@@ -206,7 +207,9 @@ def _measure(model: Path, address: str) -> str:
             "faulted in first; the prefill row's step ends when its saves are done (its fake "
             "forward writes the 2k tokens' KV: slow). Hidden: the share of copy time the "
             "forward pass did not wait for (the connector's `load_hidden` / `save_hidden` "
-            f"stats). torch threads: {threads}, CPUs: {os.cpu_count()}.",
+            f"stats). torch threads: {threads}, CPUs: {os.cpu_count()}, load average "
+            f"(1 min) at the start and end: {load0:.1f}, {os.getloadavg()[0]:.1f}: other "
+            "jobs on the machine take cores too, and the step times move with them.",
             "",
             table(
                 [
