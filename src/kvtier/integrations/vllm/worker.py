@@ -393,6 +393,7 @@ class WorkerSide:
                         _, layout, copier = ready
                         job.event = copier.mark()
                         job.staged = self._stage(layout, copier, job.save, job.event)
+                    job.cancelled = ready is None  # nothing staged: store nothing
                     job.release(job.event)
             else:
                 self._queue_saves(meta, early=False)
