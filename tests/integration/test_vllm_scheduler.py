@@ -4,6 +4,7 @@ CPU tensors shaped like vLLM's paged KV cache (see vllm_harness.py), against a r
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -100,6 +101,19 @@ def test_round_trip_is_byte_exact(
     summed = type(b.workers[0]).build_kv_connector_stats(dict(stats.data))
     assert summed is not None and summed.aggregate(stats).reduce()["loads"] == 2
     assert b.workers[0].get_kv_connector_stats() is None  # nothing copied since
+    # ... and counts them in its /metrics
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+    kinds = {k: functools.partial(k, registry=registry) for k in (Counter, Gauge, Histogram)}
+    prom = type(b.workers[0]).build_prom_metrics(
+        b.scheduler.vllm_config, kinds, ["engine"], {0: ["0"]}
+    )
+    prom.observe(stats.data, 0)
+    copied = registry.get_sample_value("vllm:kvtier_load_copy_seconds_total", {"engine": "0"})
+    waited = registry.get_sample_value("vllm:kvtier_load_waited_seconds_total", {"engine": "0"})
+    assert copied == pytest.approx(stats.data["load_copy_s"])
+    assert waited == pytest.approx(stats.data["load_exposed_s"])
 
 
 def test_layerwise_wait_returns_once_its_own_layer_is_in_place(

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.stats import KVTierStats, stats_from
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, stats_from
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -150,6 +150,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
         return stats_from(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
+        """The copy seconds and the seconds waited for them, as counters in vLLM's /metrics."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
