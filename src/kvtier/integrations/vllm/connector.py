@@ -115,7 +115,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> None:
         """Layer-wise: the forward pass wrote this layer; its saves copy it now (whole-request:
         wait_for_save queues whole chunks after the forward pass)."""
-        self.worker_side.save_kv_layer(layer_name)
+        self.worker_side.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         self.worker_side.wait_for_save(self._meta())

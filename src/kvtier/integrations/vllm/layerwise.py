@@ -4,9 +4,10 @@ beside its forward pass, and the figures that say how much of them it hid.
 A layer-wise load starts in `start_load_kv` on the loader thread (on a GPU the thread queues
 the copies on the copy stream), one layer after another in the model's order; vLLM's
 `wait_for_layer_load(layer)` waits for that layer only, so layer i's copy runs while layers
-before it compute. A layer-wise save is handed to the saver thread in `start_load_kv` too; it
-opens its slots at once and copies each layer once vLLM's `save_kv_layer(layer)` says the
-forward pass wrote it (`wait_for_save` releases every layer still unannounced).
+before it compute. A layer-wise save is handed to the saver thread at the step's first
+`save_kv_layer` (vLLM calls `start_load_kv` after the forward pass in steps without loads to
+wait for); the saver opens its slots at once and copies each layer once `save_kv_layer(layer)`
+says the forward pass wrote it (`wait_for_save` releases every layer still unannounced).
 
 Overlap: each copy's time (`copy_s`) and the part of it the forward pass waited for
 (`exposed_s`: time blocked in `start_load_kv`, `wait_for_layer_load` and `wait_for_save`);

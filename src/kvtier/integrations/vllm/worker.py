@@ -86,8 +86,10 @@ class WorkerSide:
         self._loader: Loader | None = None
         self._step: StepLoads | None = None  # this step's layer-wise loads
         self._step_saves: list[SaveJob] = []  # this step's layer-wise saves, queued early
+        self._saves_begun = False  # this step's saves were queued by save_kv_layer
         #: called on the loader thread once a layer's loads are in place (observes the order)
         self.layer_hook: Callable[[str], None] | None = None
+        self.layer_calls = {"wait": 0, "save": 0}  # vLLM's per-layer calls met with copies
         atexit.register(self.shutdown)
         self.client = LazyClient(
             config.address, timeout=config.timeout, on_connect=self._setup, token=config.token
@@ -197,15 +199,13 @@ class WorkerSide:
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Whole-request: copy this step's loads from the arena into vLLM's blocks before the
         forward pass. Layer-wise: start them on the loader thread (wait_for_layer_load waits
-        for each layer), and hand this step's saves to the saver (save_kv_layer releases each
-        layer). Asynchronous loads (several KV cache groups) are done within the step either
-        way; get_finished reports them, so vLLM schedules their requests from the next step."""
-        ready = self._ready() if self.layerwise else None
+        for each layer). Asynchronous loads (several KV cache groups; vLLM starts them after
+        the forward pass) are done within the step either way; get_finished reports them, so
+        vLLM schedules their requests from the next step."""
+        ready = self._ready() if self.layerwise and meta.loads else None
         if ready is not None:
             with Stopwatch() as sw:
-                if meta.loads:
-                    self._start_step_loads(meta.loads, *ready)
-                self._queue_saves(meta, early=True)
+                self._start_step_loads(meta.loads, *ready)
             if self._step is not None:
                 self._step.exposed += sw.seconds
             return
@@ -285,6 +285,7 @@ class WorkerSide:
         """Layer-wise: wait until this layer's loads are in place (a GPU: until they are
         queued, and make the compute stream wait for them); other layers may still copy."""
         if self._step is not None and self._copier is not None:
+            self.layer_calls["wait"] += 1
             self._copier.wait_compute(self._step.wait_layer(layer_name))
 
     def _finish_step_loads(self) -> None:
@@ -379,14 +380,15 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         """Queue this step's saves; the saver thread copies them while the next steps run
-        (layer-wise: queued in start_load_kv, copied as save_kv_layer releases each layer;
-        here every layer is released). The pieces of groups whose blocks vLLM frees soon
+        (layer-wise: queued at the step's first save_kv_layer, copied as each layer is
+        released; here every layer is released). The pieces of groups whose blocks vLLM frees soon
         (sliding window, Mamba state) are staged here, before this returns: the next schedule
         may free or overwrite those blocks. Layer-wise, first waits for this step's loads."""
         self._finish_step_loads()
         with Stopwatch() as sw:
             jobs, self._step_saves = self._step_saves, []
-            if jobs:
+            begun, self._saves_begun = self._saves_begun, False
+            if begun:
                 ready = self._ready()
                 for job in jobs:
                     if ready is not None:
@@ -400,10 +402,18 @@ class WorkerSide:
         if meta.saves:
             self.overlap.add(save_exposed_s=sw.seconds, saves=len(meta.saves))
 
-    def save_kv_layer(self, layer_name: str) -> None:
-        """Layer-wise: the forward pass wrote this layer; its saves may copy it now."""
+    def save_kv_layer(self, layer_name: str, meta: KVTierConnectorMetadata) -> None:
+        """Layer-wise: the forward pass wrote this layer; its saves may copy it now. The step's
+        first call hands its saves to the saver (vLLM binds the step's metadata before the
+        forward pass, but calls start_load_kv after it when the step has no loads to wait for)."""
+        if not self.layerwise:
+            return
+        if not self._saves_begun:
+            self._saves_begun = True
+            self._queue_saves(meta, early=True)
         if not self._step_saves or self._copier is None:
             return
+        self.layer_calls["save"] += 1
         event = self._copier.mark()  # GPU: after the layer's writes were queued
         for job in self._step_saves:
             assert job.gate is not None
