@@ -84,6 +84,7 @@ class WorkerSide:
         self.layerwise = False
         self._order: list[tuple[int, int, str]] = []  # (layout group, layer, name), forward order
         self._loader: Loader | None = None
+        self._load_copier: Copier | None = None
         self._step: StepLoads | None = None  # this step's layer-wise loads
         self._step_saves: list[SaveJob] = []  # this step's layer-wise saves, queued early
         self._saves_begun = False  # this step's saves were queued by save_kv_layer
@@ -119,6 +120,9 @@ class WorkerSide:
             self.layerwise = use_layerwise(self.config.layerwise, self.layout.device.type)
             if self.layerwise and self._loader is None:
                 self._loader = Loader(f"kvtier-vllm-loader-{self.worker_id}")
+                # a GPU: a copy stream of the loads' own, so a load never queues behind a save
+                # waiting for the forward pass to write its layer
+                self._load_copier = copier_for(self.layout, client.arena_bytes)
         client.register(
             model=self.config.model,
             world_size=self.config.world_size,
@@ -204,8 +208,9 @@ class WorkerSide:
         vLLM schedules their requests from the next step."""
         ready = self._ready() if self.layerwise and meta.loads else None
         if ready is not None:
+            client, layout, _ = ready
             with Stopwatch() as sw:
-                self._start_step_loads(meta.loads, *ready)
+                self._start_step_loads(meta.loads, client, layout, self._load_copier or ready[2])
             if self._step is not None:
                 self._step.exposed += sw.seconds
             return
@@ -284,9 +289,9 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: wait until this layer's loads are in place (a GPU: until they are
         queued, and make the compute stream wait for them); other layers may still copy."""
-        if self._step is not None and self._copier is not None:
+        if self._step is not None and self._load_copier is not None:
             self.layer_calls["wait"] += 1
-            self._copier.wait_compute(self._step.wait_layer(layer_name))
+            self._load_copier.wait_compute(self._step.wait_layer(layer_name))
 
     def _finish_step_loads(self) -> None:
         """End of the forward pass: wait for the rest of this step's loads, report them."""
