@@ -196,20 +196,20 @@ def _measure(model: Path, address: str) -> str:
             "## vLLM layer-wise copies",
             "",
             f"vLLM's Scheduler with the connector's worker side (CPU tensors), a real `kvtier "
-            f"serve`: a {LAYERS}-layer model ({HEADS} KV heads of 128, float32: {mib:.0f} MiB of "
-            f"KV for {CACHED} tokens), a request whose first {CACHED} tokens kvtier holds and "
-            f"whose last {TAIL} it computes. The fake forward pass writes the computed tokens' "
-            "KV layer by layer (a few ms of Python and small torch ops a layer, which release "
-            "the GIL little); the rows with matrix work add, in each layer, a fixed matrix "
-            "product on torch's threads (calibrated to about a layer's share of the copy; the "
-            "compute column is what it took per step). Step time: the median of "
-            f"{REPEAT} fresh requests, the two modes' requests interleaved, the caches' pages "
-            "faulted in first; the prefill row's step ends when its saves are done (its fake "
-            "forward writes the 2k tokens' KV: slow). Hidden: the share of copy time the "
-            "forward pass did not wait for (the connector's `load_hidden` / `save_hidden` "
-            f"stats). torch threads: {threads}, CPUs: {os.cpu_count()}, load average "
-            f"(1 min) at the start and end: {load0:.1f}, {os.getloadavg()[0]:.1f}: other "
-            "jobs on the machine take cores too, and the step times move with them.",
+            f"serve`: a {LAYERS}-layer model ({HEADS} KV heads of 128, float32: {mib:.0f} MiB "
+            f"of KV for {CACHED} tokens), a request whose first {CACHED} tokens kvtier holds "
+            f"and whose last {TAIL} it computes. The fake forward pass writes the computed "
+            "tokens' KV layer by layer (Python and small torch ops); the rows with matrix work "
+            "add, in each layer, a fixed matrix product on torch's threads (calibrated to about "
+            "a layer's share of the copy; the compute column is what it took per step). Step "
+            f"time: the median of {REPEAT} fresh requests, the two modes' requests "
+            "interleaved, the caches' pages faulted in first; the prefill row's step ends when "
+            "its saves are done (its fake forward writes the 2k tokens' KV: slow). Hidden: the "
+            "share of copy time the forward pass did not wait for (the connector's "
+            f"`load_hidden` / `save_hidden` stats). torch threads: {threads}, CPUs: "
+            f"{os.cpu_count()}, load average (1 min) at the start and end: {load0:.1f}, "
+            f"{os.getloadavg()[0]:.1f}: other jobs on the machine take cores too, and the step "
+            "times move with them.",
             "",
             table(
                 [
