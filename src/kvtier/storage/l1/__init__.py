@@ -7,8 +7,8 @@ costs in proportion to what it touches (an owner's shards, the pins that expire)
 whole index.
 
 It also counts, per tenant, the bytes that no eviction can take back: staging slots, quarantined
-(fenced) slots and pinned groups (`tenant_usage`). The server's shares (`server/stores.py`,
-`server/lookups.py`) are checked against these counts.
+(fenced) slots and pinned groups (`tenant_usage`). The server's shares (`server/requests/stores.py`,
+`server/requests/lookups.py`) are checked against these counts.
 
 Its parts, one job each: `records` (a shard, a group, a pin), `stats` (what it reports),
 `index` (the groups, their LRU order, eviction and clearing), `writes` (staging slots: reserve,
