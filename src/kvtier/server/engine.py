@@ -11,7 +11,7 @@ keeps the reaping and the admin accessors. Each request family has its own modul
 and handed the parts it needs: `handshake.py` (Hello, Register), `lookups.py` (Lookup,
 LookupPoll, ExistsKeys), `stores.py` (Reserve, Commit, Abort, StoreInline and their
 key-addressed forms), `retrieves.py` (Retrieve, RetrieveDone), `sessions.py` (a request's session
-and chunk names, the session bounds, a session's end).
+and chunk names, the session bounds, a session's end), `handoffs.py` (prefill/decode hand-offs).
 
 State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
 L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
