@@ -193,3 +193,34 @@ def test_handoff_is_never_in_the_kv_events(
         for path in (pub, rep):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path.removeprefix("ipc://"))
+
+
+def test_producer_and_consumer_of_other_world_sizes_are_refused_at_registration(
+    server: ServerProcess,
+) -> None:
+    """A hand-off consumer whose shards differ from a connected producer's (another TP size)
+    is refused when it registers, naming both sizes; the same size, another model, and a
+    worker in neither role are not."""
+    from kvtier.errors import InvalidArgumentError
+
+    def register(c: Client, model: str, world: int, role: str) -> None:
+        c.register(model=model, world_size=world, chunk_shape=SHAPE, dtype="float16", role=role)
+
+    with Client(server.address) as p, Client(server.address) as d, Client(server.address) as o:
+        register(p, "m2", 2, "kv_producer")
+        try:
+            register(d, "m2", 1, "kv_consumer")
+        except InvalidArgumentError as exc:
+            assert "over 1 shards" in str(exc) and "uses 2" in str(exc), exc
+        else:
+            raise AssertionError("a consumer of another world size registered")
+        register(d, "m2", 2, "kv_consumer")
+        register(o, "m2", 1, "")  # a kv_both engine of another TP size shares only the cache
+        register(o, "m3", 1, "kv_consumer")
+        try:
+            register(o, "m2", 1, "decoder")
+        except InvalidArgumentError as exc:
+            assert "role must be one of" in str(exc), exc
+        else:
+            raise AssertionError("an unknown role was accepted")
+        assert d.exists_keys(["x/0"], model="m2") == 0  # the refusals left the client usable
