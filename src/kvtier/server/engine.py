@@ -153,7 +153,11 @@ class Engine:
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
         self.sessions.destroy_listeners.append(self.session_book.end)
         self.handoffs = HandoffBook(
-            l1=self.l1, tiers=self.tiers, metrics=self.metrics, lease_s=config.handoff_lease
+            l1=self.l1,
+            tiers=self.tiers,
+            metrics=self.metrics,
+            lease_s=config.handoff_lease,
+            clock=clock,
         )
         self.stores = StoreBook(
             config,
@@ -310,6 +314,7 @@ class Engine:
             lapsed = self.l1.reclaim_pins(self._pin_owner_seen)
             self.retrieves.pins_lapsed(lapsed)
             handed_off = self.handoffs.lapsed(lapsed)
+            self.handoffs.release_shared()
             pins = len(lapsed)
         self.handoffs.delete_l2(handed_off)  # tier I/O, outside the lock
         return ThreadRunSummary(

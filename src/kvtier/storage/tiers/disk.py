@@ -110,6 +110,7 @@ class DiskTier:
     """An L2 tier of files under `path`, at most `capacity_bytes` in all (0 = unbounded)."""
 
     kind = "disk"
+    shared = False  # this machine's own files
 
     def __init__(
         self,

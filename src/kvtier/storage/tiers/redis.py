@@ -117,6 +117,7 @@ class RespTier:
     """
 
     kind = "redis"
+    shared = True  # every server with the URL reads it
     name: str
     prefix: str
     ttl: int | None
