@@ -267,14 +267,18 @@ class Client:
         worker_id: int = 0,
         chunk_shape: Sequence[int],
         dtype: str,
+        role: str = "",
     ) -> None:
-        """Tell the server this worker's KV layout: one chunk of its shard is `chunk_shape`."""
+        """Tell the server this worker's KV layout: one chunk of its shard is `chunk_shape`.
+        `role`: its part in prefill/decode hand-offs ("kv_producer", "kv_consumer"; "" none),
+        refused when a peer of the other role has registered the model with another
+        world size."""
         dtype = str(dtype).removeprefix("torch.")
         try:
             shape = [int(d) for d in chunk_shape]
         except (TypeError, ValueError) as exc:
             raise BadArrayError(f"chunk_shape {chunk_shape!r} must be a sequence of ints") from exc
-        register = p.Register(model, world_size, worker_id, shape, dtype)
+        register = p.Register(model, world_size, worker_id, shape, dtype, role=role)
         self._connection.register(register)  # sent again to a restarted server
         self._world_sizes[model] = world_size
 

@@ -242,6 +242,8 @@ def build_engine(
             notes=notes if notes is not None else ChunkNotes(),
         )
         engine = Engine(config, parts, clock=clock)
+        if isinstance(tiers.observer, Observers):  # which hand-off chunks reach a shared tier
+            tiers.observer.add(engine.handoffs)
     except BaseException:  # a server that fails at start leaves no segment in /dev/shm
         arena.close()
         if built_tiers:

@@ -11,7 +11,7 @@ keeps the reaping and the admin accessors. Each request family has its own modul
 and handed the parts it needs: `handshake.py` (Hello, Register), `lookups.py` (Lookup,
 LookupPoll, ExistsKeys), `stores.py` (Reserve, Commit, Abort, StoreInline and their
 key-addressed forms), `retrieves.py` (Retrieve, RetrieveDone), `sessions.py` (a request's session
-and chunk names, the session bounds, a session's end).
+and chunk names, the session bounds, a session's end), `handoffs.py` (prefill/decode hand-offs).
 
 State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
 L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
@@ -153,7 +153,11 @@ class Engine:
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
         self.sessions.destroy_listeners.append(self.session_book.end)
         self.handoffs = HandoffBook(
-            l1=self.l1, tiers=self.tiers, metrics=self.metrics, lease_s=config.handoff_lease
+            l1=self.l1,
+            tiers=self.tiers,
+            metrics=self.metrics,
+            lease_s=config.handoff_lease,
+            clock=clock,
         )
         self.stores = StoreBook(
             config,
@@ -310,6 +314,7 @@ class Engine:
             lapsed = self.l1.reclaim_pins(self._pin_owner_seen)
             self.retrieves.pins_lapsed(lapsed)
             handed_off = self.handoffs.lapsed(lapsed)
+            self.handoffs.release_shared()
             pins = len(lapsed)
         self.handoffs.delete_l2(handed_off)  # tier I/O, outside the lock
         return ThreadRunSummary(

@@ -108,6 +108,7 @@ class WorkerSide:
             worker_id=self.worker_id,
             chunk_shape=self.layout.chunk_shape,
             dtype=self.layout.dtype_name,
+            role="" if self.config.role == "kv_both" else self.config.role,
         )
 
     def _ready(self) -> tuple[Client, PagedLayout, Copier] | None:

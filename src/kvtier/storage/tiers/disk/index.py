@@ -49,6 +49,7 @@ class DiskIndex:
     (0 = unbounded); its reads and writes are subclasses (see `DiskTier`)."""
 
     kind = "disk"
+    shared = False  # this machine's own files
 
     def __init__(
         self,

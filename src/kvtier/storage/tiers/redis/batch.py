@@ -31,6 +31,7 @@ class BatchEngine:
     `RespTier`)."""
 
     kind = "redis"
+    shared = True  # every server with the URL reads it
     name: str
     prefix: str
     ttl: int | None
