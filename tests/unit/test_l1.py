@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from testkit.clock import FakeClock
 
-from kvtier.arena import PAGE_SIZE
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.observe.snapshots import L1Stats, TenantUsage
 from kvtier.storage.admission import AdmissionStats
+from kvtier.storage.arena import PAGE_SIZE
 from kvtier.storage.l1 import L1Store
 
 PAGE = PAGE_SIZE

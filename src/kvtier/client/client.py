@@ -18,9 +18,9 @@ import numpy.typing as npt
 
 from kvtier import protocol as p
 from kvtier.client.connection import Connection, NoReply, Transfer, reply_as
+from kvtier.client.copying import copy_pairs
 from kvtier.client.ranges import ChunkRange, range_of
 from kvtier.client.slots import RetrievedSlots, StoreSlots
-from kvtier.copying import copy_pairs
 from kvtier.errors import (
     BadArrayError,
     InvalidArgumentError,

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
-from kvtier.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.config import ConfigError, ServerConfig, admin_token_file, format_size
 from kvtier.hashing import TokenHasher
 from kvtier.periodic import (
@@ -52,6 +51,7 @@ from kvtier.server.views import AdminViews
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
 from kvtier.storage.admission import make_policy
+from kvtier.storage.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.observers import NO_OBSERVER, Observers, StorageObserver

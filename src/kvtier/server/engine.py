@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import protocol as p
-from kvtier.arena import Arena
 from kvtier.config import ServerConfig
 from kvtier.errors import KVTierError, NotConnectedError
 from kvtier.hashing import TokenHasher
@@ -59,6 +58,7 @@ from kvtier.server.requests.stores import StoreBook
 from kvtier.server.routes import Call, Route, route_of
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher

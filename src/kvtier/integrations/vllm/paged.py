@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.copying import copy_addresses
+from kvtier.client.copying import copy_addresses
 from kvtier.errors import InvalidArgumentError
 from kvtier.integrations.vllm.config import CacheGroup
 
@@ -188,7 +188,7 @@ def page_runs(pages: Sequence[int], merge: bool = True) -> list[tuple[int, int, 
 
 class CpuCopier:
     """Page copies on the CPU: one memcpy per run of consecutive pages and layer, gathered by
-    `save` / `load` as (dst, src, size) addresses and run by `sync` (kvtier.copying).
+    `save` / `load` as (dst, src, size) addresses and run by `sync` (kvtier.client.copying).
 
     On vLLM's CPU layouts every page is contiguous, so a copy is named by address arithmetic
     instead of numpy slices (a 16k-token transfer is thousands of page runs: slicing them cost

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from kvtier import protocol as p
 from kvtier._version import __version__
-from kvtier.arena import Arena
 from kvtier.errors import (
     HashContractError,
     InvalidArgumentError,
@@ -40,6 +39,7 @@ from kvtier.server import tenants
 from kvtier.server.auth import Authenticator, Credential
 from kvtier.server.fencing import ProcessWatch, ProcessWatches, Watch
 from kvtier.server.leases import LeaseBook, Peer, Registration
+from kvtier.storage.arena import Arena
 
 __all__ = ["NO_ARENA", "Handshake"]
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier import protocol as p
-from kvtier.arena import Arena
 from kvtier.config import ServerConfig
 from kvtier.errors import BadArrayError, KVTierError, LeaseExpiredError, UnknownReservationError
 from kvtier.keys import ChunkKey
@@ -40,6 +39,7 @@ from kvtier.server.observe.metrics import Metrics
 from kvtier.server.requests.handoffs import HandoffBook, handoff_holder
 from kvtier.server.requests.sessions import SessionBook
 from kvtier.server.writethrough import Shard, WriteThrough
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store, stored_holder
 from kvtier.storage.manager import TierManager
 
