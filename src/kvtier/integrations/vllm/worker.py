@@ -91,7 +91,15 @@ class WorkerSide:
         `kvtier.integrations.amx`): a first step that only finishes a loaded prompt may reach
         vLLM's AMX attention before anything else asked."""
         if any(kv.device.type == "cpu" for kv in kv_caches.values()):
-            request_amx_tiles(f"KVTierConnector worker {self.worker_id}")
+            who = f"KVTierConnector worker {self.worker_id}"
+            tiles = request_amx_tiles(who)
+            if not tiles.offered and torch.cpu._is_amx_tile_supported():  # vLLM's own test
+                logger.warning(
+                    "%s: the CPU reports AMX but Linux offers no AMX tiles to processes: "
+                    "vLLM's bfloat16 attention may stop the worker with SIGILL (--dtype "
+                    "float32 does without them)",
+                    who,
+                )
         self._kv_caches = kv_caches
         client = self.client.try_connect(f"KVTierConnector worker {self.worker_id}")
         if client is not None and self.layout is None:
