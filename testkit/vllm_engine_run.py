@@ -103,6 +103,11 @@ def main() -> None:
         **lora_args,
     )
     startup = time.perf_counter() - t0
+    # the engine's worker is this process (uni executor) and no step has run yet (eager): are
+    # AMX tiles granted to it (the connector asks for them as it gets the KV cache)?
+    from kvtier.integrations.amx import amx_tiles
+
+    amx = amx_tiles()
     prompts = json.loads(Path(args.prompts).read_text())
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, logprobs=1, detokenize=False
@@ -155,7 +160,11 @@ def main() -> None:
                     ],
                 }
             )
-    result: dict[str, object] = {"startup_s": startup, "runs": runs}
+    result: dict[str, object] = {
+        "startup_s": startup,
+        "runs": runs,
+        "amx": {"offered": amx.offered, "granted": amx.granted},
+    }
     if args.kv_report:
         result["kv"] = kv_report(llm)
     print("RESULT " + json.dumps(result), flush=True)

@@ -31,9 +31,14 @@ def test_second_engine_reuses_the_first_engines_kv(tmp_path: Path) -> None:
         first = run_engine(model_dir, prompts, "--address", server.address)["runs"][0]
         assert first["num_cached_tokens"] == 0
         # the first engine process has exited: its finished request's chunks are in kvtier
-        second = run_engine(model_dir, prompts, "--address", server.address)["runs"][0]
+        engine = run_engine(model_dir, prompts, "--address", server.address)
+        second = engine["runs"][0]
     finally:
         server.stop()
+    # the connector asked Linux for AMX tiles for the worker before its first step: vLLM's
+    # bfloat16 attention uses them where the CPU has them, and a fresh eager engine whose first
+    # step only finishes a loaded prompt reaches it before anything else asked (SIGILL)
+    assert engine["amx"]["granted"] == engine["amx"]["offered"], engine["amx"]
     baseline = run_engine(model_dir, prompts)["runs"][0]
     assert second["num_cached_tokens"] == 256
     assert second["tokens"] == baseline["tokens"] == first["tokens"]

@@ -22,6 +22,7 @@ import torch
 from kvtier.client import ChunkRange, Client, RetrievedSlots, StoreSlots
 from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
+from kvtier.integrations.amx import request_amx_tiles
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
 from kvtier.integrations.vllm.config import CacheGroup, ConnectorConfig, check_group_blocks
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
@@ -85,7 +86,20 @@ class WorkerSide:
     # -- registration ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Keep vLLM's per-layer KV views and register this rank's chunk layout with kvtier."""
+        """Keep vLLM's per-layer KV views and register this rank's chunk layout with kvtier.
+        On the CPU, first ask Linux for AMX tiles for this worker process (see
+        `kvtier.integrations.amx`): a first step that only finishes a loaded prompt may reach
+        vLLM's AMX attention before anything else asked."""
+        if any(kv.device.type == "cpu" for kv in kv_caches.values()):
+            who = f"KVTierConnector worker {self.worker_id}"
+            tiles = request_amx_tiles(who)
+            if not tiles.offered and torch.cpu._is_amx_tile_supported():  # vLLM's own test
+                logger.warning(
+                    "%s: the CPU reports AMX but Linux offers no AMX tiles to processes: "
+                    "vLLM's bfloat16 attention may stop the worker with SIGILL (--dtype "
+                    "float32 does without them)",
+                    who,
+                )
         self._kv_caches = kv_caches
         client = self.client.try_connect(f"KVTierConnector worker {self.worker_id}")
         if client is not None and self.layout is None:
