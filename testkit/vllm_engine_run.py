@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--address", default=None, help="kvtier address; none: no connector")
     parser.add_argument("--offload", action="store_true", help="vLLM's OffloadingConnector")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens always")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=0, help="a prefill step's tokens; 0: all"
@@ -55,6 +56,9 @@ def main() -> None:
     )
     parser.add_argument("--kv-report", action="store_true", help="report the KV cache layout")
     parser.add_argument("--failure-policy", default="recompute", help="kv_load_failure_policy")
+    parser.add_argument(
+        "--speculative-config", default="", help="JSON: vLLM's speculative_config (none: off)"
+    )
     args = parser.parse_args()
 
     import logging
@@ -99,6 +103,11 @@ def main() -> None:
         distributed_executor_backend="uni",
         seed=0,
         **({"enable_prefix_caching": False} if args.no_prefix_caching else {}),
+        **(
+            {"speculative_config": json.loads(args.speculative_config)}
+            if args.speculative_config
+            else {}
+        ),
         **({"block_size": args.block_size} if args.block_size else {}),
         **lora_args,
     )
@@ -110,7 +119,11 @@ def main() -> None:
     amx = amx_tiles()
     prompts = json.loads(Path(args.prompts).read_text())
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=0.0, logprobs=1, detokenize=False
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        logprobs=1,
+        detokenize=False,
+        ignore_eos=args.ignore_eos,
     )
 
     def fresh_prefix_cache() -> None:
@@ -203,6 +216,7 @@ def kv_report(llm: object) -> dict[str, object]:
         groups.append(
             {
                 "spec": type(spec).__name__,
+                "eagle": bool(getattr(group, "is_eagle_group", False)),
                 "fields": fields,
                 "layers": list(group.layer_names),
                 "page_size_bytes": page,
