@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument(
         "--speculative-config", default="", help="JSON: vLLM's speculative_config (none: off)"
     )
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights of vLLM's")
     args = parser.parse_args()
 
     import logging
@@ -102,6 +103,8 @@ def main() -> None:
         kv_transfer_config=kv_transfer,
         distributed_executor_backend="uni",
         seed=0,
+        load_format=args.load_format,
+        disable_log_stats=not args.speculative_config,  # drafts counted in its metrics
         **({"enable_prefix_caching": False} if args.no_prefix_caching else {}),
         **(
             {"speculative_config": json.loads(args.speculative_config)}
@@ -180,6 +183,12 @@ def main() -> None:
     }
     if args.kv_report:
         result["kv"] = kv_report(llm)
+    if args.speculative_config:  # what the drafter proposed and the target accepted
+        result["spec"] = {
+            m.name.removeprefix("vllm:spec_decode_"): m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")
+        }
     print("RESULT " + json.dumps(result), flush=True)
 
 

