@@ -162,9 +162,12 @@ class Harness:
         enable_prefix_caching: bool = True,
         kv_load_failure_policy: str = "recompute",
         kv_role: str = "kv_both",
+        speculative: dict[str, Any] | None = None,
     ) -> Harness:
         """`specs`: rank -> {layer name: KVCacheSpec} for a model vLLM's hybrid KV cache
-        manager groups (sliding window, MLA, Mamba); None: the tiny Llama's one group."""
+        manager groups (sliding window, MLA, Mamba); None: the tiny Llama's one group.
+        `speculative`: vLLM's speculative config; an EAGLE head's layer (its `model`'s layers)
+        joins the Llama's group after the target's layers, as vLLM groups it."""
         import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -178,6 +181,9 @@ class Harness:
         kv_heads = int(cfg["num_key_value_heads"])
         head_size = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
+        if speculative and speculative.get("model"):
+            draft = json.loads((Path(speculative["model"]) / "config.json").read_text())
+            layers += int(draft["num_hidden_layers"])
         per_rank = kv_heads // tensor_parallel_size
         knobs: dict[str, Any] = {
             "address": address,
@@ -191,6 +197,7 @@ class Harness:
             "enable_prefix_caching": enable_prefix_caching,
             "kv_load_failure_policy": kv_load_failure_policy,
             "kv_role": kv_role,
+            "speculative": speculative,
         }
         sched_config = vllm_config(model_dir, **knobs)
         if specs is None:

@@ -16,6 +16,7 @@ from kvtier.integrations.seam import (
     prefill_speed,
     refuse_unknown_keys,
 )
+from kvtier.integrations.vllm.drafting import drafting
 
 DEFAULT_ADDRESS = "ipc:///tmp/kvtier.sock"
 DEFAULT_TIMEOUT_S = 5.0
@@ -77,6 +78,11 @@ class ConnectorConfig:
     prefill_tokens_per_s: float = 0.0  # stated to kvtier with each lookup (0 = unknown)
     role: Role = "kv_both"  # vLLM's kv_role: kv_producer stores hand-offs, kv_consumer reads
     handoff_wait: float = DEFAULT_HANDOFF_WAIT_S  # kv_consumer: bounded wait for a hand-off
+    #: speculative decoding (drafting.py): tokens past a position that the drafter's KV at that
+    #: position reads (EAGLE, EAGLE-3, MTP: 1, multi-module MTP: its modules; 0: none), and
+    #: the trailing computed tokens vLLM prefills again (their draft KV is not final yet)
+    draft_lookahead: int = 0
+    draft_reprefill: int = 0
 
     @property
     def mla(self) -> bool:
@@ -157,9 +163,10 @@ class ConnectorConfig:
                 "end, not one token before it, where the decode instance resumes: run this "
                 "model with kv_role kv_both"
             )
+        draft = drafting(vllm_config)
         return cls(
             address=str(extra.get("address", DEFAULT_ADDRESS)),
-            model=str(model),
+            model=str(model) + draft.name_suffix(explicit=bool(extra.get("model"))),
             timeout=timeout,
             token=token,
             block_size=block_size,
@@ -169,6 +176,8 @@ class ConnectorConfig:
             prefill_tokens_per_s=prefill,
             role=role,
             handoff_wait=wait,
+            draft_lookahead=draft.lookahead,
+            draft_reprefill=draft.reprefill,
         )
 
 
@@ -225,8 +234,9 @@ def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
             if spec.num_speculative_blocks:
                 raise InvalidArgumentError(
                     f"{what}: KVTierConnector stores one Mamba state per chunk, not speculative "
-                    "decoding's extra state blocks; run without --speculative-config, or "
-                    "without --kv-transfer-config"
+                    "decoding's extra state blocks (a hybrid Mamba / linear-attention model "
+                    "with --speculative-config); run this model without --speculative-config, "
+                    "or without --kv-transfer-config"
                 )
         else:
             raise InvalidArgumentError(
