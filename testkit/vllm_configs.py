@@ -23,6 +23,7 @@ def vllm_config(
     kv_role: str = "kv_both",
     mamba_cache_mode: str = "none",
     enable_prefix_caching: bool = True,
+    layout: str = "LBHNC",
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -41,7 +42,7 @@ def vllm_config(
         enforce_eager=True,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    cache_config.kv_cache_layout = "LBHNC"
+    cache_config.kv_cache_layout = layout
     cache_config.mamba_cache_mode = mamba_cache_mode
     scheduler_config = SchedulerConfig(
         max_num_seqs=16,
