@@ -114,83 +114,46 @@ def _kinds(family: str) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_group_round_trips_byte_exact(
+def test_one_copy_for_two_tp_ranks_every_group_byte_exact_hits_where_every_group_resumes(
     server: ServerProcess, harness: Callable[..., Harness], family: str
 ) -> None:
-    prompt = _prompt(FAMILIES.index(family) + 1, 600)  # 2 full chunks and a tail
-    _store(harness, server.address, family, prompt)
-    b = harness(server.address, family)
+    """A TP=2 engine stores one copy of every group (nothing is split over TP ranks); another
+    loads it into both ranks, byte for byte in every layer of every group. A hit is a point
+    every group resumes from: DeepSeek-V3.2 and GLM-5 keep every block of every layer (a hit
+    is whole blocks, one token short of the prompt); DeepSeek-V4's sliding windows and
+    compressor states are read at the hit's end (a hit is whole chunks, where each 4:1 and
+    128:1 state is complete)."""
+    tp2: dict[str, Any] = {"tensor_parallel_size": 2}
+    stored = _prompt(FAMILIES.index(family) + 1, 2 * CHUNK + 88)  # 2 full chunks and a tail
+    _store(harness, server.address, family, stored, **tp2)
+    # vLLM's own prefix cache off: every token not computed comes from kvtier
+    b = harness(server.address, family, enable_prefix_caching=False, **tp2)
     assert sorted((g.kind, g.tokens_per_state) for g in b.groups) == sorted(_kinds(family))
-    config = b.workers[0].kvtier_config
-    assert config.mla and config.world_size == 1  # nothing is split over TP ranks
-    b.add("b", prompt)
-    out = b.step(forward=False)
-    (load,) = out.kv_connector_metadata.loads
-    assert (load.start, load.end) == (0, 2 * CHUNK)
-    if "b" not in out.num_scheduled_tokens:
-        b.step_until_scheduled("b", forward=False)
-    assert b.num_cached["b"] == 2 * CHUNK
-    _assert_groups_exact(b, "b", prompt[: 2 * CHUNK])
-    b.run_until_done(["b"])
-    assert not b.invalid_blocks_seen and not b.failed_loads_seen
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_hit_is_a_point_every_group_resumes_from(
-    server: ServerProcess, harness: Callable[..., Harness], family: str
-) -> None:
-    """DeepSeek-V3.2 / GLM-5 keep every block of every layer: a hit is cut to whole blocks, one
-    token short of the prompt. DeepSeek-V4's sliding windows and compressor states are read at
-    the hit's end: a hit is whole chunks, where each 4:1 and 128:1 state is complete."""
-    stored = _prompt(10 + FAMILIES.index(family), 2 * CHUNK + 8)
-    _store(harness, server.address, family, stored)
-    # the same first 2 chunks, ending 10 tokens into the second: only what was stored whole
-    b = harness(server.address, family)
-    short = stored[: CHUNK + CHUNK - 10]
-    b.add("short", short)
-    _run_until_loaded(b, "short")
-    assert b.num_cached["short"] == CHUNK  # the second chunk is not complete in this prompt
-    _assert_groups_exact(b, "short", short[:CHUNK])
-    # exactly the 2 stored chunks: the last token is computed (vLLM needs its logits)
-    c = harness(server.address, family)
-    exact = stored[: 2 * CHUNK]
-    c.add("exact", exact)
-    _run_until_loaded(c, "exact")
-    want = 2 * CHUNK - BLOCK if family != "deepseek-v4" else CHUNK
-    assert c.num_cached["exact"] == want
-    _assert_groups_exact(c, "exact", exact[:want])
-    # a prompt that leaves the stored one inside the first chunk: no hit
-    d = harness(server.address, family)
-    other = stored[:100] + _prompt(99, 400)
-    d.add("other", other)
-    d.step()
-    assert d.num_cached["other"] == 0
-    for h, r in ((b, "short"), (c, "exact"), (d, "other")):
-        h.run_until_done([r])
-        assert not h.invalid_blocks_seen and not h.failed_loads_seen
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_tensor_parallel_ranks_store_one_copy_both_read(
-    server: ServerProcess, harness: Callable[..., Harness], family: str
-) -> None:
-    prompt = _prompt(20 + FAMILIES.index(family), 600)
-    _store(harness, server.address, family, prompt, tensor_parallel_size=2)
-    b = harness(server.address, family, tensor_parallel_size=2)
     sides = [w.worker_side for w in b.workers]
-    assert [s.worker_id for s in sides] == [0, 0] and sides[0].config.world_size == 1
-    assert sides[0].config.stores(0) and not sides[0].config.stores(1)
-    b.add("b", prompt)
-    _run_until_loaded(b, "b")
-    assert b.num_cached["b"] == 2 * CHUNK
-    for rank in (0, 1):  # both ranks load the one copy
-        _assert_groups_exact(b, "b", prompt[: 2 * CHUNK], rank)
-    b.run_until_done(["b"])
+    assert sides[0].config.mla and [s.worker_id for s in sides] == [0, 0]
+    assert sides[0].config.world_size == 1 and not sides[0].config.stores(1)
+    cases = {  # request: (prompt, tokens kvtier serves)
+        "full": (stored, 2 * CHUNK),
+        # the 2 stored chunks exactly: the last token is computed (vLLM needs its logits)
+        "exact": (stored[: 2 * CHUNK], CHUNK if family == "deepseek-v4" else 2 * CHUNK - BLOCK),
+        # 10 tokens short of the second chunk: only what the prompt holds whole
+        "short": (stored[: 2 * CHUNK - 10], CHUNK),
+        # leaves the stored prompt inside the first chunk: nothing
+        "other": (stored[:100] + _prompt(99, 400), 0),
+    }
+    for req, (tokens, want) in cases.items():
+        b.add(req, tokens)
+        _run_until_loaded(b, req)
+        assert b.num_cached[req] == want, req
+        if want:
+            for rank in (0, 1):  # both ranks load the one copy
+                _assert_groups_exact(b, req, tokens[:want], rank)
+        b.run_until_done([req])
     assert not b.invalid_blocks_seen and not b.failed_loads_seen
     # the server holds one shard per chunk: complete at world_size 1, unknown at 2
     model = sides[0].config.model
     with Client(server.address) as client:
-        tokens = np.asarray(prompt, dtype=np.uint32)
+        tokens = np.asarray(stored, dtype=np.uint32)
         assert client.lookup("probe1", tokens, model=model, world_size=1) == 2 * CHUNK
         assert client.lookup("probe2", tokens, model=model, world_size=2) == 0
 
