@@ -153,9 +153,9 @@ def test_one_copy_for_two_tp_ranks_every_group_byte_exact_hits_where_every_group
     # the server holds one shard per chunk: complete at world_size 1, unknown at 2
     model = sides[0].config.model
     with Client(server.address) as client:
-        tokens = np.asarray(stored, dtype=np.uint32)
-        assert client.lookup("probe1", tokens, model=model, world_size=1) == 2 * CHUNK
-        assert client.lookup("probe2", tokens, model=model, world_size=2) == 0
+        ids = np.asarray(stored, dtype=np.uint32)
+        assert client.lookup("probe1", ids, model=model, world_size=1) == 2 * CHUNK
+        assert client.lookup("probe2", ids, model=model, world_size=2) == 0
 
 
 def test_a_chunk_that_is_not_a_multiple_of_every_group_block_is_refused(
