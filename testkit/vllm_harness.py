@@ -157,6 +157,7 @@ class Harness:
     mamba_align: bool = False
     tp: int = 1  # tensor-parallel size: worker r is TP rank r % tp of pipeline stage r // tp
     hash_block_size: int = 0  # tokens per prefix-cache block hash (0: block_size)
+    kv_config: Any = None  # the workers' KVCacheConfig (rank 0's), as vLLM planned it
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
@@ -295,6 +296,7 @@ class Harness:
             mamba_align=mamba_cache_mode == "align",
             tp=tensor_parallel_size,
             hash_block_size=sizes.get("hash_block_size", 0),
+            kv_config=kv_config,
         )
 
     def add(

@@ -53,9 +53,6 @@ class CacheGroup:
     #: the same bytes on every TP rank (MLA latents, DSA indexer keys, DeepSeek-V4's caches:
     #: vLLM's `max_tp_shards` 1): stored once, by TP rank 0, and read by every rank
     replicated: bool = False
-    #: vLLM's name for the group's cache (`KVCacheSpecKind`, "indexer" for a DSA indexer's
-    #: keys), with the layers' kinds joined by "+" where one group holds several
-    spec_kind: str = ""
 
     def kept_blocks(self, chunk_size: int) -> int:
         """The blocks of a chunk its piece holds: every block for full attention and MLA, the
@@ -140,7 +137,7 @@ class ConnectorConfig:
         )
         token = credential(extra, "kv_connector_extra_config")
         parallel = vllm_config.parallel_config
-        groups = cache_groups(kv_cache_config)
+        groups = cache_groups(kv_cache_config, int(parallel.tensor_parallel_size))
         block_size = int(vllm_config.cache_config.block_size)
         model = extra.get("model") or default_model_name(vllm_config, block_size)
         timeout = float(extra.get("timeout", DEFAULT_TIMEOUT_S))
@@ -202,7 +199,7 @@ def default_model_name(vllm_config: Any, block_size: int) -> str:
     return f"vllm:{model_config.model}:{weights.label}:{dtype}{quant}:b{block_size}"
 
 
-def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
+def cache_groups(kv_cache_config: Any, tp_size: int = 1) -> tuple[CacheGroup, ...]:
     """The model's KV cache groups as the connector stores them; refuses the kinds it cannot
     store, naming what to use instead.
 
@@ -222,16 +219,16 @@ def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
             layers = [_layer_kind(s, what) for s in spec.kv_cache_specs.values()]
         else:
             layers = [_layer_kind(spec, what)]
-        kinds = {kind for kind, _, _, _ in layers}
-        windows = {window for _, window, _, _ in layers}
-        replicated = {rep for _, _, rep, _ in layers}
+        kinds = {kind for kind, _, _ in layers}
+        windows = {window for _, window, _ in layers}
+        replicated = {rep for _, _, rep in layers}
         if (len(kinds) > 1 and kinds != {"full", "mla"}) or len(windows) > 1:
             raise InvalidArgumentError(
                 f"{what}: KVTierConnector stores a KV cache group whose layers keep the same "
                 f"blocks; this one mixes {sorted(kinds)} (windows {sorted(windows)}): run this "
                 "model without --kv-transfer-config"
             )
-        if len(replicated) > 1:
+        if len(replicated) > 1 and tp_size > 1:
             raise InvalidArgumentError(
                 f"{what}: its layers mix caches that every TP rank holds whole with caches "
                 "split over TP ranks; KVTierConnector stores a group one way or the other: run "
@@ -240,17 +237,8 @@ def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
         if not getattr(group, "enable_kv_transfer", True):
             continue  # a replica vLLM rebuilds from another group after a load
         kind: GroupKind = "mla" if "mla" in kinds else next(iter(kinds))
-        labels = sorted({label for _, _, _, label in layers})
         groups.append(
-            CacheGroup(
-                kind,
-                names,
-                int(spec.block_size),
-                index,
-                windows.pop(),
-                replicated=replicated.pop(),
-                spec_kind="+".join(labels),
-            )
+            CacheGroup(kind, names, int(spec.block_size), index, windows.pop(), all(replicated))
         )
     if not groups:
         raise InvalidArgumentError(
@@ -260,8 +248,8 @@ def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
     return tuple(groups)
 
 
-def _layer_kind(spec: Any, what: str) -> tuple[GroupKind, int, bool, str]:
-    """(kind, sliding window, replicated over TP ranks, vLLM's name) of one layer's spec."""
+def _layer_kind(spec: Any, what: str) -> tuple[GroupKind, int, bool]:
+    """(kind, sliding window, replicated over TP ranks) of one layer's spec."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MambaSpec,
@@ -277,12 +265,11 @@ def _layer_kind(spec: Any, what: str) -> tuple[GroupKind, int, bool, str]:
             f"{what}: KVTierConnector stores caches whose states cover whole tokens, not "
             f"{tokens_per_state} tokens per state; run this model without --kv-transfer-config"
         )
-    if type(spec) is MLAAttentionSpec:
-        role = str(getattr(getattr(spec, "cache_role", None), "value", ""))
-        return "mla", 0, True, "indexer" if role == "indexer" else "mla_attention"
+    if type(spec) is MLAAttentionSpec:  # a latent, or a DSA indexer's keys (cache_role)
+        return "mla", 0, True
     if type(spec) is FullAttentionSpec:
         # a sliding window folded into a full-attention spec (HMA off) keeps every block
-        return "full", 0, one_shard, "full_attention"
+        return "full", 0, one_shard
     if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
         if getattr(spec, "extra_retained_tokens", 0):
             raise InvalidArgumentError(
@@ -295,8 +282,7 @@ def _layer_kind(spec: Any, what: str) -> tuple[GroupKind, int, bool, str]:
                 "so no prefix can resume from it; run this model without --kv-transfer-config"
             )
         mla = type(spec) is SlidingWindowMLASpec
-        label = "sliding_window_mla" if mla else "sliding_window"
-        return "sliding", int(spec.sliding_window), mla or one_shard, label
+        return "sliding", int(spec.sliding_window), mla or one_shard
     if type(spec) is MambaSpec:
         if spec.num_speculative_blocks:
             raise InvalidArgumentError(
@@ -304,7 +290,7 @@ def _layer_kind(spec: Any, what: str) -> tuple[GroupKind, int, bool, str]:
                 "decoding's extra state blocks; run without --speculative-config, or "
                 "without --kv-transfer-config"
             )
-        return "mamba", 0, bool(getattr(spec, "tp_replicated", False)), "mamba"
+        return "mamba", 0, bool(getattr(spec, "tp_replicated", False))
     raise InvalidArgumentError(
         f"{what}: KVTierConnector stores full-attention, sliding-window, MLA (with DSA "
         f"indexers and DeepSeek-V4's compressed caches) and Mamba / linear-attention KV "
