@@ -259,7 +259,7 @@ def _layer_kind(spec: Any, what: str) -> tuple[GroupKind, int, bool]:
     )
 
     one_shard = getattr(spec, "max_tp_shards", None) == 1
-    tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    tokens_per_state = 1 if type(spec) is MambaSpec else getattr(spec, "tokens_per_state", 1)
     if not isinstance(tokens_per_state, int) or tokens_per_state < 1:
         raise InvalidArgumentError(
             f"{what}: KVTierConnector stores caches whose states cover whole tokens, not "
