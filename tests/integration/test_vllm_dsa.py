@@ -169,3 +169,45 @@ def test_a_chunk_that_is_not_a_multiple_of_every_group_block_is_refused(
             harness(odd.address, "deepseek-v4")
     finally:
         odd.stop()
+
+
+def test_caches_that_cannot_be_resumed_or_split_are_refused_naming_why() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    from kvtier.errors import InvalidArgumentError
+    from kvtier.integrations.vllm.config import cache_groups
+
+    def config(spec: Any, names: list[str]) -> Any:
+        return KVCacheConfig(
+            num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+        )
+
+    kw: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 1, "dtype": torch.bfloat16}
+    ring = CircularBufferSpec(**kw, head_size=64)  # GLM-5-Next's open compression group
+    with pytest.raises(InvalidArgumentError, match="CircularBufferSpec"):
+        cache_groups(config(ring, ["l0"]))
+    replay = SlidingWindowMLASpec(**kw, head_size=512, sliding_window=128, bounded_replay=True)
+    with pytest.raises(InvalidArgumentError, match="replayed, not cached"):
+        cache_groups(config(replay, ["l0"]))
+    # one group of an MLA latent (the same on every TP rank) and attention heads split over TP
+    # ranks: fine at TP=1 (every rank stores its own), refused at TP=2
+    mixed = UniformTypeKVCacheSpecs(
+        block_size=BLOCK,
+        kv_cache_specs={
+            "l0": MLAAttentionSpec(**kw, head_size=576, max_tp_shards=1),
+            "l1": FullAttentionSpec(**{**kw, "num_kv_heads": 2}, head_size=64),
+        },
+    )
+    (group,) = cache_groups(config(mixed, ["l0", "l1"]))
+    assert group.kind == "mla" and not group.replicated
+    with pytest.raises(InvalidArgumentError, match="tensor-parallel-size 1"):
+        cache_groups(config(mixed, ["l0", "l1"]), tp_size=2)
