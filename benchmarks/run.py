@@ -36,6 +36,7 @@ MODULES = [
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",
     "benchmarks.bench_hybrid",
+    "benchmarks.bench_dsa",
     "benchmarks.bench_trace_vllm",
     "benchmarks.bench_traffic",
     "benchmarks.bench_pd",

@@ -24,6 +24,7 @@ def vllm_config(
     mamba_cache_mode: str = "none",
     enable_prefix_caching: bool = True,
     speculative: dict[str, Any] | None = None,
+    layout: str = "LBHNC",
 ) -> Any:
     """`speculative`: vLLM's --speculative-config (method, model, num_speculative_tokens)."""
     from vllm.config import (
@@ -44,7 +45,7 @@ def vllm_config(
         enforce_eager=True,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    cache_config.kv_cache_layout = "LBHNC"
+    cache_config.kv_cache_layout = layout
     cache_config.mamba_cache_mode = mamba_cache_mode
     scheduler_config = SchedulerConfig(
         max_num_seqs=16,

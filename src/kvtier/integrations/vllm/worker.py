@@ -113,7 +113,7 @@ class WorkerSide:
             return
         if self.layout is None:
             self.layout = PagedLayout.from_kv_caches(
-                self._kv_caches, self.config.groups, client.chunk_size
+                self._kv_caches, self.config.groups, client.chunk_size, self.config.num_blocks
             )
             self._copier = copier_for(self.layout, client.arena_bytes)  # pinned for GPU copies
         client.register(

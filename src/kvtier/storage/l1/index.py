@@ -37,9 +37,10 @@ class L1Index:
         admission: AdmissionPolicy | None = None,
     ) -> None:
         """`on_evict(key, freed_bytes)` is called for each group evicted to make room;
-        `observer` hears of every group that becomes complete or stops being one (under the
-        caller's lock: it must only record). `admission` decides which new groups are kept as
-        cache (default: every one); the others are evicted first and never announced."""
+        `observer` hears of every group that becomes complete (once every shard is a resume
+        point, see `resume_prefix`) or stops being one (under the caller's lock: it must only
+        record). `admission` decides which new groups are kept as cache (default: every one);
+        the others are evicted first and never announced."""
         if capacity <= 0:
             raise ValueError(f"L1 capacity must be positive, got {capacity} (see --l1-size)")
         self._alloc = Allocator(capacity)

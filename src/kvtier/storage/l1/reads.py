@@ -102,7 +102,7 @@ class L1Reads(L1Index):
             if group is None or group.admitted or not self._admission.would_admit(key):
                 continue
             group.admitted = True
-            if group.missing == 0 and not group.doomed:
+            if group.missing == 0 and not group.doomed and not group.unresumable:
                 self._observer.stored((key,), L1_TIER)
 
     def is_admitted(self, key: ChunkKey) -> bool:

@@ -137,7 +137,10 @@ class L1Writes(L1Index):
         complete = group.missing == 0 and not group.doomed
         if complete:
             self._ready_groups += 1
-            if group.admitted:
+            # observers (KV events for routers) hear of a chunk a lookup can resume after: one
+            # that is no resume point (a Mamba state missing at its end) stays unannounced
+            # until a resume point replaces it
+            if group.admitted and not group.unresumable:
                 self._observer.stored((key,), L1_TIER)
         self._settle(group)
         return complete
