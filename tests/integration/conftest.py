@@ -80,10 +80,7 @@ def fp8_redis() -> Iterator[str]:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama (2 layers, 2 KV heads) for one test module; fails the test
     when vLLM is missing (it says how to install it)."""
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    require_vllm()
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, kv_heads=2)
 
 

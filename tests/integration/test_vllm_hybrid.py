@@ -28,10 +28,7 @@ WINDOW = 20  # a sliding-window piece keeps min(4, cdiv(19, 16) + 1) = 3 of a ch
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    require_vllm()
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-hybrid"), layers=4, kv_heads=2)
 
 
