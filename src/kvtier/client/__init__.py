@@ -5,7 +5,7 @@ server restart, the arena mapping); `client` the request API built on it, with `
 on chunks the caller names and `lookup_handle` the handle of a lookup still loading; `arrays`
 views the caller's tokens and arrays as the wire carries them; `ranges` the `ChunkRange` that
 names the chunks a store or retrieve moves; `slots` the context managers over the arena slots a
-store or retrieve hands out.
+store or retrieve hands out; `copying` the large copies between arrays and the arena.
 """
 
 from kvtier.client.client import Client
