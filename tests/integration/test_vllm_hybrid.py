@@ -92,20 +92,17 @@ def mamba_specs(rank: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
-    built: list[Harness] = []
+def harness(harness: Callable[..., Harness]) -> Callable[..., Harness]:
+    """The shared harness fixture (tests/integration/conftest.py) on this module's model, with
+    this module's block size and lengths unless a test gives its own."""
 
     def build(address: str, **kw: Any) -> Harness:
         kw.setdefault("block_size", BLOCK)
         kw.setdefault("max_model_len", 1024)
         kw.setdefault("max_num_batched_tokens", 1024)
-        h = Harness.build(model_dir, address=address, **kw)
-        built.append(h)
-        return h
+        return harness(address, **kw)
 
-    yield build
-    for h in built:
-        h.close()
+    return build
 
 
 def _prompt(seed: int, n: int) -> list[int]:
