@@ -36,6 +36,9 @@ from benchmarks.traffic_servers import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# -- measurements ----------------------------------------------------------------------------------
+
+
 @dataclass
 class Run:
     """One scenario on one arm, once."""

@@ -187,6 +187,8 @@ def free_port() -> int:
         return port
 
 
+# -- vLLM's counters -------------------------------------------------------------------------------
+
 COUNTERS = {
     "vllm:prefix_cache_hits_total": "local_hits",
     "vllm:prefix_cache_queries_total": "local_queries",
@@ -206,6 +208,9 @@ def vllm_counters(server: VLLM) -> dict[str, float]:
         if name in COUNTERS:
             out[COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+# -- a GPU's other arms ----------------------------------------------------------------------------
 
 
 def extra_arms(device: str) -> list[Arm]:
