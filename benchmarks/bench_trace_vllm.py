@@ -41,16 +41,11 @@ import httpx
 import numpy as np
 from testkit import vllm_threads
 
-from benchmarks.bench_traffic import (
-    FULL,
-    kvtier_arm,
-    kvtier_server,
-    pct,
-    vllm_counters,
-    vllm_servers,
-)
 from benchmarks.common import table
 from benchmarks.traffic_model import SPECIAL, TEMPLATE_WORDS, VOCAB, kv_bytes_per_token, write_model
+from benchmarks.traffic_scale import FULL
+from benchmarks.traffic_scenarios import pct
+from benchmarks.traffic_servers import kvtier_arm, kvtier_server, vllm_counters, vllm_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared/data/mooncake-traces/conversation_trace.jsonl"

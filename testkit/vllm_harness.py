@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from testkit.vllm_configs import hybrid_kv_cache_config, kv_cache_config, vllm_config
 
 VLLM_MISSING = (
@@ -27,11 +29,11 @@ VLLM_MISSING = (
 
 
 def require_vllm() -> None:
-    """Fail (never skip) with instructions when vLLM is missing."""
+    """Fail the test (never skip it) with instructions when vLLM is missing."""
     try:
         import vllm  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - the message is the point
-        raise RuntimeError(VLLM_MISSING) from exc
+    except ImportError:  # pragma: no cover - the message is the point
+        pytest.fail(VLLM_MISSING, pytrace=False)
 
 
 #: where the harness puts vLLM's KV cache: "cpu", or "cuda" under `make gpu-check`

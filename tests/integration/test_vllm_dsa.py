@@ -31,10 +31,7 @@ BLOCK = 64
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    require_vllm()
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-dsa"), layers=4, kv_heads=2)
 
 

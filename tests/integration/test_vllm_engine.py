@@ -25,10 +25,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    require_vllm()
     return write_tiny_llama(tmp_path_factory.mktemp("llama") / "model", layers=2, weights=True)
 
 

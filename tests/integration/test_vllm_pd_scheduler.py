@@ -8,14 +8,12 @@ vLLM's `fail` and `recompute` policies."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from testkit.servers import ServerProcess
-from testkit.tiny_models import write_tiny_llama
-from testkit.vllm_harness import Harness, require_vllm
+from testkit.vllm_harness import Harness
 
 from kvtier.integrations.vllm import handoff
 
@@ -23,29 +21,6 @@ pytestmark = pytest.mark.vllm
 
 CHUNK = 64  # kvtier chunk: two vLLM blocks of 32
 N = 150  # prompt tokens: two full chunks and a tail of 22
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, kv_heads=2)
-
-
-@pytest.fixture
-def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
-    built: list[Harness] = []
-
-    def build(address: str, **kw: Any) -> Harness:
-        h = Harness.build(model_dir, address=address, **kw)
-        built.append(h)
-        return h
-
-    yield build
-    for h in built:
-        h.close()
 
 
 def _prompt(seed: int, n: int = N) -> list[int]:

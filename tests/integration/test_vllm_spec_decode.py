@@ -24,10 +24,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny Llama (config only) and an EAGLE head for it."""
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    require_vllm()
     root = tmp_path_factory.mktemp("spec-models")
     target = write_tiny_llama(root / "llama", layers=2, kv_heads=2)
     return target, write_tiny_eagle(root / "eagle", target)

@@ -42,9 +42,10 @@ from kvtier.server.descriptors import (
 from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start_admin_server
+from kvtier.server.observe.chunk_notes import ChunkNotes
 from kvtier.server.observe.chunkmemory import ChunkMemory
 from kvtier.server.observe.event_metrics import EventMetrics
-from kvtier.server.observe.events import ChunkNotes, EventPublisher, open_events
+from kvtier.server.observe.events import EventPublisher, open_events
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.transport import Transport
 from kvtier.server.views import AdminViews

@@ -45,8 +45,8 @@ from kvtier.server.fencing import FencingStats
 from kvtier.server.leases import Expired, LeaseBook
 from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
+from kvtier.server.observe.chunk_notes import ChunkNotes
 from kvtier.server.observe.chunkmemory import ChunkMemory
-from kvtier.server.observe.events import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.snapshots import ErrorRecord
 from kvtier.server.requests.handoffs import HandoffBook

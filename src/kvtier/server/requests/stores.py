@@ -34,7 +34,7 @@ from kvtier.server.fencing import CopyGuard, Watch
 from kvtier.server.leases import LeaseBook, Reservation
 from kvtier.server.limits import tenant_bounds
 from kvtier.server.locking import TimedLock
-from kvtier.server.observe.events import ChunkNotes
+from kvtier.server.observe.chunk_notes import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.requests.handoffs import HandoffBook, handoff_holder
 from kvtier.server.requests.sessions import SessionBook
