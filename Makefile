@@ -134,7 +134,8 @@ soak: $(TEST_STAMP)
 # (`make test` runs the same tests on the CPU; there is no GPU there).
 gpu-check:
 	KVTIER_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  tests/integration/test_vllm_scheduler.py tests/integration/test_vllm_hybrid.py
+	  tests/integration/test_vllm_scheduler.py tests/integration/test_vllm_hybrid.py \
+	  tests/integration/test_vllm_spec_decode.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -10,28 +10,23 @@ keeps them) taken as bytes.
 
 from __future__ import annotations
 
-import mmap
 import os
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lz4.block
 import ml_dtypes
 import numpy as np
-import redis
 import zstandard
-from testkit.mooncake_pool import MooncakeMaster
+from testkit.mooncake_pool import held_pool, pooled_tier
 
-from benchmarks.common import start_server, stop_server, table
+from benchmarks.common import Buffers, drop_redis_keys, on_threads, start_server, stop_server, table
 from kvtier.client import Client
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, codecs, fp8, open_tier
-from kvtier.storage.tiers.mooncake import MooncakeTier
 
 CODECS = ("none", "zstd", "fp8")
 FAMILIES = ("llama", "gemma3", "gpt-oss", "deepseek-v2", "qwen3-next", "nemotron-h")
@@ -189,42 +184,6 @@ def _chunk(kv: dict[tuple[str, str, str], np.ndarray], nbytes: int) -> np.ndarra
 # -- tier throughput -----------------------------------------------------------------------------
 
 
-def _threads(fn: Callable[[int], None]) -> float:
-    failures: list[BaseException] = []
-
-    def body(c: int) -> None:
-        try:
-            fn(c)
-        except BaseException as exc:
-            failures.append(exc)
-
-    threads = [threading.Thread(target=body, args=(c,)) for c in range(CLIENTS)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        raise failures[0]
-    return time.perf_counter() - t0
-
-
-class Buffers:
-    """One mapping for the source chunk and every output (the Mooncake tier registers it, as
-    the server registers its arena)."""
-
-    def __init__(self, chunk: np.ndarray) -> None:
-        self.size = chunk.nbytes
-        self.map = mmap.mmap(-1, self.size * (1 + CLIENTS * BATCH))
-        self.view = memoryview(self.map)
-        self.view[: self.size] = chunk.view(np.uint8).tobytes()
-        self.chunk = self.view[: self.size]
-        self.outs = [
-            [self.view[self.size * (1 + c * BATCH + j) :][: self.size] for j in range(BATCH)]
-            for c in range(CLIENTS)
-        ]
-
-
 def _one_run(tier: L2Tier, buf: Buffers, layout: str, run: int) -> tuple[float, float]:
     """(put, get) effective GB/s: decoded bytes moved per second by CLIENTS threads."""
     keys = [
@@ -245,8 +204,8 @@ def _one_run(tier: L2Tier, buf: Buffers, layout: str, run: int) -> tuple[float, 
 
     volume = CLIENTS * PER_CLIENT * buf.size
     try:
-        put_s = _threads(put)
-        get_s = _threads(get)
+        put_s = on_threads(put, CLIENTS)
+        get_s = on_threads(get, CLIENTS)
     finally:
         tier.clear()
     return volume / put_s / 1e9, volume / get_s / 1e9
@@ -320,47 +279,35 @@ def run() -> str:
     effect_rows = fp8_effect(folder)
     chunk = _chunk(kv, 4 << 20)
     layout = f"bfloat16[{chunk.size}]"
-    buf = Buffers(chunk)
+    buf = Buffers(chunk.view(np.uint8).tobytes(), CLIENTS, BATCH)
     prefix = f"bench-codecs-{uuid.uuid4().hex[:8]}"
-    master = MooncakeMaster(lease_ms=10_000)
-    master.start()
-    holder = None
     tiers: dict[tuple[str, str], L2Tier] = {}
     try:
-        holder, _ = start_server("--l1-size", "64MiB", "--l2", master.url(segment="1GiB"))
-        for codec in CODECS:
-            pooled = open_tier(
-                master.url(segment="0", prefix=f"{prefix}-{codec}", timeout="10", codec=codec)
-            )
-            assert isinstance(pooled, MooncakeTier)
-            pooled.register_memory(buf.view)
-            tiers[("Mooncake (TCP)", codec)] = pooled
-            url = f"redis://127.0.0.1:6379/0?prefix={prefix}-{codec}&timeout=10&codec={codec}"
-            tiers[("Redis", codec)] = open_tier(url)
-        try:
-            rates = _throughput(tiers, buf, layout)
-            figures = {case: tier.stats().codec for case, tier in tiers.items()}
-        finally:
-            for tier in tiers.values():
-                tier.close()
-        lookup_shape = (4, 2, LOOKUP_CHUNK, 2, 64)  # the tiny Llama's: 1 MiB per chunk (bf16)
-        n = LOOKUP_TOKENS // LOOKUP_CHUNK
-        per_chunk = int(np.prod(lookup_shape))
-        prompt_kv = np.resize(chunk, n * per_chunk).reshape(n, *lookup_shape)
-        lookups = {codec: float("inf") for codec in CODECS}
-        for _ in range(2):
+        with held_pool() as master:
             for codec in CODECS:
-                url = f"redis://127.0.0.1:6379/0?prefix={prefix}-l{codec}&codec={codec}"
-                lookups[codec] = min(lookups[codec], _lookup(url, prompt_kv, lookup_shape))
-        prefill_s, prefill_tokens = _recompute_s(folder)
+                tiers[("Mooncake (TCP)", codec)] = pooled_tier(
+                    master, buf.view, prefix=f"{prefix}-{codec}", timeout="10", codec=codec
+                )
+                url = f"redis://127.0.0.1:6379/0?prefix={prefix}-{codec}&timeout=10&codec={codec}"
+                tiers[("Redis", codec)] = open_tier(url)
+            try:
+                rates = _throughput(tiers, buf, layout)
+                figures = {case: tier.stats().codec for case, tier in tiers.items()}
+            finally:
+                for tier in tiers.values():
+                    tier.close()
+            lookup_shape = (4, 2, LOOKUP_CHUNK, 2, 64)  # the tiny Llama's: 1 MiB per chunk (bf16)
+            n = LOOKUP_TOKENS // LOOKUP_CHUNK
+            per_chunk = int(np.prod(lookup_shape))
+            prompt_kv = np.resize(chunk, n * per_chunk).reshape(n, *lookup_shape)
+            lookups = {codec: float("inf") for codec in CODECS}
+            for _ in range(2):
+                for codec in CODECS:
+                    url = f"redis://127.0.0.1:6379/0?prefix={prefix}-l{codec}&codec={codec}"
+                    lookups[codec] = min(lookups[codec], _lookup(url, prompt_kv, lookup_shape))
+            prefill_s, prefill_tokens = _recompute_s(folder)
     finally:
-        if holder is not None:
-            stop_server(holder)
-        master.kill()
-        r = redis.Redis()
-        names = list(r.scan_iter(match=f"{prefix}*", count=1000))
-        if names:
-            r.delete(*names)
+        drop_redis_keys(prefix)
     load_after = os.getloadavg()
     best = {case: {verb: max(r[verb]) for verb in r} for case, r in rates.items()}
     rows: list[list[object]] = []

@@ -29,7 +29,7 @@ LMCACHE_BLOCK_SIZE = 16  # tokens per paged block on LMCache's side, as in its o
 
 def _memcpy(dst: np.ndarray, src: np.ndarray, threads: int) -> float:
     """Best GB/s of the split copy of every chunk of `src` into `dst`."""
-    from kvtier.copying import copy_pairs
+    from kvtier.client.copying import copy_pairs
 
     best = float("inf")
     for _ in range(ROUNDS):
@@ -116,7 +116,7 @@ def _lmcache(kv: np.ndarray, out: np.ndarray) -> tuple[float, float, int]:
 
 
 def run() -> str:
-    from kvtier.copying import copy_threads
+    from kvtier.client.copying import copy_threads
 
     threads = copy_threads()
     rng = np.random.default_rng(0)

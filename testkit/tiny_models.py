@@ -230,3 +230,62 @@ def write_lora_adapter(
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
+
+
+def write_tiny_eagle(path: Path, target_dir: Path, *, method: str = "eagle", seed: int = 1) -> Path:
+    """A random-weight one-layer EAGLE (`method` "eagle") or EAGLE-3 ("eagle3") draft head for
+    the Llama in `target_dir`, laid out as the published heads are: a Llama config, the head's
+    decoder layer and its `fc` (EAGLE-3: `midlayer`, `fc` over two of the target's hidden
+    states, its own norm and `lm_head`); the embeddings are the target's."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    cfg = json.loads((target_dir / "config.json").read_text())
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    head = hidden // heads
+    config = LlamaConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        torch_dtype="float32",
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> Any:
+        return torch.randn(*shape, generator=gen) * 0.05
+
+    layer = "layers.0" if method == "eagle" else "midlayer"
+    attn_in = hidden if method == "eagle" else 2 * hidden  # EAGLE-3: [embeds, hidden]
+    tensors = {
+        f"{layer}.self_attn.q_proj.weight": rand(heads * head, attn_in),
+        f"{layer}.self_attn.k_proj.weight": rand(kv_heads * head, attn_in),
+        f"{layer}.self_attn.v_proj.weight": rand(kv_heads * head, attn_in),
+        f"{layer}.self_attn.o_proj.weight": rand(hidden, heads * head),
+        f"{layer}.mlp.gate_proj.weight": rand(inter, hidden),
+        f"{layer}.mlp.up_proj.weight": rand(inter, hidden),
+        f"{layer}.mlp.down_proj.weight": rand(hidden, inter),
+        f"{layer}.post_attention_layernorm.weight": torch.ones(hidden),
+    }
+    if method == "eagle":
+        tensors["fc.weight"] = rand(hidden, 2 * hidden)
+    elif method == "eagle3":
+        aux = [0, int(cfg["num_hidden_layers"]) - 1]  # the target layers it reads
+        config.eagle_config = {"eagle_aux_hidden_state_layer_ids": aux}
+        tensors["fc.weight"] = rand(hidden, len(aux) * hidden)
+        tensors[f"{layer}.input_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{layer}.hidden_norm.weight"] = torch.ones(hidden)
+        tensors["norm.weight"] = torch.ones(hidden)
+        tensors["lm_head.weight"] = rand(int(cfg["vocab_size"]), hidden)
+    else:
+        raise ValueError(f"method {method!r}: eagle or eagle3")
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path

@@ -23,13 +23,17 @@ def vllm_config(
     kv_role: str = "kv_both",
     mamba_cache_mode: str = "none",
     enable_prefix_caching: bool = True,
+    speculative: dict[str, Any] | None = None,
+    layout: str = "LBHNC",
 ) -> Any:
+    """`speculative`: vLLM's --speculative-config (method, model, num_speculative_tokens)."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
 
@@ -41,7 +45,7 @@ def vllm_config(
         enforce_eager=True,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    cache_config.kv_cache_layout = "LBHNC"
+    cache_config.kv_cache_layout = layout
     cache_config.mamba_cache_mode = mamba_cache_mode
     scheduler_config = SchedulerConfig(
         max_num_seqs=16,
@@ -61,12 +65,18 @@ def vllm_config(
         kv_connector_extra_config={"address": address, "timeout": 2.0, **(extra or {})},
         kv_load_failure_policy=kv_load_failure_policy,
     )
+    spec = None
+    if speculative is not None:
+        spec = SpeculativeConfig(
+            **speculative, target_model_config=model_config, target_parallel_config=parallel
+        )
     return VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         parallel_config=parallel,
         kv_transfer_config=kv_transfer,
+        speculative_config=spec,
     )
 
 

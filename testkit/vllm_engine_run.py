@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--address", default=None, help="kvtier address; none: no connector")
     parser.add_argument("--offload", action="store_true", help="vLLM's OffloadingConnector")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens always")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=0, help="a prefill step's tokens; 0: all"
@@ -55,6 +56,10 @@ def main() -> None:
     )
     parser.add_argument("--kv-report", action="store_true", help="report the KV cache layout")
     parser.add_argument("--failure-policy", default="recompute", help="kv_load_failure_policy")
+    parser.add_argument(
+        "--speculative-config", default="", help="JSON: vLLM's speculative_config (none: off)"
+    )
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights of vLLM's")
     args = parser.parse_args()
 
     import logging
@@ -98,14 +103,30 @@ def main() -> None:
         kv_transfer_config=kv_transfer,
         distributed_executor_backend="uni",
         seed=0,
+        load_format=args.load_format,
+        disable_log_stats=not args.speculative_config,  # drafts counted in its metrics
         **({"enable_prefix_caching": False} if args.no_prefix_caching else {}),
+        **(
+            {"speculative_config": json.loads(args.speculative_config)}
+            if args.speculative_config
+            else {}
+        ),
         **({"block_size": args.block_size} if args.block_size else {}),
         **lora_args,
     )
     startup = time.perf_counter() - t0
+    # the engine's worker is this process (uni executor) and no step has run yet (eager): are
+    # AMX tiles granted to it (the connector asks for them as it gets the KV cache)?
+    from kvtier.integrations.amx import amx_tiles
+
+    amx = amx_tiles()
     prompts = json.loads(Path(args.prompts).read_text())
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=0.0, logprobs=1, detokenize=False
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        logprobs=1,
+        detokenize=False,
+        ignore_eos=args.ignore_eos,
     )
 
     def fresh_prefix_cache() -> None:
@@ -155,11 +176,21 @@ def main() -> None:
                     ],
                 }
             )
-    result: dict[str, object] = {"startup_s": startup, "runs": runs}
+    result: dict[str, object] = {
+        "startup_s": startup,
+        "runs": runs,
+        "amx": {"offered": amx.offered, "granted": amx.granted},
+    }
     if args.address:
         result["kvtier"] = connector_report()
     if args.kv_report:
         result["kv"] = kv_report(llm)
+    if args.speculative_config:  # what the drafter proposed and the target accepted
+        result["spec"] = {
+            m.name.removeprefix("vllm:spec_decode_"): m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")
+        }
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -205,6 +236,7 @@ def kv_report(llm: object) -> dict[str, object]:
         groups.append(
             {
                 "spec": type(spec).__name__,
+                "eagle": bool(getattr(group, "is_eagle_group", False)),
                 "fields": fields,
                 "layers": list(group.layer_names),
                 "page_size_bytes": page,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from testkit.vllm_configs import hybrid_kv_cache_config, kv_cache_config, vllm_config
 
 VLLM_MISSING = (
@@ -27,19 +29,16 @@ VLLM_MISSING = (
 
 
 def require_vllm() -> None:
-    """Fail (never skip) with instructions when vLLM is missing."""
+    """Fail the test (never skip it) with instructions when vLLM is missing."""
     try:
         import vllm  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - the message is the point
-        raise RuntimeError(VLLM_MISSING) from exc
+    except ImportError:  # pragma: no cover - the message is the point
+        pytest.fail(VLLM_MISSING, pytrace=False)
 
 
 #: the worker's two ways to copy (kv_connector_extra_config): whole requests around the forward
 #: pass, or layer by layer beside it
-COPY_MODES: dict[str, dict[str, Any]] = {
-    "whole": {"layerwise": False},
-    "layerwise": {"layerwise": True},
-}
+COPY_MODES: dict[str, Any] = {"whole": {"layerwise": False}, "layerwise": {"layerwise": True}}
 
 #: where the harness puts vLLM's KV cache: "cpu", or "cuda" under `make gpu-check`
 DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
@@ -78,23 +77,25 @@ def state_bytes(tokens: Any, nbytes: int, layer: int) -> Any:
 
 @dataclass
 class HGroup:
-    """One KV cache group as the fake forward pass writes it."""
+    """Layers of one KV cache group, alike in shape, as the fake forward pass writes them (a
+    group whose layers differ, as DeepSeek-V3.2's MLA latents and indexer keys, is several)."""
 
-    index: int
+    index: int  # the vLLM group (its block table)
     kind: str  # "full", "sliding", "mla", "mamba"
     names: list[str]
     block_size: int
-    heads_total: int  # across TP ranks (MLA: 1, the same on every rank)
+    heads_total: int  # across TP ranks (replicated caches: the rank's own, the same on all)
     heads_per_rank: int
     content: int
     dtype: Any
     window: int = 0
+    tokens_per_state: int = 1  # DeepSeek-V4's compressed latents: one state per 4 or 128 tokens
+    replicated: bool = False  # the same bytes on every TP rank (MLA, indexer, DeepSeek-V4)
 
 
 def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any, first: int = 0) -> Any:
-    """The KV a "forward pass" writes: (T, layers, heads, content), a function of each token's
-    id and position, so two prompts differ and a misplaced block shows; `tokens` start at
-    position `first`."""
+    """The KV a "forward pass" writes for `tokens` from position `first`: (T, layers, heads,
+    content), a function of each token's id and position (a misplaced block shows)."""
     import torch
 
     t = torch.as_tensor(tokens, dtype=torch.int64)
@@ -106,22 +107,43 @@ def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any, fir
     return ((base + lay + head + c) % 65521).to(dtype)
 
 
-def _hgroup(index: int, group: Any, tp: int) -> HGroup:
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+def _hgroups(index: int, group: Any, tp: int, cache: dict[str, Any]) -> list[HGroup]:
+    """The group's runs of alike layers (by their specs and the views vLLM allocated)."""
+    from vllm.v1.kv_cache_interface import (
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
 
     spec = group.kv_cache_spec
     names = list(group.layer_names)
     if isinstance(spec, MambaSpec):
-        return HGroup(index, "mamba", names, spec.block_size, 1, 1, 0, None)
-    if isinstance(spec, MLAAttentionSpec):
-        return HGroup(index, "mla", names, spec.block_size, 1, 1, spec.head_size, spec.dtype)
-    kind = "sliding" if isinstance(spec, SlidingWindowSpec) else "full"
-    window = int(getattr(spec, "sliding_window", 0) or 0) if kind == "sliding" else 0
-    heads = spec.num_kv_heads
-    return HGroup(
-        index, kind, names, spec.block_size, heads * tp, heads, 2 * spec.head_size, spec.dtype,
-        window,
-    )  # fmt: skip
+        return [HGroup(index, "mamba", names, spec.block_size, 1, 1, 0, None)]
+    per_layer = (
+        dict(spec.kv_cache_specs)
+        if isinstance(spec, UniformTypeKVCacheSpecs)
+        else dict.fromkeys(names, spec)
+    )
+    runs: dict[tuple[Any, ...], HGroup] = {}
+    for name in names:
+        s, view = per_layer[name], cache[name]
+        if isinstance(s, MLAAttentionSpec):
+            kind = "mla"
+        else:
+            kind = "sliding" if isinstance(s, SlidingWindowSpec) else "full"
+        replicated = kind == "mla" or getattr(s, "max_tp_shards", None) == 1
+        window = int(getattr(s, "sliding_window", 0) or 0) if kind == "sliding" else 0
+        heads = int(view.shape[1])
+        tps = int(getattr(s, "tokens_per_state", 1))
+        key = (kind, tuple(view.shape), view.dtype, tps, window)
+        if key not in runs:
+            runs[key] = HGroup(
+                index, kind, [], s.block_size, heads if replicated else heads * tp, heads,
+                int(view.shape[3]), view.dtype, window, tps, replicated,
+            )  # fmt: skip
+        runs[key].names.append(name)
+    return list(runs.values())
 
 
 @dataclass
@@ -140,9 +162,9 @@ class Harness:
     groups: list[HGroup] = field(default_factory=list)
     mamba_align: bool = False
     tp: int = 1  # tensor-parallel size: worker r is TP rank r % tp of pipeline stage r // tp
-    #: run in each attention layer of the fake forward pass, after its KV is written (the
-    #: layer's compute, for the layer-wise benchmark)
-    layer_work: Any = None
+    layer_work: Any = None  # run in each attention layer after its KV is written (its compute)
+    hash_block_size: int = 0  # tokens per prefix-cache block hash (0: block_size)
+    kv_config: Any = None  # the workers' KVCacheConfig (rank 0's), as vLLM planned it
     finished: list[str] = field(default_factory=list)
     num_cached: dict[str, int] = field(default_factory=dict)
     invalid_blocks_seen: set[int] = field(default_factory=set)
@@ -173,9 +195,12 @@ class Harness:
         enable_prefix_caching: bool = True,
         kv_load_failure_policy: str = "recompute",
         kv_role: str = "kv_both",
+        speculative: dict[str, Any] | None = None,
     ) -> Harness:
         """`specs`: rank -> {layer name: KVCacheSpec} for a model vLLM's hybrid KV cache
-        manager groups (sliding window, MLA, Mamba); None: the tiny Llama's one group."""
+        manager groups (sliding window, MLA, Mamba); None: the tiny Llama's one group.
+        `speculative`: vLLM's speculative config; an EAGLE head's layer (its `model`'s layers)
+        joins the Llama's group after the target's layers, as vLLM groups it."""
         import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -189,6 +214,9 @@ class Harness:
         kv_heads = int(cfg["num_key_value_heads"])
         head_size = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
+        if speculative and speculative.get("model"):
+            draft = json.loads((Path(speculative["model"]) / "config.json").read_text())
+            layers += int(draft["num_hidden_layers"])
         per_rank = kv_heads // tensor_parallel_size
         knobs: dict[str, Any] = {
             "address": address,
@@ -202,6 +230,8 @@ class Harness:
             "enable_prefix_caching": enable_prefix_caching,
             "kv_load_failure_policy": kv_load_failure_policy,
             "kv_role": kv_role,
+            "speculative": speculative,
+            "layout": layout,
         }
         sched_config = vllm_config(model_dir, **knobs)
         if specs is None:
@@ -223,9 +253,14 @@ class Harness:
 
             scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_config, sched_config)
             sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
+        sched_kv = kv_config
+        if specs is not None:  # a group of unlike layers: the scheduler sees one layer's spec
+            from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+            sched_kv = generate_scheduler_kv_cache_config([kv_config])
         scheduler = Scheduler(
             vllm_config=sched_config,
-            kv_cache_config=kv_config,
+            kv_cache_config=sched_kv,
             structured_output_manager=StructuredOutputManager(sched_config),
             **sizes,
         )
@@ -255,8 +290,11 @@ class Harness:
             worker.register_kv_caches(kv)
             workers.append(worker)
             caches.append(kv)
+        views = {name: view for cache in caches for name, view in cache.items()}
         groups = [
-            _hgroup(i, g, tensor_parallel_size) for i, g in enumerate(kv_config.kv_cache_groups)
+            h
+            for i, g in enumerate(kv_config.kv_cache_groups)
+            for h in _hgroups(i, g, tensor_parallel_size, views)
         ]
         attention = next(g for g in groups if g.kind != "mamba")
         return cls(
@@ -271,6 +309,8 @@ class Harness:
             groups=groups,
             mamba_align=mamba_cache_mode == "align",
             tp=tensor_parallel_size,
+            hash_block_size=sizes.get("hash_block_size", 0),
+            kv_config=kv_config,
         )
 
     def add(
@@ -300,7 +340,7 @@ class Harness:
             sampling_params=params,
             pooling_params=None,
             cache_salt=salt or None,
-            block_hasher=get_request_block_hasher(self.block_size, sha256),
+            block_hasher=get_request_block_hasher(self.hash_block_size or self.block_size, sha256),
             **request_kw,
         )
         self.scheduler.add_request(request)
@@ -324,8 +364,7 @@ class Harness:
         for rank, worker in enumerate(self.workers):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
-            # as vLLM's model runner: loads the step runs on start before its forward pass,
-            # asynchronous ones after it (and then the per-layer calls find no step loads)
+            # as vLLM's model runner: sync loads start before the forward pass, others after it
             sync_loads = getattr(out, "has_sync_kv_loads", True)
             if sync_loads:
                 worker.start_load_kv(None)
@@ -395,8 +434,7 @@ class Harness:
         raise AssertionError(f"{req_id} was not scheduled in {steps} steps")
 
     def forward_layers(self) -> list[tuple[HGroup, int, str]]:
-        """(group, layer in the group, name) in the model's order (by the numbers in the
-        layer names), as vLLM's forward pass runs them."""
+        """(group, layer in the group, name) in the model's order, as vLLM runs them."""
         import re
 
         layers = [(g, i, n) for g in self.groups for i, n in enumerate(g.names)]
@@ -415,7 +453,7 @@ class Harness:
             all_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             steps.append((tokens, end - num_new, end, all_ids))
         cache = self.caches[rank]
-        values: dict[tuple[int, int], Any] = {}  # (request, group) -> its token_kv
+        values: dict[tuple[int, int], Any] = {}  # (request, id(group)) -> its token_kv
         for g, layer, name in self.forward_layers():
             if name not in cache:  # a pipeline stage holds its own layers
                 continue
@@ -425,12 +463,12 @@ class Harness:
             for r, (tokens, start, end, all_ids) in enumerate(steps):
                 ids = all_ids[g.index]
                 if attention:
-                    if (r, g.index) not in values:  # only the tokens this step computes
-                        values[r, g.index] = token_kv(
+                    if (r, id(g)) not in values:  # only the tokens this step computes
+                        values[r, id(g)] = token_kv(
                             tokens[start:end], len(g.names), g.heads_total, g.content, g.dtype,
                             start,
                         )  # fmt: skip
-                    self._write_kv(rank, g, ids, values[r, g.index], start, end, layer)
+                    self._write_kv(rank, g, ids, values[r, id(g)], start, end, layer)
                 else:
                     self._write_state(rank, g, ids, tokens, end, layer)
             if attention and steps and self.layer_work is not None:
@@ -441,16 +479,19 @@ class Harness:
     def _write_kv(
         self, rank: int, g: HGroup, ids: Any, values: Any, start: int, end: int, layer: int
     ) -> None:
-        """`values`: token_kv of the tokens [start, end)."""
+        """Each token's KV at its slot (`values`: token_kv of the tokens [start, end)); a
+        compressed layer's state (one per `tokens_per_state` tokens) once its last token is
+        computed, from that token's values."""
         import torch
 
         heads = self._heads(g, rank)
-        pos = [p for p in range(start, end) if ids[p // g.block_size] != 0]
+        n = g.tokens_per_state
+        pos = [p for p in range(start, end) if (p + 1) % n == 0 and ids[p // g.block_size] != 0]
         if not pos:
             return
         device = kv_device()
         blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
-        offsets = torch.tensor(pos, device=device) % g.block_size
+        offsets = torch.tensor(pos, device=device) % g.block_size // n
         view = self.caches[rank][g.names[layer]]
         rows = [p - start for p in pos]
         view[blocks, :, offsets] = values[rows, layer, heads].to(device)
@@ -472,8 +513,8 @@ class Harness:
         view[block].view(-1).copy_(torch.from_numpy(state).to(view.device))
 
     def _heads(self, g: HGroup, rank: int) -> slice:
-        if g.kind == "mla":
-            return slice(0, 1)
+        if g.replicated:
+            return slice(0, g.heads_per_rank)
         tp_rank = rank % self.tp
         return slice(tp_rank * g.heads_per_rank, (tp_rank + 1) * g.heads_per_rank)
 
@@ -483,25 +524,29 @@ class Harness:
         return [i for i, n in enumerate(g.names) if n in self.caches[rank]]
 
     def read_back(self, req_id: str, rank: int, end: int, group: int | None = None) -> Any:
-        """(end, layers, heads, content): what rank's cache holds for the request's tokens in
-        an attention group (default: the first), at positions whose block is not null."""
+        """(positions, layers, heads, content): what rank's cache holds for the request's
+        tokens [0, end) in an attention group (default: the first), at the positions `held`
+        names (a compressed layer: each state's last token)."""
         import torch
 
         g = self._group(group)
         cache = self.caches[rank]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
-        pos = self.held(req_id, end, g.index)
+        pos = self.held(req_id, end, self.groups.index(g))
         device = kv_device()
         blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
         offsets = torch.tensor(pos, dtype=torch.int64, device=device) % g.block_size
+        offsets = offsets // g.tokens_per_state
         names = [n for n in g.names if n in cache]
         return torch.stack([cache[n][blocks, :, offsets] for n in names], dim=1).cpu()
 
     def held(self, req_id: str, end: int, group: int) -> list[int]:
-        """Positions < end whose block the group holds (not vLLM's null block)."""
+        """Positions < end whose block the group holds (not vLLM's null block); a compressed
+        layer's: the last token of each whole state."""
         g = self.groups[group]
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[g.index]
-        return [p for p in range(end) if ids[p // g.block_size] != 0]
+        n = g.tokens_per_state
+        return [p for p in range(n - 1, end, n) if ids[p // g.block_size] != 0]
 
     def expected(
         self, tokens: list[int], rank: int, group: int | None = None, req_id: str | None = None
@@ -510,7 +555,7 @@ class Harness:
         values = token_kv(tokens, len(g.names), g.heads_total, g.content, g.dtype)
         values = values[:, self.stage_layers(rank, group)][:, :, self._heads(g, rank)]
         if req_id is not None:
-            values = values[self.held(req_id, len(tokens), g.index)]
+            values = values[self.held(req_id, len(tokens), self.groups.index(g))]
         return values
 
     def read_state(self, req_id: str, rank: int, end: int, group: int) -> list[bytes]:

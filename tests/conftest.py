@@ -33,6 +33,7 @@ SLOW_FIRST = (
     "SHARES_DEFAULTS",
     "test_demo.py",
     "test_vllm_scheduler.py",
+    "test_vllm_dsa.py",
     "test_vllm_pd_scheduler.py",
     "test_transformers.py",
     "test_vllm_trust.py",

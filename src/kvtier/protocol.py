@@ -86,6 +86,13 @@ class Register(_Msg):
     worker_id: int
     chunk_shape: list[int]
     dtype: str
+    #: the worker's part in prefill/decode hand-offs (HANDOFF_ROLES; "": none): a producer and
+    #: a consumer of one model must store and read the same shards, checked here at start
+    role: str = ""
+
+
+#: the hand-off roles a Register may name
+HANDOFF_ROLES = ("kv_producer", "kv_consumer")
 
 
 class Lookup(_Msg):

@@ -1,18 +1,23 @@
 """Fixtures of the integration tests: a real Redis Cluster and a real Valkey Cluster on
-loopback, a Mooncake master, shared by the session or private to one test, and a Redis tier
-with fp8 compression under a prefix of one test's own."""
+loopback, a Mooncake master, shared by the session or private to one test, a Redis tier with
+fp8 compression under a prefix of one test's own, and the vLLM scheduler tests' tiny Llama and
+connector harnesses."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from testkit.mooncake_pool import MooncakeMaster, start_master
 from testkit.redis_cluster import RedisCluster, start_cluster
 from testkit.servers import REDIS_HINT
+from testkit.tiny_models import write_tiny_llama
+from testkit.vllm_harness import Harness, require_vllm
 
 
 def _cluster(kind: str) -> Iterator[RedisCluster]:
@@ -69,3 +74,27 @@ def fp8_redis() -> Iterator[str]:
     if keys:
         r.delete(*keys)
     r.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama (2 layers, 2 KV heads) for one test module; fails the test
+    when vLLM is missing (it says how to install it)."""
+    require_vllm()
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, kv_heads=2)
+
+
+@pytest.fixture
+def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
+    """`harness(address, **kw)`: a connector harness (vLLM's real Scheduler, worker connectors
+    in this process) on `model_dir`, closed after the test."""
+    built: list[Harness] = []
+
+    def build(address: str, **kw: Any) -> Harness:
+        h = Harness.build(model_dir, address=address, **kw)
+        built.append(h)
+        return h
+
+    yield build
+    for h in built:
+        h.close()

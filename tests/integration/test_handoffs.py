@@ -57,7 +57,7 @@ def test_handoff_is_pinned_read_once_and_freed(
     # The doorkeeper declines what one request stores: a hand-off is stored all the same.
     srv = server_factory(
         "--l1-size", "64KiB", "--chunk-size", str(CS), "--policy", "doorkeeper",
-        "--l2", f"disk://{tmp_path}/l2?size=1MiB",
+        "--l2", f"disk://{tmp_path}/l2?size=1MiB", "--reap-interval", "0.1",
     )  # fmt: skip
     names = [f"h1/{i}" for i in range(3)]
     data = chunks(1, 3)
@@ -65,6 +65,8 @@ def test_handoff_is_pinned_read_once_and_freed(
         hand_off(producer, "h1", names, data)
         assert handoff_chunks(srv)["stored"] == 3
         assert wait_for(lambda: written(srv, 3))  # admitted: written through to L2
+        time.sleep(0.3)  # sweeps of the reaper: a local disk tier releases no pin
+        assert handoff_chunks(srv)["released"] == 0
         # Others fill L1 several times over: the pinned hand-off stays.
         for k in range(12):
             other.put_keys([f"fill{k}/{i}" for i in range(4)], chunks(10 + k, 4), model="m")
@@ -95,6 +97,26 @@ def test_handoff_lapses_when_nobody_reads_it(
         assert status(srv)["l1"]["used_bytes"] == 0
 
 
+def test_handoff_in_a_shared_tier_lapses_unpinned(
+    server_factory: Callable[..., ServerProcess], redis_url: str, redis_prefix: str
+) -> None:
+    """Released from L1 once Redis holds it, an unread hand-off still lapses at its lease's
+    end: gone from L1 and from Redis."""
+    srv = server_factory(
+        "--chunk-size", str(CS), "--handoff-lease", "2", "--reap-interval", "0.2",
+        "--l2", f"{redis_url}?prefix={redis_prefix}",
+    )  # fmt: skip
+    names = [f"h5/{i}" for i in range(2)]
+    r = redis.Redis.from_url(redis_url)
+    with connect(srv) as producer:
+        hand_off(producer, "h5", names, chunks(5, 2))
+        assert wait_for(lambda: handoff_chunks(srv).get("released") == 2)
+        assert len(list(r.scan_iter(match=f"{redis_prefix}:*"))) == 2
+        assert wait_for(lambda: handoff_chunks(srv).get("lapsed", 0) == 2, timeout=10)
+        assert producer.exists_keys(names, model="m") == 0
+    assert wait_for(lambda: not list(r.scan_iter(match=f"{redis_prefix}:*")), timeout=5)
+
+
 def test_handoff_is_never_a_prefix_cache_hit(server: ServerProcess) -> None:
     """A hand-off's chunks are named from its id: a lookup of any prompt misses them."""
     with connect(server) as c:
@@ -107,23 +129,32 @@ def test_handoff_across_two_servers_sharing_redis(
     server_factory: Callable[..., ServerProcess], redis_url: str, redis_prefix: str
 ) -> None:
     tier = f"{redis_url}?prefix={redis_prefix}"
-    node_a = server_factory("--chunk-size", str(CS), "--l2", tier)
+    node_a = server_factory("--chunk-size", str(CS), "--l1-size", "64KiB", "--l2", tier)
     node_b = server_factory("--chunk-size", str(CS), "--l2", tier)
     names = [f"h4/{i}" for i in range(3)]
     data = chunks(4, 3)
     with connect(node_a) as producer, connect(node_b) as decoder:
         hand_off(producer, "h4", names, data)
         assert wait_for(lambda: written(node_a, 3))
+        # In the shared tier, the hand-off no longer holds A's L1: A's pins are released and
+        # what A stores next evicts it.
+        assert wait_for(lambda: handoff_chunks(node_a).get("released") == 3)
+        assert status(node_a)["l1"]["pinned_groups"] == 0
+        for k in range(6):  # 24 chunks of 4 KiB pages through a 64 KiB L1
+            producer.put_keys([f"fill{k}/{i}" for i in range(4)], chunks(10 + k, 4), model="m")
+            assert wait_for(lambda k=k: written(node_a, 3 + 4 * (k + 1)))
+        assert producer.exists_keys(names[:1], model="m") == 1  # back from Redis into A's L1
         assert decoder.exists_keys(names, model="m") == 3  # loaded from Redis into B's L1
         out = np.zeros_like(data)
         assert decoder.get_keys(names, out, model="m") == 3
         assert out.tobytes() == data.tobytes()
         decoder.end_handoff("h4", names, model="m")
     r = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + 5
-    while list(r.scan_iter(match=f"{redis_prefix}:*")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not list(r.scan_iter(match=f"{redis_prefix}:*")), "read hand-off left in Redis"
+
+    def left() -> int:  # objects in Redis: the 24 fills stay, the hand-off's 3 go
+        return len(list(r.scan_iter(match=f"{redis_prefix}:*")))
+
+    assert wait_for(lambda: left() == 24, timeout=5), f"{left() - 24} read hand-off objects left"
 
 
 def test_handoff_is_never_in_the_kv_events(
@@ -162,3 +193,34 @@ def test_handoff_is_never_in_the_kv_events(
         for path in (pub, rep):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path.removeprefix("ipc://"))
+
+
+def test_producer_and_consumer_of_other_world_sizes_are_refused_at_registration(
+    server: ServerProcess,
+) -> None:
+    """A hand-off consumer whose shards differ from a connected producer's (another TP size)
+    is refused when it registers, naming both sizes; the same size, another model, and a
+    worker in neither role are not."""
+    from kvtier.errors import InvalidArgumentError
+
+    def register(c: Client, model: str, world: int, role: str) -> None:
+        c.register(model=model, world_size=world, chunk_shape=SHAPE, dtype="float16", role=role)
+
+    with Client(server.address) as p, Client(server.address) as d, Client(server.address) as o:
+        register(p, "m2", 2, "kv_producer")
+        try:
+            register(d, "m2", 1, "kv_consumer")
+        except InvalidArgumentError as exc:
+            assert "over 1 shards" in str(exc) and "uses 2" in str(exc), exc
+        else:
+            raise AssertionError("a consumer of another world size registered")
+        register(d, "m2", 2, "kv_consumer")
+        register(o, "m2", 1, "")  # a kv_both engine of another TP size shares only the cache
+        register(o, "m3", 1, "kv_consumer")
+        try:
+            register(o, "m2", 1, "decoder")
+        except InvalidArgumentError as exc:
+            assert "role must be one of" in str(exc), exc
+        else:
+            raise AssertionError("an unknown role was accepted")
+        assert d.exists_keys(["x/0"], model="m2") == 0  # the refusals left the client usable

@@ -451,7 +451,8 @@ def test_vllm_033_decodes_the_batches_as_032_does(
     from vllm.distributed.kv_events import KVEventBatch
 
     from kvtier.keys import ChunkKey, compose
-    from kvtier.server.observe.events import ChunkNotes, EventPublisher, Place
+    from kvtier.server.observe.chunk_notes import ChunkNotes
+    from kvtier.server.observe.events import EventPublisher, Place
     from kvtier.storage.observers import Removal
 
     if not (FOLDER / "vllm" / "__init__.py").exists():

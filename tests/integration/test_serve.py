@@ -623,7 +623,7 @@ def test_sigterm_while_the_arena_is_being_sized_leaves_nothing_in_dev_shm() -> N
     """The signal lands while the segment is still `<name>.<pid>.<hex>.tmp` (polled for)."""
     size_gib = 2 if _shm_free() > 6 * 2**30 else 1
     argv = _serve_argv("--l1-size", f"{size_gib}GiB", "--l2", "none")
-    from kvtier.arena import default_arena_name
+    from kvtier.storage.arena import default_arena_name
 
     name = default_arena_name(argv[argv.index("--address") + 1])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -31,7 +31,7 @@ from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, open_tier
 from kvtier.storage.tiers import fp8 as fp8_codec
 from kvtier.storage.tiers.format import Hit
-from kvtier.storage.tiers.redis import RespTier
+from kvtier.storage.tiers.redis.verbs import RespTier
 
 KINDS = ["disk", "redis", "redis+cluster", "mooncake"]
 CODECS = ["none", "zstd", "fp8"]

@@ -24,7 +24,7 @@ from testkit.servers import REDIS_HINT, free_port
 from kvtier.keys import ObjectKey
 from kvtier.storage.tiers import L2Tier, TierStats, open_tier
 from kvtier.storage.tiers.format import Hit
-from kvtier.storage.tiers.redis import RespTier
+from kvtier.storage.tiers.redis.verbs import RespTier
 
 LAYOUT = "float16[4,2,16]"
 SIZE = 4096 + 13

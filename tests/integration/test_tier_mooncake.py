@@ -11,9 +11,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-from testkit.admin import status, written
+from testkit.admin import admin_url, metric_samples, status, written
 from testkit.kv import CS, kv_for
 from testkit.mooncake_pool import MooncakeMaster
 from testkit.servers import ServerProcess, free_port
@@ -57,6 +58,39 @@ def _fetch(server: ServerProcess, req: str, tokens: list[int], kv: np.ndarray) -
 def _prompt(n_chunks: int) -> list[int]:
     base = uuid.uuid4().int % 1_000_000 * 64
     return list(range(base, base + n_chunks * CS))
+
+
+def test_a_handoff_crosses_two_servers_through_the_pool(
+    server_factory: Callable[..., ServerProcess], private_mooncake: MooncakeMaster
+) -> None:
+    """Prefill on A, decode on B, one Mooncake pool: B reads the hand-off byte for byte, A's
+    L1 pins are released once the pool holds it, and B's end deletes it from the pool."""
+    a = _serve(server_factory, private_mooncake.url(segment="64MiB"))
+    b = _serve(server_factory, private_mooncake.url(segment="0"))
+    kv = kv_for(33, 3, BIG)
+    names = [f"pd/{i}" for i in range(3)]
+
+    def released() -> float:
+        got = metric_samples(httpx.get(admin_url(a) + "/metrics", timeout=5).text)
+        return got.get(("kvtier_handoff_chunks_total", (("event", "released"),)), 0.0)
+
+    with Client(a.address) as producer, Client(b.address) as decoder:
+        for c in (producer, decoder):
+            c.register(model="m", chunk_shape=kv.shape[1:], dtype="float16")
+        with producer.store_key_slots(
+            names, model="m", chunk_shape=kv.shape[1:], dtype="float16", handoff="pd"
+        ) as slots:
+            for i, view in slots.targets():
+                view[:] = kv[i].view(np.uint8).reshape(-1)
+        assert wait_for(lambda: written(a, 3))
+        assert wait_for(lambda: released() == 3)
+        assert status(a)["l1"]["pinned_groups"] == 0
+        assert decoder.exists_keys(names, model="m") == 3  # loaded from the pool into B's L1
+        out = np.zeros_like(kv)
+        assert decoder.get_keys(names, out, model="m") == 3
+        assert out.tobytes() == kv.tobytes()
+        decoder.end_handoff("pd", names, model="m")
+    assert wait_for(lambda: private_mooncake.figures()["master_key_count"] == 0, timeout=5)
 
 
 def test_two_servers_one_pool_what_one_stores_the_other_serves(

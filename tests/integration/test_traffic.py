@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.bench_traffic import SMOKE, measure, report
+from benchmarks.traffic_report import report
+from benchmarks.traffic_scale import SMOKE
+from benchmarks.traffic_scenarios import measure
 from testkit.vllm_harness import require_vllm
 
 

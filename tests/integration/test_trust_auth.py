@@ -15,13 +15,13 @@ from testkit.kv import CS, prompt
 from testkit.servers import ServerProcess, free_port, start_server
 from testkit.trust import kv_for, register, verify
 
-from kvtier.arena import default_arena_name
 from kvtier.client import Client
 from kvtier.errors import (
     LayoutMismatchError,
     UnauthorizedError,
     UnknownSessionError,
 )
+from kvtier.storage.arena import default_arena_name
 
 TOKEN_A = "tenant-a-scheduler-0123456789"
 TOKEN_A2 = "tenant-a-worker-salted-0123456789"

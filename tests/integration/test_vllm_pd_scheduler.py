@@ -8,14 +8,12 @@ vLLM's `fail` and `recompute` policies."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from testkit.servers import ServerProcess
-from testkit.tiny_models import write_tiny_llama
-from testkit.vllm_harness import Harness, require_vllm
+from testkit.vllm_harness import Harness
 
 from kvtier.integrations.vllm import handoff
 
@@ -23,29 +21,6 @@ pytestmark = pytest.mark.vllm
 
 CHUNK = 64  # kvtier chunk: two vLLM blocks of 32
 N = 150  # prompt tokens: two full chunks and a tail of 22
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, kv_heads=2)
-
-
-@pytest.fixture
-def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
-    built: list[Harness] = []
-
-    def build(address: str, **kw: Any) -> Harness:
-        h = Harness.build(model_dir, address=address, **kw)
-        built.append(h)
-        return h
-
-    yield build
-    for h in built:
-        h.close()
 
 
 def _prompt(seed: int, n: int = N) -> list[int]:
@@ -150,3 +125,52 @@ def test_handoff_cut_short_or_missing_fails_or_recomputes_only_that_request(
     # `fail`: only those requests fail; `recompute`: vLLM computes them and they finish
     want = FinishReason.ERROR if policy == "fail" else FinishReason.LENGTH
     assert d.finish_reasons["cut"] == d.finish_reasons["ghost"] == want
+
+
+def test_mla_handoff_from_one_rank_to_two_is_byte_exact(
+    server_factory: Callable[..., ServerProcess], harness: Callable[..., Harness]
+) -> None:
+    """MLA's latent cache is one shard for every TP rank: a TP=1 prefill instance's hand-off is
+    read by both ranks of a TP=2 decode instance."""
+    from .test_vllm_hybrid import mla_specs
+
+    srv = _server(server_factory)
+    prompt = _prompt(5)
+    # mla_specs: blocks of 16, pages of 576 floats
+    small = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "block_size": 16}
+    p = harness(srv.address, kv_role="kv_producer", specs=mla_specs, **small)
+    p.add("p", prompt, max_tokens=1, kv_transfer_params={"kvtier_handoff": "m1"})
+    p.run_until_done(["p"])
+    p.flush()
+    d = harness(
+        srv.address,
+        kv_role="kv_consumer",
+        kv_load_failure_policy="fail",
+        extra={"handoff_wait": 20},
+        specs=mla_specs,
+        tensor_parallel_size=2,
+        **small,
+    )
+    d.add("d", prompt, max_tokens=2, kv_transfer_params=p.transfer_params["p"])
+    out = _scheduled(d, "d")
+    assert d.num_cached["d"] == N - 1
+    assert out.num_scheduled_tokens["d"] == 1
+    for rank in (0, 1):
+        got = d.read_back("d", rank, N - 1)
+        assert got.numpy().tobytes() == d.expected(prompt[: N - 1], rank).numpy().tobytes()
+    d.run_until_done(["d"])
+    assert not d.invalid_blocks_seen and not d.failed_loads_seen
+
+
+def test_producer_and_consumer_of_other_tp_sizes_are_refused_at_start(
+    server_factory: Callable[..., ServerProcess], harness: Callable[..., Harness]
+) -> None:
+    """A full-attention model's shards differ with the TP size: the second instance to start
+    is refused, naming both sizes, instead of refusing every hand-off later."""
+    from kvtier.errors import InvalidArgumentError
+
+    srv = _server(server_factory)
+    harness(srv.address, kv_role="kv_producer", tensor_parallel_size=2)
+    with pytest.raises(InvalidArgumentError, match=r"over 1 shards .* uses 2"):
+        harness(srv.address, kv_role="kv_consumer")
+    harness(srv.address, kv_role="kv_consumer", tensor_parallel_size=2)  # the same size starts

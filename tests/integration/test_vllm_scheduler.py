@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 from testkit.servers import ServerProcess, start_server
-from testkit.tiny_models import write_tiny_llama
-from testkit.vllm_harness import COPY_MODES, Harness, require_vllm
+from testkit.vllm_harness import COPY_MODES, Harness
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
@@ -23,34 +22,11 @@ CHUNK = 64  # kvtier chunk: two vLLM blocks of 32
 MODES = COPY_MODES
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, kv_heads=2)
-
-
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
     srv = start_server("--l1-size", "64MiB", "--chunk-size", str(CHUNK), "--client-timeout", "5")
     yield srv
     srv.close()
-
-
-@pytest.fixture
-def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
-    built: list[Harness] = []
-
-    def build(address: str, **kw: Any) -> Harness:
-        h = Harness.build(model_dir, address=address, **kw)
-        built.append(h)
-        return h
-
-    yield build
-    for h in built:
-        h.close()
 
 
 def _prompt(seed: int, n: int) -> list[int]:

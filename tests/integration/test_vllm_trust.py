@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from testkit.servers import ServerProcess, free_port, start_server
 from testkit.tiny_models import write_lora_adapter, write_tiny_llama
-from testkit.vllm_harness import Harness, require_vllm
+from testkit.vllm_harness import Harness
 
 from kvtier.errors import InvalidArgumentError
 
@@ -20,29 +20,6 @@ pytestmark = pytest.mark.vllm
 CHUNK = 64
 PROMPT = [(i * 31) % 500 + 3 for i in range(300)]  # 4 full chunks and a tail
 TOKEN = "connector-credential-0123456789"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        require_vllm()
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), layers=2, kv_heads=2)
-
-
-@pytest.fixture
-def harness(model_dir: Path) -> Iterator[Callable[..., Harness]]:
-    built: list[Harness] = []
-
-    def build(address: str, **kw: Any) -> Harness:
-        h = Harness.build(model_dir, address=address, **kw)
-        built.append(h)
-        return h
-
-    yield build
-    for h in built:
-        h.close()
 
 
 def _request(request_id: str = "r", **kw: Any) -> Any:

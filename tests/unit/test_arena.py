@@ -1,4 +1,4 @@
-"""Tests for kvtier.arena: real /dev/shm segments shared with real child processes."""
+"""Tests for kvtier.storage.arena: real /dev/shm segments shared with real child processes."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.arena import PAGE_SIZE, SHM_DIR, Arena, ArenaInUseError, default_arena_name
 from kvtier.storage.allocator import Allocator
+from kvtier.storage.arena import PAGE_SIZE, SHM_DIR, Arena, ArenaInUseError, default_arena_name
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 _counter = itertools.count()
@@ -51,7 +51,7 @@ def test_child_process_writes_what_the_parent_reads(name: str) -> None:
         arena.view(0, 5)[:] = b"hello"
         child = _python(
             f"""
-            from kvtier.arena import Arena
+            from kvtier.storage.arena import Arena
             with Arena.attach({name!r}, {arena.size}) as a:
                 print(bytes(a.view(0, 5)).decode(), flush=True)
                 a.ndarray({2 * PAGE_SIZE}, 6)[:] = list(b"kvtier")
@@ -150,7 +150,7 @@ def test_stale_segment_of_a_killed_owner_is_replaced(name: str) -> None:
     owner = _python(
         f"""
         import sys
-        from kvtier.arena import Arena
+        from kvtier.storage.arena import Arena
         arena = Arena.create({name!r}, {2 * PAGE_SIZE}, prefault=False)
         arena.view(0, 5)[:] = b"stale"
         print("ready", flush=True)

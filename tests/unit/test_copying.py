@@ -1,4 +1,4 @@
-"""kvtier.copying: copies by array and by address, on one thread and split over several."""
+"""kvtier.client.copying: copies by array and by address, on one thread and split over several."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from kvtier import copying
-from kvtier.copying import PARALLEL_MIN_BYTES, PIECE_BYTES, copy_addresses, copy_pairs
+from kvtier.client import copying
+from kvtier.client.copying import PARALLEL_MIN_BYTES, PIECE_BYTES, copy_addresses, copy_pairs
 
 
 def _pieces(total: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from kvtier.keys import ChunkKey, compose
+from kvtier.server.observe.chunk_notes import ChunkNotes
 from kvtier.server.observe.event_wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -27,7 +28,7 @@ from kvtier.server.observe.event_wire import (
     published_hash,
     token_array,
 )
-from kvtier.server.observe.events import ChunkNotes, EventPublisher, Place
+from kvtier.server.observe.events import EventPublisher, Place
 from kvtier.storage.observers import Removal
 
 CS = 4

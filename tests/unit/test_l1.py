@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from testkit.clock import FakeClock
 
-from kvtier.arena import PAGE_SIZE
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
 from kvtier.server.observe.snapshots import L1Stats, TenantUsage
 from kvtier.storage.admission import AdmissionStats
+from kvtier.storage.arena import PAGE_SIZE
 from kvtier.storage.l1 import L1Store
 
 PAGE = PAGE_SIZE
@@ -748,3 +748,32 @@ def test_holds_and_stores_of_a_cleared_group_end_on_that_group() -> None:
     assert l1.num_groups == 3 and l1.used_bytes == 4 * PAGE and l1.stats().staging_shards == 0
     assert l1.tenant_usage("g").fenced_bytes == 0
     assert l1.clear() == 3 and l1.used_bytes == 0 and l1.num_groups == 0
+
+
+def test_observers_hear_of_a_group_once_it_is_a_resume_point() -> None:
+    """A complete group that is no resume point (a Mamba state missing at its end) is not
+    reported as stored (KV events must not announce a prefix a lookup will not serve); the
+    resume point that replaces it is."""
+
+    seen: list[ChunkKey] = []
+
+    class Observer:
+        def stored(self, keys: list[ChunkKey], tier: str) -> None:
+            seen.extend(keys)
+
+        def removed(self, keys: list[ChunkKey], tier: str, reason: object) -> None:
+            return None
+
+        def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
+            return None
+
+    l1 = L1Store(8 * PAGE, clock=FakeClock(), observer=Observer())  # type: ignore[arg-type]
+    k, j = key(1, world_size=2), key(2)
+    l1.reserve(k, 0, PAGE, owner="w", lease_s=30)
+    l1.reserve(k, 1, PAGE, owner="w", lease_s=30, resumable=False)
+    assert l1.commit(k, 0, owner="w") is False and l1.commit(k, 1, owner="w") is True
+    store(l1, j)
+    assert l1.is_complete(k) and seen == [j]  # complete, but no point to resume from
+    l1.reserve(k, 1, PAGE, owner="w", lease_s=30)  # a resume point replaces rank 1's shard
+    assert l1.commit(k, 1, owner="w") is True
+    assert seen == [j, k] and l1.resume_prefix([k]) == 1

@@ -11,8 +11,8 @@ from testkit.kv_servers import start_kv_server
 from testkit.servers import free_port
 from testkit.waiting import wait_for
 
-from kvtier.arena import PAGE_SIZE
 from kvtier.keys import ChunkKey
+from kvtier.storage.arena import PAGE_SIZE
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.observers import L1_TIER, Observers, Removal

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.arena import Arena
 from kvtier.keys import ChunkKey, ObjectKey
 from kvtier.storage import prefetch as prefetch_mod
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import Found, TierManager
 from kvtier.storage.prefetch import LoadOutcome, Prefetcher

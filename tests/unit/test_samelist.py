@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from kvtier import samelist
-from kvtier.samelist import same_items
+from kvtier.session import samelist
+from kvtier.session.samelist import same_items
 
 
 def _ints(n: int, start: int = 10_000) -> list[int]:

@@ -16,7 +16,6 @@ import pytest
 from testkit.waiting import wait_for
 
 from kvtier.keys import ObjectKey
-from kvtier.storage.tiers import disk as disk_mod
 from kvtier.storage.tiers import files as files_mod
 from kvtier.storage.tiers import format as fmt
 from kvtier.storage.tiers import open_tier, parse_size
@@ -173,7 +172,7 @@ def test_leftover_temp_file_is_ignored_and_removed_at_startup(tmp_path: Path) ->
     shard = file_of(tier, key(1)).parent
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs: the tier that wrote this crashed
-    stale = shard / f"{disk_mod.TEMP_PREFIX}{gone.pid}.deadbeef"
+    stale = shard / f"{files_mod.TEMP_PREFIX}{gone.pid}.deadbeef"
     stale.write_bytes(b"half a chunk")
     again = DiskTier(tmp_path, 0)
     assert not stale.exists()
@@ -190,8 +189,8 @@ def test_temp_files_of_others_are_left_alone(tmp_path: Path) -> None:
     others = [
         tmp_path / ".tmp.someone-elses",
         shard / ".tmp.1234abcd",
-        shard / f"{disk_mod.TEMP_PREFIX}{os.getppid()}.cafe",  # a live process's
-        shard / f"{disk_mod.TEMP_PREFIX}notapid.cafe",
+        shard / f"{files_mod.TEMP_PREFIX}{os.getppid()}.cafe",  # a live process's
+        shard / f"{files_mod.TEMP_PREFIX}notapid.cafe",
     ]
     for path in others:
         path.write_bytes(b"not ours")

@@ -15,7 +15,7 @@ from kvtier.errors import NoSpaceError, UnauthorizedError
 from kvtier.redaction import MAX_REDACTED_CHARS, redact
 from kvtier.server.auth import Authenticator, Credential
 from kvtier.server.fencing import ProcessWatches
-from kvtier.server.observe.admin import is_loopback_name
+from kvtier.server.observe.admin_access import is_loopback_name
 from kvtier.server.transport import frame_limit
 
 

@@ -1,5 +1,5 @@
-"""The `kvtier` command: `serve`, `demo` and `version` (`main`); `status` and `clear`, which
-talk to a running server's admin API (`admin`)."""
+"""The `kvtier` command (`main`): `serve`, `status` and `clear` (which talk to a running
+server's admin API, `admin`), `replay`, `demo` and `pd-proxy`; `kvtier --version`."""
 
 from kvtier.cli.main import app, main
 

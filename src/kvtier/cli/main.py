@@ -1,4 +1,4 @@
-"""The `kvtier` command: serve, status, clear, replay, demo.
+"""The `kvtier` command: serve, status, clear, replay, demo, pd-proxy.
 
 `serve`'s options are generated from ServerConfig's fields, so every option has exactly one
 definition (name, type, default, help, example) and a matching KVTIER_* environment variable.

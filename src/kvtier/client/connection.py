@@ -22,7 +22,6 @@ import numpy.typing as npt
 import zmq
 
 from kvtier import protocol as p
-from kvtier.arena import Arena
 from kvtier.errors import (
     ErrorCode,
     InternalError,
@@ -33,6 +32,7 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.hashing import TokenHasher
+from kvtier.storage.arena import Arena
 
 __all__ = ["Connection", "NoReply", "Transfer", "reply_as"]
 

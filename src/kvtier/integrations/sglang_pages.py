@@ -20,7 +20,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier.client import Client
-from kvtier.copying import copy_addresses
+from kvtier.client.copying import copy_addresses
 from kvtier.layouts import DTYPE_SIZES
 
 __all__ = ["PageGeometry", "flat_bytes", "load_pages", "page_geometry", "store_pages"]

@@ -1,2 +1,3 @@
-"""The kvtier server: request handlers (engine), the ZMQ loop (transport), the admin API (admin),
-and their assembly into one process (app)."""
+"""The kvtier server: the request engine (engine, routes, requests), the ZMQ loop (transport),
+what it reports (observe: the admin API, metrics, KV events), and their assembly into one
+process (app). See README.md here."""

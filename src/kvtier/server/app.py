@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
-from kvtier.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.config import ConfigError, ServerConfig, admin_token_file, format_size
 from kvtier.hashing import TokenHasher
 from kvtier.periodic import (
@@ -43,15 +42,17 @@ from kvtier.server.descriptors import (
 from kvtier.server.engine import Engine, EngineParts
 from kvtier.server.locking import TimedLock
 from kvtier.server.observe.admin import AdminServer, check_admin_exposure, start_admin_server
+from kvtier.server.observe.chunk_notes import ChunkNotes
 from kvtier.server.observe.chunkmemory import ChunkMemory
 from kvtier.server.observe.event_metrics import EventMetrics
-from kvtier.server.observe.events import ChunkNotes, EventPublisher, open_events
+from kvtier.server.observe.events import EventPublisher, open_events
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.transport import Transport
 from kvtier.server.views import AdminViews
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
 from kvtier.storage.admission import make_policy
+from kvtier.storage.arena import SHM_DIR, Arena, default_arena_name
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.observers import NO_OBSERVER, Observers, StorageObserver
@@ -242,6 +243,8 @@ def build_engine(
             notes=notes if notes is not None else ChunkNotes(),
         )
         engine = Engine(config, parts, clock=clock)
+        if isinstance(tiers.observer, Observers):  # which hand-off chunks reach a shared tier
+            tiers.observer.add(engine.handoffs)
     except BaseException:  # a server that fails at start leaves no segment in /dev/shm
         arena.close()
         if built_tiers:

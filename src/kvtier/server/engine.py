@@ -11,7 +11,7 @@ keeps the reaping and the admin accessors. Each request family has its own modul
 and handed the parts it needs: `handshake.py` (Hello, Register), `lookups.py` (Lookup,
 LookupPoll, ExistsKeys), `stores.py` (Reserve, Commit, Abort, StoreInline and their
 key-addressed forms), `retrieves.py` (Retrieve, RetrieveDone), `sessions.py` (a request's session
-and chunk names, the session bounds, a session's end).
+and chunk names, the session bounds, a session's end), `handoffs.py` (prefill/decode hand-offs).
 
 State is shared by the transport thread, the prefetch workers, the lease reaper, session expiry,
 L2 write completions and the admin API, and guarded by one lock (`TimedLock`) that each holds
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import protocol as p
-from kvtier.arena import Arena
 from kvtier.config import ServerConfig
 from kvtier.errors import KVTierError, NotConnectedError
 from kvtier.hashing import TokenHasher
@@ -46,8 +45,8 @@ from kvtier.server.fencing import FencingStats
 from kvtier.server.leases import Expired, LeaseBook
 from kvtier.server.limits import Limits, SessionBounds
 from kvtier.server.locking import HoldStats, TimedLock
+from kvtier.server.observe.chunk_notes import ChunkNotes
 from kvtier.server.observe.chunkmemory import ChunkMemory
-from kvtier.server.observe.events import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.observe.snapshots import ErrorRecord
 from kvtier.server.requests.handoffs import HandoffBook
@@ -59,6 +58,7 @@ from kvtier.server.requests.stores import StoreBook
 from kvtier.server.routes import Call, Route, route_of
 from kvtier.server.writethrough import WriteThrough
 from kvtier.session import SessionManager
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 from kvtier.storage.manager import TierManager
 from kvtier.storage.prefetch import Prefetcher
@@ -153,7 +153,11 @@ class Engine:
         self.session_book = SessionBook(config, self.sessions, self.l1, self.lookups, self._lock)
         self.sessions.destroy_listeners.append(self.session_book.end)
         self.handoffs = HandoffBook(
-            l1=self.l1, tiers=self.tiers, metrics=self.metrics, lease_s=config.handoff_lease
+            l1=self.l1,
+            tiers=self.tiers,
+            metrics=self.metrics,
+            lease_s=config.handoff_lease,
+            clock=clock,
         )
         self.stores = StoreBook(
             config,
@@ -310,6 +314,7 @@ class Engine:
             lapsed = self.l1.reclaim_pins(self._pin_owner_seen)
             self.retrieves.pins_lapsed(lapsed)
             handed_off = self.handoffs.lapsed(lapsed)
+            self.handoffs.release_shared()
             pins = len(lapsed)
         self.handoffs.delete_l2(handed_off)  # tier I/O, outside the lock
         return ThreadRunSummary(

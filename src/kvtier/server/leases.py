@@ -39,6 +39,7 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: int
     chunk_shape: list[int]
     dtype: str
+    role: str = ""  # its part in prefill/decode hand-offs (p.HANDOFF_ROLES), "" for none
 
 
 @dataclass(slots=True)

@@ -146,6 +146,10 @@ class Limits:
         _name("model", req.model)
         self._world(req.world_size, req.worker_id)
         self._shape(req.chunk_shape, req.dtype)
+        if req.role and req.role not in p.HANDOFF_ROLES:
+            raise InvalidArgumentError(
+                f"role must be one of {', '.join(p.HANDOFF_ROLES)} or empty, not {req.role[:32]!r}"
+            )
 
     def lookup(self, req: p.Lookup) -> None:
         self._strings(req.request_id, req.model, req.cache_salt)

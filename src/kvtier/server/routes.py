@@ -150,7 +150,7 @@ def _long_prompt(req: p.Lookup | p.RangeRequest, chunk_size: int) -> bool:
     return len(req.tokens) >= OFFLOAD_CHUNKS * chunk_size * 4  # bytes of packed uint32 tokens
 
 
-def _many_names(req: p.ExistsKeys | p.KeyRequest, chunk_size: int) -> bool:
+def _many_names(req: p.ExistsKeys | p.KeyRequest | p.EndHandoff, chunk_size: int) -> bool:
     return len(req.names) >= OFFLOAD_NAMES
 
 
@@ -319,6 +319,35 @@ def _end_session(engine: RouteHost, call: Call[p.EndSession]) -> Answered:
     return p.Ok()
 
 
+def _by_prompt(
+    request: type[tenants.Scoped],
+    bounds: Callable[[Limits, tenants.Scoped], None],
+    handle: Callable[[RouteHost, Call[tenants.Scoped]], Answered],
+    *,
+    offloaded: Callable[[tenants.Scoped, int], bool] = _long_prompt,
+    watched: Callable[[tenants.Scoped], bool] = _never,
+) -> Route[tenants.Scoped]:
+    """The route of a request about a prompt's chunks: put in its client's tenant (`tenants.scope`),
+    on a handler thread from OFFLOAD_CHUNKS chunks of prompt unless `offloaded` says otherwise."""
+    return Route(request, bounds, handle, offloaded=offloaded, scope=tenants.scope, watched=watched)
+
+
+def _by_names(
+    request: type[tenants.ScopedNames],
+    bounds: Callable[[Limits, tenants.ScopedNames], None],
+    handle: Callable[[RouteHost, Call[tenants.ScopedNames]], Answered],
+    *,
+    offloaded: Callable[[tenants.ScopedNames, int], bool] = _many_names,
+    watched: Callable[[tenants.ScopedNames], bool] = _never,
+) -> Route[tenants.ScopedNames]:
+    """The route of a request about chunks the caller names: put in its client's tenant
+    (`tenants.scope_names`), on a handler thread from OFFLOAD_NAMES names unless `offloaded` says
+    otherwise."""
+    return Route(
+        request, bounds, handle, offloaded=offloaded, scope=tenants.scope_names, watched=watched
+    )
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 #: one route per member of `protocol.Request` (a unit test holds every one to exactly one)
@@ -329,87 +358,36 @@ ROUTES: tuple[Route[Any], ...] = (
     Route(p.Register, Limits.register, _register),
     Route(p.Goodbye, Limits.nothing, _goodbye),
     # lookups
-    Route(
-        p.Lookup,
-        Limits.lookup,
-        _lookup,
-        offloaded=_long_prompt,
-        scope=tenants.scope,
-    ),
+    _by_prompt(p.Lookup, Limits.lookup, _lookup),
     Route(p.LookupPoll, Limits.poll, _poll, scope=tenants.scope_session),
-    Route(
-        p.ExistsKeys,
-        Limits.exists,
-        _exists_keys,
-        offloaded=_many_names,
-        scope=tenants.scope_names,
-    ),
+    _by_names(p.ExistsKeys, Limits.exists, _exists_keys),
     # stores
-    Route(
-        p.Reserve,
-        Limits.store,
-        _reserve,
-        offloaded=_long_prompt,
-        scope=tenants.scope,
-        watched=_always,
-    ),
-    Route(
-        p.ReserveKeys,
-        Limits.named,
-        _reserve_keys,
-        offloaded=_many_names,
-        scope=tenants.scope_names,
-        watched=_always,
-    ),
+    _by_prompt(p.Reserve, Limits.store, _reserve, watched=_always),
+    _by_names(p.ReserveKeys, Limits.named, _reserve_keys, watched=_always),
     Route(p.Commit, Limits.nothing, _commit),
     Route(p.Abort, Limits.nothing, _abort),
-    Route(
-        p.StoreInline,
-        Limits.store,
-        _store_inline,
-        offloaded=_bytes_inline,
-        scope=tenants.scope,
-    ),
-    Route(
-        p.StoreKeysInline,
-        Limits.named,
-        _store_inline,
-        offloaded=_bytes_inline,
-        scope=tenants.scope_names,
-    ),
+    _by_prompt(p.StoreInline, Limits.store, _store_inline, offloaded=_bytes_inline),
+    _by_names(p.StoreKeysInline, Limits.named, _store_inline, offloaded=_bytes_inline),
     # retrieves
-    Route(
+    _by_prompt(
         p.Retrieve,
         Limits.retrieve,
         _retrieve,
         offloaded=_retrieve_offloaded,
-        scope=tenants.scope,
         watched=_unless_inline,
     ),
-    Route(
+    _by_names(
         p.RetrieveKeys,
         Limits.named,
         _retrieve,
         offloaded=_retrieve_keys_offloaded,
-        scope=tenants.scope_names,
         watched=_unless_inline,
     ),
     Route(p.RetrieveDone, Limits.nothing, _retrieve_done),
-    Route(
-        p.EndHandoff,
-        Limits.end_handoff,
-        _end_handoff,
-        offloaded=_always_offloaded,
-        scope=tenants.scope_names,
-    ),
+    _by_names(p.EndHandoff, Limits.end_handoff, _end_handoff, offloaded=_always_offloaded),
     # sessions
     Route(p.Release, Limits.session, _release, scope=tenants.scope_session),
-    Route(
-        p.EndSession,
-        Limits.session,
-        _end_session,
-        scope=tenants.scope_session,
-    ),
+    Route(p.EndSession, Limits.session, _end_session, scope=tenants.scope_session),
 )
 
 _BY_TYPE: dict[type, Route[Any]] = {route.request: route for route in ROUTES}

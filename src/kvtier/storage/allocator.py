@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 
-from kvtier.arena import PAGE_SIZE
+from kvtier.storage.arena import PAGE_SIZE
 
 __all__ = ["Allocator"]
 

@@ -271,6 +271,7 @@ class TierManager:
     def _write(self, batch: list[_Job]) -> None:
         items = [(j.key, j.data, j.layout) for j in batch]
         unresumable = {j.key for j in batch if not j.resumable}
+        chunks_unresumable = {key.chunk for key in unresumable}
         for tier in self._tiers:
             try:
                 written = tier.put_many(items, unresumable=unresumable)
@@ -280,7 +281,10 @@ class TierManager:
             with self._cond:
                 self._n["write_errors"] += len(items) - written
             if self._observer and written:
-                self._report_stored(tier, [j.key for j in batch], all_written=written == len(items))
+                # a chunk whose piece is no resume point is not reported (as in the L1)
+                resumable = [j.key for j in batch if j.key.chunk not in chunks_unresumable]
+                if resumable:
+                    self._report_stored(tier, resumable, all_written=written == len(items))
         self._finish(batch, dropped=False)
 
     def _report_stored(self, tier: L2Tier, written: list[ObjectKey], *, all_written: bool) -> None:

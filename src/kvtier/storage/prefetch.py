@@ -52,9 +52,9 @@ from typing import Any
 
 import msgspec
 
-from kvtier.arena import Arena
 from kvtier.errors import NoSpaceError, UnknownReservationError
 from kvtier.keys import ChunkKey
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import UNBOUNDED, Held, L1Store, TenantBounds
 from kvtier.storage.loadrate import paying_prefix
 from kvtier.storage.manager import TierManager

@@ -2,7 +2,7 @@
 
 The L1 counts each tenant's bytes (`Usage`) as it goes; the server turns its share options
 into byte bounds (`TenantBounds`, see `server/limits.py`), which a reserve and a pin are checked
-against. Kept apart from `l1.py` so that file stays the index and its states.
+against. Kept apart from `l1/` so that package stays the index and its states.
 """
 
 from __future__ import annotations

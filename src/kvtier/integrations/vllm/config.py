@@ -1,6 +1,7 @@
 """What the connector reads from vLLM's config: `kv_connector_extra_config`, the parallel
-layout, and the KV cache groups it serves (full attention, sliding window, MLA, Mamba / linear
-attention; anything else is refused at start, naming what to use instead)."""
+layout, and the KV cache groups it serves (full attention, sliding window, MLA and its
+DeepSeek-V3.2 / V4 and GLM-5 variants, Mamba / linear attention; anything else is refused at
+start, naming what to use instead)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvtier.integrations.seam import (
     prefill_speed,
     refuse_unknown_keys,
 )
+from kvtier.integrations.vllm.drafting import drafting
 
 DEFAULT_ADDRESS = "ipc:///tmp/kvtier.sock"
 DEFAULT_TIMEOUT_S = 5.0
@@ -64,6 +66,9 @@ class CacheGroup:
     block_size: int  # tokens per vLLM block of this group (a Mamba block: one state)
     index: int  # the group's index in vLLM's KV cache config (its block ids' list)
     sliding_window: int = 0  # tokens, for kind "sliding"
+    #: the same bytes on every TP rank (MLA latents, DSA indexer keys, DeepSeek-V4's caches:
+    #: vLLM's `max_tp_shards` 1): stored once, by TP rank 0, and read by every rank
+    replicated: bool = False
 
     def kept_blocks(self, chunk_size: int) -> int:
         """The blocks of a chunk its piece holds: every block for full attention and MLA, the
@@ -93,11 +98,19 @@ class ConnectorConfig:
     role: Role = "kv_both"  # vLLM's kv_role: kv_producer stores hand-offs, kv_consumer reads
     handoff_wait: float = DEFAULT_HANDOFF_WAIT_S  # kv_consumer: bounded wait for a hand-off
     layerwise: str = "auto"  # "on", "off", "auto" (layerwise.use_layerwise)
+    #: speculative decoding (drafting.py): tokens past a position that the drafter's KV at that
+    #: position reads (EAGLE, EAGLE-3, MTP: 1, multi-module MTP: its modules; 0: none), and
+    #: the trailing computed tokens vLLM prefills again (their draft KV is not final yet)
+    draft_lookahead: int = 0
+    draft_reprefill: int = 0
+
+    num_blocks: int = 0  # blocks in vLLM's KV cache (0: unknown); a layer's pages per block
 
     @property
     def mla(self) -> bool:
-        """An MLA model: the latent cache is the same on every TP rank, stored once."""
-        return all(g.kind == "mla" for g in self.groups)
+        """Every group is the same on every TP rank (MLA and its DeepSeek-V3.2 / V4 and GLM-5
+        caches): a chunk is one shard, stored once by TP rank 0 and read by every rank."""
+        return all(g.replicated for g in self.groups)
 
     @property
     def plain(self) -> bool:
@@ -146,7 +159,7 @@ class ConnectorConfig:
         )
         token = credential(extra, "kv_connector_extra_config")
         parallel = vllm_config.parallel_config
-        groups = cache_groups(kv_cache_config)
+        groups = cache_groups(kv_cache_config, int(parallel.tensor_parallel_size))
         block_size = int(vllm_config.cache_config.block_size)
         model = extra.get("model") or default_model_name(vllm_config, block_size)
         timeout = float(extra.get("timeout", DEFAULT_TIMEOUT_S))
@@ -179,9 +192,10 @@ class ConnectorConfig:
                 "end, not one token before it, where the decode instance resumes: run this "
                 "model with kv_role kv_both"
             )
+        draft = drafting(vllm_config)
         return cls(
             address=str(extra.get("address", DEFAULT_ADDRESS)),
-            model=str(model),
+            model=str(model) + draft.name_suffix(explicit=bool(extra.get("model"))),
             timeout=timeout,
             token=token,
             block_size=block_size,
@@ -192,6 +206,9 @@ class ConnectorConfig:
             role=role,
             handoff_wait=wait,
             layerwise=layerwise,
+            draft_lookahead=draft.lookahead,
+            draft_reprefill=draft.reprefill,
+            num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),
         )
 
 
@@ -214,64 +231,104 @@ def default_model_name(vllm_config: Any, block_size: int) -> str:
     return f"vllm:{model_config.model}:{weights.label}:{dtype}{quant}:b{block_size}"
 
 
-def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
+def cache_groups(kv_cache_config: Any, tp_size: int = 1) -> tuple[CacheGroup, ...]:
     """The model's KV cache groups as the connector stores them; refuses the kinds it cannot
-    store, naming what to use instead."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MambaSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
+    store, naming what to use instead.
+
+    A group whose layers differ in shape (vLLM's `UniformTypeKVCacheSpecs`: DeepSeek-V3.2's and
+    GLM-5's MLA latents beside their indexer keys, DeepSeek-V4's compressed latents beside
+    their indexer) is one group here: its layers share one block table, and the worker packs
+    each shape's layers apart (`paged.PagedLayout`). vLLM's scheduler sees such a group through
+    one layer's spec, its workers through every layer's; both read the same kind here."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     groups: list[CacheGroup] = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         names = tuple(group.layer_names)
-        kind: GroupKind
-        window = 0
         what = f"KV cache group {index} ({type(spec).__name__}, layers {list(names[:2])})"
-        if type(spec) is MLAAttentionSpec:
-            kind = "mla"
-        elif type(spec) is FullAttentionSpec:
-            # a sliding window folded into a full-attention spec (HMA off) keeps every block
-            kind = "full"
-        elif type(spec) is SlidingWindowSpec:
-            kind, window = "sliding", int(spec.sliding_window)
-            if getattr(spec, "extra_retained_tokens", 0):
-                raise InvalidArgumentError(
-                    f"{what}: KVTierConnector does not store sliding windows that retain extra "
-                    "tokens; run this model without --kv-transfer-config"
-                )
-        elif type(spec) is MambaSpec:
-            kind = "mamba"
-            if spec.num_speculative_blocks:
-                raise InvalidArgumentError(
-                    f"{what}: KVTierConnector stores one Mamba state per chunk, not speculative "
-                    "decoding's extra state blocks; run without --speculative-config, or "
-                    "without --kv-transfer-config"
-                )
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            layers = [_layer_kind(s, what) for s in spec.kv_cache_specs.values()]
         else:
+            layers = [_layer_kind(spec, what)]
+        kinds = {kind for kind, _, _ in layers}
+        windows = {window for _, window, _ in layers}
+        replicated = {rep for _, _, rep in layers}
+        if (len(kinds) > 1 and kinds != {"full", "mla"}) or len(windows) > 1:
             raise InvalidArgumentError(
-                f"{what}: KVTierConnector stores full-attention, sliding-window, MLA and "
-                f"Mamba / linear-attention KV caches, not {type(spec).__name__}; run this "
+                f"{what}: KVTierConnector stores a KV cache group whose layers keep the same "
+                f"blocks; this one mixes {sorted(kinds)} (windows {sorted(windows)}): run this "
                 "model without --kv-transfer-config"
+            )
+        if len(replicated) > 1 and tp_size > 1:
+            raise InvalidArgumentError(
+                f"{what}: its layers mix caches that every TP rank holds whole with caches "
+                "split over TP ranks; KVTierConnector stores a group one way or the other: run "
+                "this model with --tensor-parallel-size 1, or without --kv-transfer-config"
             )
         if not getattr(group, "enable_kv_transfer", True):
             continue  # a replica vLLM rebuilds from another group after a load
-        groups.append(CacheGroup(kind, names, int(spec.block_size), index, window))
+        kind: GroupKind = "mla" if "mla" in kinds else next(iter(kinds))
+        groups.append(
+            CacheGroup(kind, names, int(spec.block_size), index, windows.pop(), all(replicated))
+        )
     if not groups:
         raise InvalidArgumentError(
             "this model has no KV cache groups KVTierConnector can store (attention-free?): run "
             "it without --kv-transfer-config"
         )
-    kinds = {g.kind for g in groups}
-    if "mla" in kinds and kinds != {"mla"}:
-        raise InvalidArgumentError(
-            f"KVTierConnector stores MLA models whose every group is MLA; this one mixes "
-            f"{sorted(kinds)}: run it without --kv-transfer-config"
-        )
     return tuple(groups)
+
+
+def _layer_kind(spec: Any, what: str) -> tuple[GroupKind, int, bool]:
+    """(kind, sliding window, replicated over TP ranks) of one layer's spec."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    one_shard = getattr(spec, "max_tp_shards", None) == 1
+    tokens_per_state = 1 if type(spec) is MambaSpec else getattr(spec, "tokens_per_state", 1)
+    if not isinstance(tokens_per_state, int) or tokens_per_state < 1:
+        raise InvalidArgumentError(
+            f"{what}: KVTierConnector stores caches whose states cover whole tokens, not "
+            f"{tokens_per_state} tokens per state; run this model without --kv-transfer-config"
+        )
+    if type(spec) is MLAAttentionSpec:  # a latent, or a DSA indexer's keys (cache_role)
+        return "mla", 0, True
+    if type(spec) is FullAttentionSpec:
+        # a sliding window folded into a full-attention spec (HMA off) keeps every block
+        return "full", 0, one_shard
+    if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
+        if getattr(spec, "extra_retained_tokens", 0):
+            raise InvalidArgumentError(
+                f"{what}: KVTierConnector does not store sliding windows that retain extra "
+                "tokens; run this model without --kv-transfer-config"
+            )
+        if not getattr(spec, "prefix_cacheable", True):
+            raise InvalidArgumentError(
+                f"{what}: this sliding window is replayed, not cached (vLLM's bounded replay), "
+                "so no prefix can resume from it; run this model without --kv-transfer-config"
+            )
+        mla = type(spec) is SlidingWindowMLASpec
+        return "sliding", int(spec.sliding_window), mla or one_shard
+    if type(spec) is MambaSpec:
+        if spec.num_speculative_blocks:
+            raise InvalidArgumentError(
+                f"{what}: KVTierConnector stores one Mamba state per chunk, not speculative "
+                "decoding's extra state blocks (a hybrid Mamba / linear-attention model "
+                "with --speculative-config); run this model without --speculative-config, "
+                "or without --kv-transfer-config"
+            )
+        return "mamba", 0, bool(getattr(spec, "tp_replicated", False))
+    raise InvalidArgumentError(
+        f"{what}: KVTierConnector stores full-attention, sliding-window, MLA (with DSA "
+        f"indexers and DeepSeek-V4's compressed caches) and Mamba / linear-attention KV "
+        f"caches, not {type(spec).__name__}; run this model without --kv-transfer-config"
+    )
 
 
 def check_group_blocks(config: ConnectorConfig, chunk_size: int) -> None:

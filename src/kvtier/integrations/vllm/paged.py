@@ -14,10 +14,13 @@ layer by layer, each layer's pages in token order:
 
 where a full-attention or MLA group keeps every page of the chunk, a sliding-window group its
 trailing window pages, a Mamba group the one state page at the chunk's end
-(`CacheGroup.kept_blocks`). The groups saved from blocks vLLM frees soon (sliding window,
-Mamba) come last, so their pieces are one contiguous tail a save stages while vLLM still holds
-the blocks. A plain full-attention model's chunk is that one piece, registered with its 5-d
-shape and dtype; any other model registers the packed bytes as a flat uint8 chunk.
+(`CacheGroup.kept_blocks`). A group whose layers differ in shape (DeepSeek-V3.2's and GLM-5's
+MLA latents beside their indexer keys; DeepSeek-V4's latents compressed 4:1 and 128:1, whose
+page holds one state per 4 or 128 tokens) packs one such piece per shape. The groups saved
+from blocks vLLM frees soon (sliding window, Mamba) come last, so their pieces are one
+contiguous tail a save stages while vLLM still holds the blocks. A plain full-attention model's
+chunk is that one piece, registered with its 5-d shape and dtype; any other model registers the
+packed bytes as a flat uint8 chunk.
 
 On vLLM's CPU layout every page is contiguous, so a copy is a memcpy of whole pages (runs of
 consecutive pages at once) straight between vLLM's blocks and the arena slot; other layouts are
@@ -37,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.copying import copy_addresses
+from kvtier.client.copying import copy_addresses
 from kvtier.errors import InvalidArgumentError
 from kvtier.integrations.vllm.config import CacheGroup
 
@@ -91,30 +94,28 @@ class PagedLayout:
 
     @classmethod
     def from_kv_caches(
-        cls, kv_caches: Mapping[str, torch.Tensor], groups: Sequence[CacheGroup], chunk_size: int
+        cls,
+        kv_caches: Mapping[str, torch.Tensor],
+        groups: Sequence[CacheGroup],
+        chunk_size: int,
+        num_blocks: int = 0,
     ) -> PagedLayout:
         """The layers of `groups` (config.cache_groups) in `kv_caches`; refuses views it cannot
-        copy."""
+        copy. A group whose layers differ in shape (an MLA latent beside a DSA indexer's keys, a
+        DeepSeek-V4 latent compressed 4:1 beside one compressed 128:1) is packed as one piece
+        per shape, all on the group's block table. `num_blocks` (vLLM's, 0: unknown) gives a
+        layer's pages per block, which a compressed layer's view does not show in tokens."""
         ordered = sorted(groups, key=lambda g: g.kind in STAGED_KINDS)
         layouts: list[GroupLayout] = []
         offset = 0
         for group in ordered:
-            layers = _group_views(kv_caches, group)
-            kernel = int(layers[0].shape[2])
-            if group.kind == "mamba":
-                per_block = 1
-            elif group.block_size % kernel or chunk_size % group.block_size:
-                raise InvalidArgumentError(
-                    f"block_size={group.block_size} must be a multiple of the kernel block "
-                    f"{kernel}, and kvtier's chunk size {chunk_size} a multiple of block_size"
-                )
-            else:
-                per_block = group.block_size // kernel
-            kept = group.kept_blocks(chunk_size) * per_block
-            blocks = 1 if group.kind == "mamba" else chunk_size // group.block_size
-            layout = GroupLayout(group, layers, per_block, kept, offset, blocks)
-            layouts.append(layout)
-            offset += layout.nbytes
+            for layers in _group_views(kv_caches, group):
+                per_block = _pages_per_block(layers[0], group, chunk_size, num_blocks)
+                kept = group.kept_blocks(chunk_size) * per_block
+                blocks = 1 if group.kind == "mamba" else chunk_size // group.block_size
+                layout = GroupLayout(group, layers, per_block, kept, offset, blocks)
+                layouts.append(layout)
+                offset += layout.nbytes
         plain = len(layouts) == 1 and layouts[0].group.kind == "full"
         return cls(tuple(layouts), chunk_size, plain)
 
@@ -146,28 +147,54 @@ class PagedLayout:
         return self.groups[0].layers[0].device
 
 
-def _group_views(kv_caches: Mapping[str, torch.Tensor], group: CacheGroup) -> tuple[Any, ...]:
+def _pages_per_block(
+    first: torch.Tensor, group: CacheGroup, chunk_size: int, num_blocks: int
+) -> int:
+    """View pages per vLLM block of a layer: vLLM may split a block into kernel blocks."""
+    if group.kind == "mamba":
+        return 1
+    pages = int(first.shape[0])
+    if num_blocks > 0 and pages % num_blocks == 0:
+        per_block = pages // num_blocks
+    else:  # tokens per page: a state per token (no compressed layer without num_blocks)
+        kernel = int(first.shape[2])
+        per_block = group.block_size // kernel if kernel and group.block_size % kernel == 0 else 0
+    if per_block < 1 or group.block_size % per_block or chunk_size % group.block_size:
+        raise InvalidArgumentError(
+            f"a {group.kind} layer's view {tuple(first.shape)} does not split block_size="
+            f"{group.block_size} into whole pages, or kvtier's chunk size {chunk_size} is not a "
+            "multiple of block_size"
+        )
+    return per_block
+
+
+def _group_views(
+    kv_caches: Mapping[str, torch.Tensor], group: CacheGroup
+) -> list[tuple[torch.Tensor, ...]]:
+    """The group's layer views, split into runs of alike layers (one run for most models),
+    in the group's layer order."""
     missing = [n for n in group.layer_names if n not in kv_caches]
     if missing:
         raise InvalidArgumentError(
             f"register_kv_caches got no KV for layers {missing[:3]}: KVTierConnector needs "
             f"every layer of each KV cache group ({group.kind})"
         )
-    layers = tuple(kv_caches[n] for n in group.layer_names)
-    first = layers[0]
-    if first.dim() != 4:
-        raise InvalidArgumentError(
-            f"KVTierConnector expects vLLM's logical per-layer KV view [blocks, heads, "
-            f"block_size, content] (vLLM >= 0.32); got shape {tuple(first.shape)}"
-        )
-    for name, t in zip(group.layer_names, layers, strict=True):
-        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+    shapes: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for name in group.layer_names:
+        t = kv_caches[name]
+        if t.dim() != 4:
             raise InvalidArgumentError(
-                f"layer {name!r} KV is {tuple(t.shape)} {t.dtype} on {t.device}, unlike "
-                f"{tuple(first.shape)} {first.dtype} on {first.device}: KVTierConnector "
-                "needs every layer of a KV cache group alike"
+                f"KVTierConnector expects vLLM's logical per-layer KV view [blocks, heads, "
+                f"block_size, content] (vLLM >= 0.32); got shape {tuple(t.shape)} for {name!r}"
             )
-    return layers
+        shapes.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+    devices = {device for _, _, device in shapes}
+    if len(devices) > 1:
+        raise InvalidArgumentError(
+            f"the {group.kind} layers' KV is on {sorted(map(str, devices))}: KVTierConnector "
+            "needs every layer of a KV cache group on one device"
+        )
+    return [tuple(layers) for layers in shapes.values()]
 
 
 def page_runs(pages: Sequence[int], merge: bool = True) -> list[tuple[int, int, int]]:
@@ -188,7 +215,7 @@ def page_runs(pages: Sequence[int], merge: bool = True) -> list[tuple[int, int, 
 
 class CpuCopier:
     """Page copies on the CPU: one memcpy per run of consecutive pages and layer, gathered by
-    `save` / `load` as (dst, src, size) addresses and run by `sync` (kvtier.copying).
+    `save` / `load` as (dst, src, size) addresses and run by `sync` (kvtier.client.copying).
 
     On vLLM's CPU layouts every page is contiguous, so a copy is named by address arithmetic
     instead of numpy slices (a 16k-token transfer is thousands of page runs: slicing them cost

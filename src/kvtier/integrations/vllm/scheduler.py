@@ -17,6 +17,7 @@ from kvtier.hashing import TOKEN_DTYPE
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
 from kvtier.integrations.vllm import handoff
 from kvtier.integrations.vllm.config import ConnectorConfig, check_group_blocks
+from kvtier.integrations.vllm.drafting import hit_point
 from kvtier.integrations.vllm.inputs import AdapterFingerprints, request_extra_key
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
 
@@ -134,10 +135,10 @@ class SchedulerSide:
                 return None, False  # L2 loads still run on the server: ask again next step
             state.lookup = None
             # keep the last token to compute (vLLM needs its logits); whole blocks only, or
-            # whole chunks where a sliding window or a Mamba state is read at the hit's end
+            # whole chunks where a sliding window or a Mamba state is read at the hit's end;
+            # short of the draft KV that read tokens past what kvtier matched (drafting.py)
             unit = self.config.hit_unit or self.chunk_size
-            usable = (request.num_tokens - 1) // unit * unit
-            state.hit = min(int(hit), usable)
+            state.hit = hit_point(int(hit), request.num_tokens, unit, self.config.draft_lookahead)
             state.saved_end = max(state.saved_end, int(hit))  # chunk-aligned: stored already
         new = max(0, state.hit - num_computed_tokens)
         return new, bool(new) and self.config.async_loads
@@ -184,7 +185,9 @@ class SchedulerSide:
                 self._plan_handoff_saves(meta, state, block_ids, computed)
             if not self._cacheable(state):
                 continue
-            end = min(computed, request.num_tokens) // self.chunk_size * self.chunk_size
+            # multi-module MTP computes the draft KV of a step's last tokens again: not final
+            final = computed - self.config.draft_reprefill
+            end = min(final, request.num_tokens) // self.chunk_size * self.chunk_size
             if end > state.saved_end:
                 # a Mamba state exists at `end` only when this step ends there
                 meta.saves.append(

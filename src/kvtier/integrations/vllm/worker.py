@@ -23,6 +23,7 @@ import torch
 from kvtier.client import ChunkRange, Client, RetrievedSlots, StoreSlots
 from kvtier.errors import KVTierError
 from kvtier.hashing import TOKEN_DTYPE
+from kvtier.integrations.amx import request_amx_tiles
 from kvtier.integrations.seam import LazyClient, Recompute, check_chunk_blocks
 from kvtier.integrations.vllm.config import CacheGroup, ConnectorConfig, check_group_blocks
 from kvtier.integrations.vllm.layerwise import (
@@ -99,7 +100,20 @@ class WorkerSide:
     # -- registration ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Keep vLLM's per-layer KV views and register this rank's chunk layout with kvtier."""
+        """Keep vLLM's per-layer KV views and register this rank's chunk layout with kvtier.
+        On the CPU, first ask Linux for AMX tiles for this worker process (see
+        `kvtier.integrations.amx`): a first step that only finishes a loaded prompt may reach
+        vLLM's AMX attention before anything else asked."""
+        if any(kv.device.type == "cpu" for kv in kv_caches.values()):
+            who = f"KVTierConnector worker {self.worker_id}"
+            tiles = request_amx_tiles(who)
+            if not tiles.offered and torch.cpu._is_amx_tile_supported():  # vLLM's own test
+                logger.warning(
+                    "%s: the CPU reports AMX but Linux offers no AMX tiles to processes: "
+                    "vLLM's bfloat16 attention may stop the worker with SIGILL (--dtype "
+                    "float32 does without them)",
+                    who,
+                )
         self._kv_caches = kv_caches
         client = self.client.try_connect(f"KVTierConnector worker {self.worker_id}")
         if client is not None and self.layout is None:
@@ -113,7 +127,7 @@ class WorkerSide:
             return
         if self.layout is None:
             self.layout = PagedLayout.from_kv_caches(
-                self._kv_caches, self.config.groups, client.chunk_size
+                self._kv_caches, self.config.groups, client.chunk_size, self.config.num_blocks
             )
             self._copier = copier_for(self.layout, client.arena_bytes)  # pinned for GPU copies
             self._order = forward_order(self.layout)
@@ -129,6 +143,7 @@ class WorkerSide:
             worker_id=self.worker_id,
             chunk_shape=self.layout.chunk_shape,
             dtype=self.layout.dtype_name,
+            role="" if self.config.role == "kv_both" else self.config.role,
         )
 
     def _ready(self) -> tuple[Client, PagedLayout, Copier] | None:
@@ -201,11 +216,9 @@ class WorkerSide:
     # -- loads ------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
-        """Whole-request: copy this step's loads from the arena into vLLM's blocks before the
-        forward pass. Layer-wise: start them on the loader thread (wait_for_layer_load waits
-        for each layer). Asynchronous loads (several KV cache groups; vLLM starts them after
-        the forward pass) are done within the step either way; get_finished reports them, so
-        vLLM schedules their requests from the next step."""
+        """Whole-request: copy this step's loads into vLLM's blocks. Layer-wise: start them on
+        the loader thread (wait_for_layer_load waits per layer). Asynchronous loads (several KV
+        cache groups) are done within the step; get_finished reports them."""
         ready = self._ready() if self.layerwise and meta.loads else None
         if ready is not None:
             client, layout, _ = ready
@@ -229,13 +242,8 @@ class WorkerSide:
                 self._failed.add(load.request_id)
         elif not ok:
             self._load_errors.update(b for ids in load.block_ids for b in ids if b)
-        logger.info(
-            "kvtier load of %s: %d tokens %s in %.2f ms",
-            load.request_id,
-            load.end - load.start,
-            "copied" if ok else "failed",
-            seconds * 1e3,
-        )
+        logger.info("kvtier load of %s: %d tokens %s in %.2f ms", load.request_id,
+                    load.end - load.start, "copied" if ok else "failed", seconds * 1e3)  # fmt: skip
 
     def _start_step_loads(
         self, loads: list[Transfer], client: Client, layout: PagedLayout, copier: Copier
@@ -249,25 +257,18 @@ class WorkerSide:
             return self._load_group(copier, views, li, layout.groups[li], load, ids, [layer])
 
         assert self._loader is not None
-        self._loader.submit(
-            lambda: run_step_loads(
-                step,
-                self._order,
-                copier,
-                event,
-                open_load=lambda stack, load: self._open_load(stack, client, layout, load),
-                load_layer=load_layer,
-                on_lost=lambda exc: self.recompute.fail("layer-wise load", exc),
-                hook=self.layer_hook,
-            )
-        )
+        self._loader.submit(lambda: run_step_loads(
+            step, self._order, copier, event,
+            open_load=lambda stack, load: self._open_load(stack, client, layout, load),
+            load_layer=load_layer, hook=self.layer_hook,
+            on_lost=lambda exc: self.recompute.fail("layer-wise load", exc),
+        ))  # fmt: skip
         self._step = step
 
     def _open_load(
         self, stack: ExitStack, client: Client, layout: PagedLayout, load: Transfer
     ) -> list[Bytes] | None:
-        """A load's chunk views, held open by `stack`; None when kvtier no longer holds them
-        all (the load fails and vLLM recomputes)."""
+        """A load's chunk views, held open by `stack`; None when kvtier lacks some (recompute)."""
         reader = self.reader if self.config.readers else -1  # -1: this rank's worker_id
         try:
             got = stack.enter_context(self._retrieving(client, layout, load, reader))
@@ -287,8 +288,8 @@ class WorkerSide:
         return list(got.views)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Layer-wise: wait until this layer's loads are in place (a GPU: until they are
-        queued, and make the compute stream wait for them); other layers may still copy."""
+        """Layer-wise: wait until this layer's loads are in place (a GPU: queued, with the
+        compute stream waiting for them); other layers may still copy."""
         if self._step is not None and self._load_copier is not None:
             self.layer_calls["wait"] += 1
             self._load_copier.wait_compute(self._step.wait_layer(layer_name))
@@ -384,11 +385,10 @@ class WorkerSide:
     # -- saves ------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
-        """Queue this step's saves; the saver thread copies them while the next steps run
-        (layer-wise: queued at the step's first save_kv_layer, copied as each layer is
-        released; here every layer is released). The pieces of groups whose blocks vLLM frees soon
-        (sliding window, Mamba state) are staged here, before this returns: the next schedule
-        may free or overwrite those blocks. Layer-wise, first waits for this step's loads."""
+        """Queue this step's saves for the saver thread (layer-wise: queued at the first
+        save_kv_layer; here every layer is released), after this step's layer-wise loads. The
+        pieces of groups whose blocks vLLM frees soon (sliding window, Mamba state) are staged
+        here: the next schedule may free or overwrite those blocks."""
         self._finish_step_loads()
         with Stopwatch() as sw:
             jobs, self._step_saves = self._step_saves, []
@@ -408,9 +408,8 @@ class WorkerSide:
             self.overlap.add(save_exposed_s=sw.seconds, saves=len(meta.saves))
 
     def save_kv_layer(self, layer_name: str, meta: KVTierConnectorMetadata) -> None:
-        """Layer-wise: the forward pass wrote this layer; its saves may copy it now. The step's
-        first call hands its saves to the saver (vLLM binds the step's metadata before the
-        forward pass, but calls start_load_kv after it when the step has no loads to wait for)."""
+        """Layer-wise: the forward pass wrote this layer; its saves may copy it. The step's first
+        call queues them (vLLM may call start_load_kv only after the forward pass)."""
         if not self.layerwise:
             return
         if not self._saves_begun:
@@ -425,8 +424,8 @@ class WorkerSide:
             job.gate.open(layer_name, event)
 
     def _queue_saves(self, meta: KVTierConnectorMetadata, *, early: bool) -> None:
-        """Hand this step's saves to the saver: after the forward pass (whole-request: each
-        job's pieces staged here), or before it (layer-wise: each job waits for its layers)."""
+        """Hand this step's saves to the saver: after the forward pass (pieces staged here) or
+        during it (layer-wise: each job waits for its layers)."""
         with self._cond:
             for save in meta.saves:
                 self._pending[save.request_id] = self._pending.get(save.request_id, 0) + 1
@@ -522,8 +521,7 @@ class WorkerSide:
         save: Transfer,
         layers: Sequence[int] | None = None,
     ) -> None:
-        """Queue a group's copies of a save into its slots (`layers` of it; default: all); the
-        staged groups' pieces come from `_stage`."""
+        """Queue a group's copies of a save (`layers` of it; default: all), unless staged."""
         assert self.layout is not None
         group = self.layout.groups[li]
         if group.group.kind in STAGED_KINDS:

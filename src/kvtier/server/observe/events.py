@@ -8,14 +8,14 @@ Valkey, Mooncake) `STORAGE`/`REMOTE`. A chunk is one vLLM block: `block_hashes` 
 chunk names and `block_size` the chunk size, so with `--hash-algorithm sha256_cbor` they equal
 vLLM's block hashes for a block size of the chunk size (requests without a cache salt or extra
 key), sent as vLLM sends them (by default the last 8 bytes as an integer, see
-`--kv-events-int-hashes`). `parent_block_hash`, `token_ids` and `extra_keys` (the cache salt
-on a prompt's first chunk, as vLLM puts it, and the store's extra key on each; a salted
-chunk's published hash is its name mixed with the salt) come from the store that named the chunk
-(`ChunkNotes`); a chunk stored by name, or one whose note is gone (an L2 write long after
-its store, a chunk that survived a restart), is published alone, without tokens or parent. A
-hand-off's chunks (a prefill instance's KV for one decode instance) are no prefix-cache entries
-and are never published: their stores hide them (`ChunkNotes.hide`). A batch's topic is
-`--kv-events-topic` followed by its chunks' model.
+`--kv-events-int-hashes`). `parent_block_hash`, `token_ids` and `extra_keys` (the cache salt on
+a prompt's first chunk, as vLLM puts it, and the store's extra key on each; a salted chunk's
+published hash is its name mixed with the salt) come from the store that named the chunk
+(`ChunkNotes`, in `chunk_notes.py`); a chunk stored by name, or one whose note is gone (an L2
+write long after its store, a chunk that survived a restart), is published alone, without tokens
+or parent. A hand-off's chunks (a prefill instance's KV for one decode instance) are no
+prefix-cache entries and are never published: their stores hide them (`ChunkNotes.hide`). A
+batch's topic is `--kv-events-topic` followed by its chunks' model.
 
 Delivery is vLLM's: one sequence number per batch, monotonic from 0 at each start (a consumer
 that sees it go back knows the server restarted; each topic's first batch of a run begins with
@@ -34,11 +34,9 @@ consumer knows its view is incomplete.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -50,6 +48,7 @@ from kvtier.keys import ChunkKey, shown
 from kvtier.storage.observers import L1_TIER, Removal
 from kvtier.storage.tiers.base import L2Tier
 
+from .chunk_notes import NO_STORE, ChunkNotes
 from .event_replay import ReplayBuffer, ReplayServer, tenant_of
 from .event_wire import (
     LOCAL,
@@ -69,7 +68,7 @@ from .event_wire import (
     token_array,
 )
 
-__all__ = ["ChunkNotes", "EventPublisher", "EventStats", "Place", "open_events", "place_of"]
+__all__ = ["EventPublisher", "EventStats", "Place", "open_events", "place_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,6 @@ _REPLAY_POLL_MS = 2  # while a replay waits for its peer's queue
 #: the longest subscription message taken (a topic prefix and the model's name)
 _MAX_SUBSCRIPTION_BYTES = 4096
 _MAX_REPORTS = 1 << 20  # chunks reported, waiting for the thread; past it, dropped (a seq gap)
-_MAX_HIDDEN = 1 << 16  # hand-off chunks kept unpublished (oldest forgotten first)
 _SHUTDOWN_S = 2.0
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
@@ -97,98 +95,6 @@ L1_PLACE = Place(MEDIUM_CPU, LOCAL)
 def place_of(tier: L2Tier) -> Place:
     """An L2 tier's place: the disk tier is on this machine; every shared store is remote."""
     return Place(MEDIUM_STORAGE, LOCAL if getattr(tier, "kind", "") == "disk" else REMOTE)
-
-
-class _Store(NamedTuple):
-    """What one store told of the consecutive chunks it named."""
-
-    keys: tuple[ChunkKey, ...]
-    parent: bytes | None  # the chunk before keys[0] (None: they start the prompt)
-    tokens: bytes  # their token ids, packed uint32, chunk after chunk
-    extra: bytes = b""  # the extra key the store named them under (in every chunk's hash)
-
-
-_NO_STORE = _Store((), None, b"")
-
-#: where a chunk's note is: the store that named it last, and the chunk's place in it
-Note = tuple[_Store, int]
-
-
-class ChunkNotes:
-    """The parent and tokens of the most recently stored chunks (about `capacity`, whole stores
-    forgotten oldest first; 0 keeps none, for a server without KV events), taken from the
-    stores that named them. A store is kept as it came, once: a note costs the request that
-    makes it one dict entry per chunk, and the publisher encodes the tokens.
-    Thread-safe; each call holds its lock briefly."""
-
-    def __init__(self, capacity: int = 0) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        self._capacity = capacity
-        self._where: dict[ChunkKey, Note] = {}
-        self._stores: deque[_Store] = deque()
-        self._chunks = 0  # chunks of the stores kept
-        self._lock = threading.Lock()
-        # hand-off chunks: never published (a late report of one forgotten would be)
-        self._hidden: OrderedDict[ChunkKey, None] = OrderedDict()
-
-    def note(
-        self,
-        keys: Sequence[ChunkKey],
-        parent: bytes | None,
-        tokens: bytes,
-        chunk_size: int,
-        extra_key: bytes = b"",
-    ) -> None:
-        """`keys` name consecutive chunks of `tokens` (packed uint32, starting at the first
-        key's chunk), after the chunk named `parent` (None: they start the prompt)."""
-        step = 4 * chunk_size
-        n = min(len(keys), len(tokens) // step)  # only chunks whose every token came
-        first = max(0, n - self._capacity)  # more than all we keep: the last ones
-        if first == n:
-            return
-        if first:
-            parent = keys[first - 1].chunk_hash
-        store = _Store(tuple(keys[first:n]), parent, tokens[first * step : n * step], extra_key)
-        places = zip(itertools.repeat(store), range(n - first), strict=False)
-        with self._lock:
-            self._where.update(zip(store.keys, places, strict=False))
-            self._stores.append(store)
-            self._chunks += len(store.keys)
-            while self._chunks > self._capacity:
-                old = self._stores.popleft()
-                self._chunks -= len(old.keys)
-                for key in old.keys:
-                    if self._where.get(key, (None,))[0] is old:  # not named again since
-                        del self._where[key]
-
-    def __bool__(self) -> bool:
-        """Whether notes are kept at all (a server without KV events keeps none)."""
-        return self._capacity > 0
-
-    def hide(self, keys: Sequence[ChunkKey]) -> None:
-        """`keys` are a hand-off's chunks, no prefix-cache entries: never publish them (the
-        last `_MAX_HIDDEN` hidden are remembered)."""
-        if not self:
-            return
-        with self._lock:
-            for key in keys:
-                self._hidden[key] = None
-                self._hidden.move_to_end(key)
-            while len(self._hidden) > _MAX_HIDDEN:
-                self._hidden.popitem(last=False)
-
-    def shown(self, keys: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
-        """`keys` less the hidden ones."""
-        if not self._hidden:
-            return keys
-        with self._lock:
-            return [key for key in keys if key not in self._hidden]
-
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[Note | None]:
-        get = self._where.get
-        with self._lock:
-            return [get(key) for key in keys]
 
 
 class EventStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -459,7 +365,7 @@ class EventPublisher:
         run: list[ChunkKey] = []
         parent: bytes | None = None
         pieces: list[bytes] = []  # the run's tokens: a slice of each store it spans
-        store, first, last = _NO_STORE, 0, -1  # the run's chunks in `store`: first to last
+        store, first, last = NO_STORE, 0, -1  # the run's chunks in `store`: first to last
         for key, note in zip(keys, self.notes.get_many(keys), strict=True):
             if note is not None and note[0] is store and note[1] == last + 1:
                 run.append(key)  # the usual case: the next chunk of the same store
@@ -471,7 +377,7 @@ class EventPublisher:
                 if run:
                     yield self._block_stored(run, parent, pieces, place, store.extra)
                 yield self._block_stored([key], None, [], place)
-                run, pieces, store = [], [], _NO_STORE
+                run, pieces, store = [], [], NO_STORE
                 continue
             at, i = note
             previous = at.parent if i == 0 else at.keys[i - 1].chunk_hash

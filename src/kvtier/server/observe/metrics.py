@@ -181,11 +181,14 @@ class Metrics:
         handoff_chunks = Counter(
             "kvtier_handoff_chunks",
             "Chunks of hand-off objects (a prefill instance's KV for one decode instance), by "
-            "event: stored, read (the decoder ended the hand-off), lapsed (its lease ran out).",
+            "event: stored, read (the decoder ended the hand-off), lapsed (its lease ran out), "
+            "released (a shared tier holds it: no longer pinned in L1).",
             ["event"],
             registry=self.registry,
         )
-        self._handoff_chunks = {e: handoff_chunks.labels(e) for e in ("stored", "read", "lapsed")}
+        self._handoff_chunks = {
+            e: handoff_chunks.labels(e) for e in ("stored", "read", "lapsed", "released")
+        }
         self._handoff_bytes = Counter(
             "kvtier_handoff_stored_bytes",
             "KV bytes committed into L1 as hand-off objects.",
@@ -311,7 +314,8 @@ class Metrics:
         self._stored += n
 
     def count_handoff(self, event: str, chunks: int, nbytes: int) -> None:
-        """Count hand-off chunks `event` (stored, read, lapsed), and the bytes stored."""
+        """Count hand-off chunks `event` (stored, read, lapsed, released), and the bytes
+        stored."""
         self._handoff_chunks[event].inc(chunks)
         if nbytes:
             self._handoff_bytes.inc(nbytes)

@@ -1,2 +1,3 @@
-"""The server's request families: the handshake (Hello, Register), lookups, stores, retrieves
-and sessions. Each holds its own state; the engine routes requests to them under its lock."""
+"""The server's request families: the handshake (Hello, Register), lookups, stores, retrieves,
+sessions and hand-offs. Each holds its own state; the routes call them, and each says what it
+runs under the engine lock."""

@@ -8,13 +8,22 @@ memory for ever). `EndHandoff` (the decoder has read it) or the lease's lapse fr
 and dropped from L1, and deleted from the L2 tiers (outside the lock). Their names are derived
 from the hand-off id, so no prefix-cache lookup (token-addressed) can ever hit them.
 
-Locking: `committed`, `end` and `lapsed` run under the engine lock, which the caller holds;
-`delete_l2` does tier I/O and runs outside it.
+Once a shared tier (Redis, Valkey, Mooncake: one another server can read) holds a chunk, the L1
+pin on it is released: L1 keeps it as cache a local decoder still reads while it is resident,
+and a decoder on another machine reads the shared tier anyway. The lease goes on (from the last
+commit) for the deletion: the hand-off still ends when read or when its lease lapses.
+
+Locking: `committed`, `end`, `lapsed` and `release_shared` run under the engine lock, which the
+caller holds; `delete_l2` does tier I/O and runs outside it; `stored` (the storage observer's
+call, from the L2 writer's thread) only appends to a queue.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.keys import ChunkKey, compose
@@ -36,17 +45,44 @@ def handoff_holder(tenant: str, handoff_id: str) -> str:
     return HANDOFF_PREFIX + compose(tenant, handoff_id)
 
 
+@dataclass
+class _Held:
+    """One hand-off's chunks: all it stored (to delete at its end), those still pinned in L1
+    (not yet in a shared tier), whose namespace pins them, and when its lease lapses."""
+
+    tenant: str
+    deadline: float
+    chunks: list[ChunkKey] = field(default_factory=list)
+    shared: set[ChunkKey] = field(default_factory=set)
+
+    def pinned(self) -> list[ChunkKey]:
+        return [k for k in self.chunks if k not in self.shared]
+
+
 class HandoffBook:
-    """The hand-offs a server holds: their pins, their end, their lapse, and their counts."""
+    """The hand-offs a server holds: their pins, their end, their lapse, and their counts.
+
+    It is also a storage observer (`stored`, `removed`, `cleared`): it hears which hand-off
+    chunks reached a shared tier, to release their L1 pins (`release_shared`).
+    """
 
     def __init__(
-        self, *, l1: L1Store, tiers: TierManager, metrics: Metrics, lease_s: float
+        self,
+        *,
+        l1: L1Store,
+        tiers: TierManager,
+        metrics: Metrics,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._l1 = l1
         self._tiers = tiers
         self._metrics = metrics
         self._lease_s = lease_s
-        self._held: dict[str, list[ChunkKey]] = {}  # holder -> the chunks it stored
+        self._clock = clock
+        self._held: dict[str, _Held] = {}  # holder -> its hand-off
+        self._shared_tiers = frozenset(t.name for t in tiers.tiers if t.shared)
+        self._in_shared: deque[ChunkKey] = deque()  # appended by the L2 writer's thread
 
     @staticmethod
     def holder(tenant: str, handoff_id: str) -> str:
@@ -61,18 +97,22 @@ class HandoffBook:
     def committed(self, holder: str, keys: Sequence[ChunkKey], *, tenant: str, nbytes: int) -> None:
         """Under the lock: a commit of the hand-off's chunks; they are pinned with the ones it
         committed before, for a lease from now."""
-        held = self._held.setdefault(holder, [])
-        known = set(held)
-        held.extend(k for k in keys if k not in known)
-        self._l1.pin(holder, held, ranks=(), lease_s=self._lease_s, tenant=tenant)
+        deadline = self._clock() + self._lease_s
+        held = self._held.get(holder)
+        if held is None:
+            held = self._held[holder] = _Held(tenant, deadline)
+        held.deadline = deadline
+        known = set(held.chunks)
+        held.chunks.extend(k for k in keys if k not in known)
+        self._l1.pin(holder, held.pinned(), ranks=(), lease_s=self._lease_s, tenant=tenant)
         self._metrics.count_handoff("stored", len(keys), nbytes)
 
     def end(self, holder: str, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """Under the lock: the decoder read the hand-off; its chunks leave L1. Returns every
         chunk to delete from the L2 tiers (those named and those this server stored)."""
-        held = self._held.pop(holder, [])
+        held = self._held.pop(holder, None)
         self._l1.unpin(holder)
-        gone = list(dict.fromkeys([*held, *keys]))
+        gone = list(dict.fromkeys([*(held.chunks if held else ()), *keys]))
         for key in gone:
             self._l1.drop(key)  # one a retrieve still holds stays, as cold cache
         self._metrics.count_handoff("read", len(gone), 0)
@@ -83,14 +123,51 @@ class HandoffBook:
         chunks, to delete from the L2 tiers."""
         gone: list[ChunkKey] = []
         for holder in holders:
-            keys = self._held.pop(holder, None) if holder.startswith(HANDOFF_PREFIX) else None
-            if keys is None:
+            held = self._held.pop(holder, None) if holder.startswith(HANDOFF_PREFIX) else None
+            if held is None:
                 continue
+            keys = held.chunks
             for key in keys:
                 self._l1.drop(key)
             self._metrics.count_handoff("lapsed", len(keys), 0)
             gone.extend(keys)
         return gone
+
+    # -- the storage observer: which hand-off chunks a shared tier holds ------------------------
+
+    def stored(self, keys: Sequence[ChunkKey], tier: str) -> None:
+        """A tier completed these groups (the L2 writer's thread: only queue them)."""
+        if tier in self._shared_tiers and self._held:
+            self._in_shared.extend(keys)
+
+    def removed(self, keys: Sequence[ChunkKey], tier: str, reason: Removal) -> None:
+        """Nothing to do: a hand-off chunk that left a shared tier stays as it is in L1."""
+
+    def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
+        """Nothing to do (as `removed`)."""
+
+    def release_shared(self) -> int:
+        """Under the lock: release the L1 pins of the hand-off chunks a shared tier now holds
+        (their hand-off's lease runs on to its deadline); returns how many were released."""
+        if not self._in_shared:
+            return 0
+        arrived: set[ChunkKey] = set()
+        while self._in_shared:
+            arrived.add(self._in_shared.popleft())
+        released = 0
+        now = self._clock()
+        for holder, held in self._held.items():
+            fresh = [k for k in held.chunks if k in arrived and k not in held.shared]
+            if not fresh:
+                continue
+            held.shared.update(fresh)
+            released += len(fresh)
+            # the pin keeps its deadline: the lease is what ends an unread hand-off
+            lease = max(held.deadline - now, 1e-3)
+            self._l1.pin(holder, held.pinned(), ranks=(), lease_s=lease, tenant=held.tenant)
+        if released:
+            self._metrics.count_handoff("released", released, 0)
+        return released
 
     def delete_l2(self, keys: Sequence[ChunkKey]) -> None:
         """Delete the chunks' shards from every L2 tier (tier I/O: outside the lock), and tell

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from kvtier import protocol as p
 from kvtier._version import __version__
-from kvtier.arena import Arena
 from kvtier.errors import (
     HashContractError,
+    InvalidArgumentError,
     NoSpaceError,
     ProtocolVersionError,
     UnauthorizedError,
@@ -39,6 +39,7 @@ from kvtier.server import tenants
 from kvtier.server.auth import Authenticator, Credential
 from kvtier.server.fencing import ProcessWatch, ProcessWatches, Watch
 from kvtier.server.leases import LeaseBook, Peer, Registration
+from kvtier.storage.arena import Arena
 
 __all__ = ["NO_ARENA", "Handshake"]
 
@@ -181,6 +182,8 @@ class Handshake:
         cannot fit L1: see `LayoutRegistry.register`, or past the client's bound). The layout
         is kept while the client lives (see `LayoutRegistry.expire`)."""
         slot = (req.model, req.world_size, req.worker_id)
+        if req.role:
+            self._check_handoff_peers(client, req)
         if (
             slot not in client.registrations
             and len(client.registrations) >= self.max_registrations_per_client
@@ -206,6 +209,27 @@ class Handshake:
             worker_id=req.worker_id,
             chunk_shape=list(layout.chunk_shape),
             dtype=layout.dtype,
+            role=req.role,
         )
         client.registrations[slot] = registration
         return p.Ok()
+
+    def _check_handoff_peers(self, client: Peer, req: p.Register) -> None:
+        """A hand-off producer and consumer of one model in one tenant must store and read the
+        same shards: refuse the second to start when the first has another world size (so the
+        mismatch shows at start, not as every hand-off refused)."""
+        other = "kv_consumer" if req.role == "kv_producer" else "kv_producer"
+        for peer in self.leases.peers.values():
+            if peer is client or peer.tenant != client.tenant:
+                continue
+            for reg in peer.registrations.values():
+                if reg.role != other or reg.model != req.model:
+                    continue
+                if reg.world_size != req.world_size:
+                    raise InvalidArgumentError(
+                        f"a {req.role} of {req.model!r} over {req.world_size} shards cannot "
+                        f"share hand-offs with the {other} connected here, which uses "
+                        f"{reg.world_size}: run prefill and decode instances with the same "
+                        "tensor- and pipeline-parallel sizes (MLA models: the same "
+                        "pipeline-parallel size; their latent cache is one shard per stage)"
+                    )

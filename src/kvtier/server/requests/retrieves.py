@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier import protocol as p
-from kvtier.arena import Arena
 from kvtier.config import ServerConfig
 from kvtier.errors import InvalidArgumentError
 from kvtier.keys import ChunkKey
@@ -28,6 +27,7 @@ from kvtier.server.limits import tenant_bounds
 from kvtier.server.locking import TimedLock
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.requests.sessions import SessionBook
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store
 
 __all__ = ["RetrieveBook"]

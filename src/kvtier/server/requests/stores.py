@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier import protocol as p
-from kvtier.arena import Arena
 from kvtier.config import ServerConfig
 from kvtier.errors import BadArrayError, KVTierError, LeaseExpiredError, UnknownReservationError
 from kvtier.keys import ChunkKey
@@ -35,11 +34,12 @@ from kvtier.server.fencing import CopyGuard, Watch
 from kvtier.server.leases import LeaseBook, Reservation
 from kvtier.server.limits import tenant_bounds
 from kvtier.server.locking import TimedLock
-from kvtier.server.observe.events import ChunkNotes
+from kvtier.server.observe.chunk_notes import ChunkNotes
 from kvtier.server.observe.metrics import Metrics
 from kvtier.server.requests.handoffs import HandoffBook, handoff_holder
 from kvtier.server.requests.sessions import SessionBook
 from kvtier.server.writethrough import Shard, WriteThrough
+from kvtier.storage.arena import Arena
 from kvtier.storage.l1 import L1Store, stored_holder
 from kvtier.storage.manager import TierManager
 

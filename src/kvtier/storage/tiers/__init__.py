@@ -1,7 +1,7 @@
-"""L2 tiers behind the shared-memory L1: local disk, Redis/Valkey and Redis/Valkey Cluster,
-one interface (`L2Tier`) and one typed stats record (`TierStats`)."""
+"""L2 tiers behind the shared-memory L1: local disk, Redis/Valkey, Redis/Valkey Cluster and
+Mooncake Store, one interface (`L2Tier`) and one typed stats record (`TierStats`)."""
 
-from kvtier.config import parse_size
+from kvtier.config.sizes import parse_size
 from kvtier.storage.tiers.base import L2Tier, Latency, TierStats
 from kvtier.storage.tiers.registry import TIER_SCHEMES, open_tier
 

@@ -114,6 +114,8 @@ class L2Tier(Protocol):
     """
 
     name: str
+    #: whether other servers read this tier (Redis, Valkey, Mooncake) or only this one (disk)
+    shared: bool
 
     def put(self, key: ObjectKey, data: Buffer, layout: str, *, resumable: bool = True) -> None:
         """Store `data` under `key` with `layout`, replacing any older object; `resumable`

@@ -121,6 +121,7 @@ class MooncakeTier:
     """An L2 tier in the Mooncake Store pool whose master is at `master` ("host:port")."""
 
     kind = "mooncake"
+    shared = True  # the pool every client of the master reads
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
-from kvtier.config import parse_size
+from kvtier.config.sizes import parse_size
 from kvtier.redaction import redact
 
 Parser = Callable[[str], Any]

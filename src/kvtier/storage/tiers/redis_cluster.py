@@ -34,8 +34,10 @@ from kvtier.keys import ObjectKey
 from kvtier.redaction import redact
 from kvtier.storage.tiers.base import TierStats
 from kvtier.storage.tiers.options import PARSERS, parse_url
-from kvtier.storage.tiers.redis import OPTIONS as REDIS_OPTIONS
-from kvtier.storage.tiers.redis import RespTier, check_options, glob_escape, scan_unlink
+from kvtier.storage.tiers.redis.clearing import glob_escape, scan_unlink
+from kvtier.storage.tiers.redis.options import OPTIONS as REDIS_OPTIONS
+from kvtier.storage.tiers.redis.options import check_options
+from kvtier.storage.tiers.redis.verbs import RespTier
 from kvtier.storage.tiers.resp import Node, Redirect
 
 logger = logging.getLogger(__name__)

@@ -1,34 +1,13 @@
-"""The server's configuration: one dataclass, the single source of truth for every option.
-
-`kvtier serve`'s flags and the `KVTIER_*` environment variables are generated from the fields
-below (name, default, help), so an option cannot exist in one place and not the other.
-"""
+"""Every option of `kvtier serve` (`ServerOptions`): its name, default, help and a valid example;
+`kvtier serve`'s flags and the `KVTIER_*` environment variables are generated from them."""
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-import os
-import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvtier.hashing import HASH_ALGORITHMS
-from kvtier.redaction import redact
-from kvtier.sizes import format_size, parse_size
-
-__all__ = [
-    "ADMIN_TOKEN_ENV",
-    "DEFAULT_L2",
-    "MIN_ADMIN_TOKEN_CHARS",
-    "ConfigError",
-    "ServerConfig",
-    "admin_token_file",
-    "format_size",
-    "is_loopback_host",
-    "parse_size",
-]
 
 #: the smallest L1 the server starts with; a layout whose chunk (all ranks) does not fit in the
 #: L1 is refused when a worker registers it, the first moment its size is known
@@ -42,48 +21,6 @@ CACHE_POLICIES = ("adaptive", "doorkeeper", "lru")
 
 class ConfigError(ValueError):
     """A configuration mistake: the message names the option and shows a valid example."""
-
-
-ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
-
-#: the shortest --admin-token accepted where other machines can reach the admin API
-MIN_ADMIN_TOKEN_CHARS = 16
-
-
-def is_loopback_host(host: str) -> bool:
-    """True when `host` (a name or address to bind) only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to any interface
-
-
-def _runtime_dir() -> Path:
-    """A folder only this user can enter: $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-<uid>."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(base) / "kvtier" if base else Path(f"/tmp/kvtier-{os.getuid()}")
-    return path
-
-
-def admin_token_file(port: int, *, create_dir: bool = False) -> Path:
-    """Where a server whose admin API listens on `port` keeps its generated token (mode 0600).
-
-    `kvtier clear` and `kvtier status` read it when no --token is given. The folder is refused
-    when another user owns it or can enter it (someone could have planted a token there).
-    """
-    folder = _runtime_dir()
-    if create_dir:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if folder.exists():
-        info = folder.lstat()
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise ConfigError(
-                f"{folder} must be a folder of this user with mode 0700 to hold the admin token "
-                "file; remove it, or set --admin-token"
-            )
-    return folder / f"admin-{port}.token"
 
 
 #: the embedded default L2: a local folder per server (per arena), needing nothing installed
@@ -105,8 +42,8 @@ def _hash_help() -> str:
 
 
 @dataclass
-class ServerConfig:
-    """Every knob of `kvtier serve`, with its default."""
+class ServerOptions:
+    """Every knob of `kvtier serve`, with its default (`ServerConfig` checks them)."""
 
     address: list[str] = _opt(
         ["ipc:///tmp/kvtier.sock"],
@@ -455,120 +392,6 @@ class ServerConfig:
         metavar="SIZE",
     )
 
-    def __post_init__(self) -> None:
-        raw = self.l1_size
-        try:
-            self.l1_size = parse_size(raw, require_unit=True)
-        except ValueError:
-            raise self.error("l1_size", f"{raw!r} is not a byte size with a unit") from None
-        if self.l1_size < MIN_L1_SIZE:
-            raise self.error(
-                "l1_size",
-                f"{format_size(self.l1_size)} is below the smallest L1, {format_size(MIN_L1_SIZE)}",
-            )
-        if self.chunk_size <= 0:
-            raise self.error("chunk_size", f"must be a positive number of tokens, got "
-                             f"{self.chunk_size}")  # fmt: skip
-        if self.handler_threads < 1:
-            raise self.error("handler_threads", f"must be at least 1, got "
-                             f"{self.handler_threads}")  # fmt: skip
-        if self.miss_memory < 1:
-            raise self.error("miss_memory", f"must be at least 1, got {self.miss_memory}")
-        if self.max_prefetch_jobs < 1:
-            raise self.error("max_prefetch_jobs", f"must be at least 1, got "
-                             f"{self.max_prefetch_jobs}")  # fmt: skip
-        if not self.address:
-            raise self.error("address", "at least one address is required")
-        for address in self.address:
-            if not address.startswith(("ipc://", "tcp://")):
-                raise self.error("address", f"{address!r} is not an ipc:// or tcp:// address")
-        if self.l2_queue_policy not in ("drop", "block"):
-            raise self.error("l2_queue_policy", f"must be drop or block, got "
-                             f"{self.l2_queue_policy!r}")  # fmt: skip
-        if self.l2_queue_size < 1:
-            raise self.error("l2_queue_size", f"must be at least 1, got {self.l2_queue_size}")
-        for name in ("kv_events_buffer", "kv_events_token_chunks"):
-            if getattr(self, name) < 1:
-                raise self.error(name, f"must be at least 1, got {getattr(self, name)}")
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            endpoint = getattr(self, name)
-            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-                raise self.error(name, f"{endpoint!r} is not a tcp://, ipc:// or inproc:// address")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise self.error(
-                "kv_events_replay_endpoint", "replays events, so it needs --kv-events-endpoint"
-            )
-        if self.log_level.lower() not in LOG_LEVELS:
-            raise self.error(
-                "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
-            )
-        if self.policy not in CACHE_POLICIES:
-            raise self.error(
-                "policy",
-                f"unknown cache policy {self.policy!r}; one of {', '.join(CACHE_POLICIES)}",
-            )
-        spec = HASH_ALGORITHMS.get(self.hash_algorithm)
-        if spec is None:
-            raise self.error(
-                "hash_algorithm",
-                f"unknown algorithm {self.hash_algorithm!r}; one of " + ", ".join(HASH_ALGORITHMS),
-            )
-        if spec.requires_seed and self.hash_seed is None:
-            raise self.error(
-                "hash_seed",
-                f"--hash-algorithm {self.hash_algorithm} reproduces vLLM's block hashes, whose "
-                "first parent comes from the engine's PYTHONHASHSEED: pass that value",
-            )
-        for name in ("session_ttl", "session_cleanup_interval", "pin_lease", "staging_lease",
-                     "handoff_lease", "client_timeout", "reap_interval",
-                     "layout_ttl"):  # fmt: skip
-            value = getattr(self, name)
-            if not value > 0:
-                raise self.error(name, f"must be a positive number of seconds, got {value}")
-        if not 0 < self.tenant_session_share <= 1:
-            raise self.error(
-                "tenant_session_share", f"must be in (0, 1], got {self.tenant_session_share}"
-            )
-        raw_frame = self.max_frame_bytes
-        try:
-            self.max_frame_bytes = parse_size(raw_frame)
-        except ValueError:
-            raise self.error("max_frame_bytes", f"{raw_frame!r} is not a byte size") from None
-        for name in ("max_inflight_bytes", "kv_events_buffer_bytes", "kv_events_queue_bytes"):
-            raw = getattr(self, name)
-            try:
-                setattr(self, name, parse_size(raw))
-            except ValueError:
-                raise self.error(name, f"{raw!r} is not a byte size") from None
-        for name in ("max_frame_bytes", "max_request_tokens", "max_world_size", "max_sessions",
-                     "max_session_tokens", "max_clients_per_tenant", "max_connections_per_client",
-                     "max_watched_processes", "max_queued_requests",
-                     "max_inflight_bytes", "max_lookup_shards", "kv_events_buffer_bytes",
-                     "kv_events_max_connections", "kv_events_queue_bytes",
-                     "max_admin_connections", "max_registrations_per_client"):  # fmt: skip
-            if getattr(self, name) <= 0:
-                raise self.error(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("tenant_staging_share", "tenant_quarantine_share", "tenant_pinned_share",
-                     "tenant_prefetch_share"):  # fmt: skip
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise self.error(name, f"must be a fraction in (0, 1], got {value}")
-        if not -1 <= self.admin_port <= 65535:
-            raise self.error("admin_port", f"must be in [-1, 65535], got {self.admin_port}")
-        if self.admin_token is not None and not self.admin_token:
-            raise self.error("admin_token", "must not be empty")
-        if (
-            self.admin_token is not None
-            and len(self.admin_token) < MIN_ADMIN_TOKEN_CHARS
-            and not is_loopback_host(self.admin_host)
-        ):
-            raise self.error(
-                "admin_token",
-                f"{len(self.admin_token)} characters is too short to guard an admin API other "
-                f"machines can reach (--admin-host {self.admin_host}): use at least "
-                f"{MIN_ADMIN_TOKEN_CHARS}",
-            )
-
     @classmethod
     def error(cls, name: str, message: str) -> ConfigError:
         """A ConfigError naming the option `name` and a valid example of it."""
@@ -583,23 +406,6 @@ class ServerConfig:
             if f.name == name:
                 return f
         raise KeyError(name)
-
-    def l2_urls(self, arena_name: str) -> list[str]:
-        """The L2 tier URLs to open, in order, with {arena} filled in ("none" means no L2)."""
-        return [u.replace("{arena}", arena_name) for u in self.l2 if u and u.lower() != "none"]
-
-    def l2_display(self, arena_name: str) -> list[str]:
-        """`l2_urls` with credentials redacted, for logs and the status page."""
-        return [redact(url) for url in self.l2_urls(arena_name)]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe view with credentials redacted (admin token, passwords in L2 URLs)."""
-        data = dataclasses.asdict(self)
-        if data["admin_token"]:
-            data["admin_token"] = "***"
-        arena = self.arena_name
-        data["l2"] = [redact(url.replace("{arena}", arena) if arena else url) for url in self.l2]
-        return data
 
     @staticmethod
     def env_var(name: str) -> str:
