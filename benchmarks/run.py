@@ -35,6 +35,7 @@ MODULES = [
     "benchmarks.bench_transformers",
     "benchmarks.bench_sglang",
     "benchmarks.bench_vllm",
+    "benchmarks.bench_vllm_layerwise",
     "benchmarks.bench_hybrid",
     "benchmarks.bench_dsa",
     "benchmarks.bench_trace_vllm",

@@ -181,6 +181,8 @@ def main() -> None:
         "runs": runs,
         "amx": {"offered": amx.offered, "granted": amx.granted},
     }
+    if args.address:
+        result["kvtier"] = connector_report()
     if args.kv_report:
         result["kv"] = kv_report(llm)
     if args.speculative_config:  # what the drafter proposed and the target accepted
@@ -190,6 +192,15 @@ def main() -> None:
             if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")
         }
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def connector_report() -> dict[str, object]:
+    """The worker connector's copy figures (the in-process worker's): copy seconds, seconds
+    waited, and how often vLLM's per-layer calls met a layer-wise load or save."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker_side
+    return {**worker.overlap.snapshot(), "layerwise": worker.layerwise, **worker.layer_calls}
 
 
 def kv_report(llm: object) -> dict[str, object]:

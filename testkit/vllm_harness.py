@@ -36,6 +36,10 @@ def require_vllm() -> None:
         pytest.fail(VLLM_MISSING, pytrace=False)
 
 
+#: the worker's two ways to copy (kv_connector_extra_config): whole requests around the forward
+#: pass, or layer by layer beside it
+COPY_MODES: dict[str, Any] = {"whole": {"layerwise": False}, "layerwise": {"layerwise": True}}
+
 #: where the harness puts vLLM's KV cache: "cpu", or "cuda" under `make gpu-check`
 DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 
@@ -89,13 +93,13 @@ class HGroup:
     replicated: bool = False  # the same bytes on every TP rank (MLA, indexer, DeepSeek-V4)
 
 
-def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any) -> Any:
-    """The KV a "forward pass" writes: (T, layers, heads, content), a function of each token's
-    id and position, so two prompts differ and a misplaced block shows."""
+def token_kv(tokens: Any, layers: int, heads: int, content: int, dtype: Any, first: int = 0) -> Any:
+    """The KV a "forward pass" writes for `tokens` from position `first`: (T, layers, heads,
+    content), a function of each token's id and position (a misplaced block shows)."""
     import torch
 
     t = torch.as_tensor(tokens, dtype=torch.int64)
-    pos = torch.arange(len(t), dtype=torch.int64)
+    pos = torch.arange(first, first + len(t), dtype=torch.int64)
     base = (t * 131 + pos * 7)[:, None, None, None]
     lay = torch.arange(layers)[None, :, None, None] * 1009
     head = torch.arange(heads)[None, None, :, None] * 37
@@ -158,6 +162,7 @@ class Harness:
     groups: list[HGroup] = field(default_factory=list)
     mamba_align: bool = False
     tp: int = 1  # tensor-parallel size: worker r is TP rank r % tp of pipeline stage r // tp
+    layer_work: Any = None  # run in each attention layer after its KV is written (its compute)
     hash_block_size: int = 0  # tokens per prefix-cache block hash (0: block_size)
     kv_config: Any = None  # the workers' KVCacheConfig (rank 0's), as vLLM planned it
     finished: list[str] = field(default_factory=list)
@@ -359,9 +364,14 @@ class Harness:
         for rank, worker in enumerate(self.workers):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
+            # as vLLM's model runner: sync loads start before the forward pass, others after it
+            sync_loads = getattr(out, "has_sync_kv_loads", True)
+            if sync_loads:
+                worker.start_load_kv(None)
             if forward:
-                self._forward(out, rank)
+                self._forward(out, rank, worker)
+            if not sync_loads:
+                worker.start_load_kv(None)
             worker.wait_for_save()
             results = worker.get_transfer_results(out.finished_req_ids)
             for r in results.finished_sending:
@@ -423,30 +433,57 @@ class Harness:
                 return out
         raise AssertionError(f"{req_id} was not scheduled in {steps} steps")
 
-    def _forward(self, out: Any, rank: int) -> None:
-        """Write `token_kv` for every token this step computes into each attention group (not
-        into null blocks), and each Mamba layer's state after the step's last token into the
-        block vLLM keeps it in."""
+    def forward_layers(self) -> list[tuple[HGroup, int, str]]:
+        """(group, layer in the group, name) in the model's order, as vLLM runs them."""
+        import re
+
+        layers = [(g, i, n) for g in self.groups for i, n in enumerate(g.names)]
+        return sorted(layers, key=lambda x: [int(d) for d in re.findall(r"\d+", x[2])])
+
+    def _forward(self, out: Any, rank: int, worker: Any = None) -> None:
+        """Layer after layer, as vLLM's attention layers do: `wait_for_layer_load`, write
+        `token_kv` for every token this step computes (not into null blocks), `save_kv_layer`;
+        a Mamba layer (which vLLM runs without the connector) writes its state after the
+        step's last token into the block vLLM keeps it in."""
+        steps = []
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # schedule() advanced it past this step
-            start = end - num_new
             tokens = request.all_token_ids[:end]
             all_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            for g in self.groups:
+            steps.append((tokens, end - num_new, end, all_ids))
+        cache = self.caches[rank]
+        values: dict[tuple[int, int], Any] = {}  # (request, id(group)) -> its token_kv
+        for g, layer, name in self.forward_layers():
+            if name not in cache:  # a pipeline stage holds its own layers
+                continue
+            attention = g.kind != "mamba"
+            if attention and worker is not None and steps:
+                worker.wait_for_layer_load(name)
+            for r, (tokens, start, end, all_ids) in enumerate(steps):
                 ids = all_ids[g.index]
-                if g.kind == "mamba":
-                    self._write_state(rank, g, ids, tokens, end)
+                if attention:
+                    if (r, id(g)) not in values:  # only the tokens this step computes
+                        values[r, id(g)] = token_kv(
+                            tokens[start:end], len(g.names), g.heads_total, g.content, g.dtype,
+                            start,
+                        )  # fmt: skip
+                    self._write_kv(rank, g, ids, values[r, id(g)], start, end, layer)
                 else:
-                    self._write_kv(rank, g, ids, tokens, start, end)
+                    self._write_state(rank, g, ids, tokens, end, layer)
+            if attention and steps and self.layer_work is not None:
+                self.layer_work()
+            if attention and worker is not None and steps:
+                worker.save_kv_layer(name, cache[name], None)
 
-    def _write_kv(self, rank: int, g: HGroup, ids: Any, tokens: Any, start: int, end: int) -> None:
-        """Each token's KV at its slot; a compressed layer's state (one per `tokens_per_state`
-        tokens) once its last token is computed, from that token's values."""
+    def _write_kv(
+        self, rank: int, g: HGroup, ids: Any, values: Any, start: int, end: int, layer: int
+    ) -> None:
+        """Each token's KV at its slot (`values`: token_kv of the tokens [start, end)); a
+        compressed layer's state (one per `tokens_per_state` tokens) once its last token is
+        computed, from that token's values."""
         import torch
 
-        cache = self.caches[rank]
-        values = token_kv(tokens, len(g.names), g.heads_total, g.content, g.dtype)
         heads = self._heads(g, rank)
         n = g.tokens_per_state
         pos = [p for p in range(start, end) if (p + 1) % n == 0 and ids[p // g.block_size] != 0]
@@ -455,25 +492,25 @@ class Harness:
         device = kv_device()
         blocks = torch.tensor([ids[p // g.block_size] for p in pos], device=device)
         offsets = torch.tensor(pos, device=device) % g.block_size // n
-        for layer, name in enumerate(g.names):
-            if name in cache:  # a pipeline stage holds its own layers
-                cache[name][blocks, :, offsets] = values[pos, layer, heads].to(device)
+        view = self.caches[rank][g.names[layer]]
+        rows = [p - start for p in pos]
+        view[blocks, :, offsets] = values[rows, layer, heads].to(device)
 
     def state_block(self, g: HGroup, ids: Any, end: int) -> int:
         """vLLM's block for a Mamba state after `end` tokens: in "align" mode block p holds
         the state after (p + 1) * block_size tokens; in "none" mode the one running block."""
         return int(ids[(end - 1) // g.block_size] if self.mamba_align else ids[0])
 
-    def _write_state(self, rank: int, g: HGroup, ids: Any, tokens: Any, end: int) -> None:
+    def _write_state(
+        self, rank: int, g: HGroup, ids: Any, tokens: Any, end: int, layer: int
+    ) -> None:
         import torch
 
         block = self.state_block(g, ids, end)
         assert block != 0, "the fake forward pass would write vLLM's null block"
-        for layer, name in enumerate(g.names):
-            view = self.caches[rank][name]
-            nbytes = view[block].numel()
-            state = state_bytes([*tokens[:end], rank], nbytes, layer)
-            view[block].view(-1).copy_(torch.from_numpy(state).to(view.device))
+        view = self.caches[rank][g.names[layer]]
+        state = state_bytes([*tokens[:end], rank], view[block].numel(), layer)
+        view[block].view(-1).copy_(torch.from_numpy(state).to(view.device))
 
     def _heads(self, g: HGroup, rank: int) -> slice:
         if g.replicated:

@@ -3,7 +3,9 @@ tiny Llama. A second engine with KVTierConnector loads the chunks a first one st
 generates what an engine without kvtier generates (greedy), with and without speculative
 decoding: n-gram drafting shares the plain engine's chunks (its drafter keeps no KV); an EAGLE-3
 head's layer is stored and loaded with the target's, and its hits end a block short of what
-kvtier holds (the draft KV at the last stored position read the next token)."""
+kvtier holds (the draft KV at the last stored position read the next token). The first test's
+engines copy layer by layer (`layerwise`: the other engine tests run the CPU's default,
+whole-request copies)."""
 
 from __future__ import annotations
 
@@ -55,13 +57,18 @@ def test_second_engine_reuses_the_first_engines_kv(
     llama: Path, prompts: Path, baseline: dict[str, Any]
 ) -> None:
     server = start_server("--l1-size", "64MiB", "--chunk-size", "64")
+    layerwise = ("--address", server.address, "--extra", json.dumps({"layerwise": True}))
     try:
-        first = run_engine(llama, prompts, "--address", server.address, "--max-tokens", "12")
+        first = run_engine(llama, prompts, *layerwise, "--max-tokens", "12")
         assert first["runs"][0]["num_cached_tokens"] == 0
+        # vLLM's attention layers released each layer's save as they wrote it
+        assert first["kvtier"]["layerwise"] and first["kvtier"]["save"] >= 2, first["kvtier"]
         # the first engine process has exited: its finished request's chunks are in kvtier; the
         # second drafts n-grams, which changes nothing that is stored
-        second = run_engine(llama, prompts, "--address", server.address, "--max-tokens", "12",
+        second = run_engine(llama, prompts, *layerwise, "--max-tokens", "12",
                             "--speculative-config", json.dumps(NGRAM))  # fmt: skip
+        # ... and it waited for each layer's load, one load's copies
+        assert second["kvtier"]["wait"] >= 2 and second["kvtier"]["loads"] == 1, second["kvtier"]
     finally:
         server.stop()
     # the connector asked Linux for AMX tiles for the worker before its first step: vLLM's

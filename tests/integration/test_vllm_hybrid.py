@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from testkit.servers import ServerProcess, start_server
 from testkit.tiny_models import write_tiny_llama
-from testkit.vllm_harness import Harness, require_vllm
+from testkit.vllm_harness import COPY_MODES, Harness, require_vllm
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
@@ -135,12 +135,13 @@ def _null_block_untouched(h: Harness) -> None:
                 assert not cache[name][0].any(), f"rank {rank} wrote vLLM's null block ({name})"
 
 
+@pytest.mark.parametrize("mode", list(COPY_MODES))
 def test_sliding_window_round_trip_is_byte_exact_and_skips_the_null_block(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     prompt = _prompt(1, 300)  # 4 full chunks and a tail
-    _store(harness, server.address, prompt, specs=sliding_specs())
-    b = harness(server.address, specs=sliding_specs())
+    _store(harness, server.address, prompt, specs=sliding_specs(), extra=COPY_MODES[mode])
+    b = harness(server.address, specs=sliding_specs(), extra=COPY_MODES[mode])
     assert [g.kind for g in b.groups] == ["sliding", "full"]
     b.add("b", prompt)
     out = b.step()
@@ -161,12 +162,13 @@ def test_sliding_window_round_trip_is_byte_exact_and_skips_the_null_block(
     _null_block_untouched(b)
 
 
+@pytest.mark.parametrize("mode", list(COPY_MODES))
 def test_mla_round_trip_is_byte_exact(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     prompt = _prompt(2, 300)
-    _store(harness, server.address, prompt, specs=mla_specs)
-    b = harness(server.address, specs=mla_specs)
+    _store(harness, server.address, prompt, specs=mla_specs, extra=COPY_MODES[mode])
+    b = harness(server.address, specs=mla_specs, extra=COPY_MODES[mode])
     assert [g.kind for g in b.groups] == ["mla"]
     b.add("b", prompt)
     b.step()
@@ -176,14 +178,22 @@ def test_mla_round_trip_is_byte_exact(
     assert not b.invalid_blocks_seen
 
 
+@pytest.mark.parametrize("mode", list(COPY_MODES))
 def test_mla_with_two_tensor_parallel_ranks_stores_one_copy(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     from kvtier.client import Client
 
     prompt = _prompt(3, 300)
-    _store(harness, server.address, prompt, specs=mla_specs, tensor_parallel_size=2)
-    b = harness(server.address, specs=mla_specs, tensor_parallel_size=2)
+    _store(
+        harness,
+        server.address,
+        prompt,
+        specs=mla_specs,
+        tensor_parallel_size=2,
+        extra=COPY_MODES[mode],
+    )
+    b = harness(server.address, specs=mla_specs, tensor_parallel_size=2, extra=COPY_MODES[mode])
     config = b.workers[0].kvtier_config
     assert config.world_size == 1  # one shard, written by TP rank 0
     b.add("b", prompt)
@@ -202,8 +212,9 @@ def test_mla_with_two_tensor_parallel_ranks_stores_one_copy(
         assert client.lookup("probe2", tokens, model=config.model, world_size=2) == 0
 
 
+@pytest.mark.parametrize("mode", list(COPY_MODES))
 def test_mamba_state_round_trip_is_byte_exact(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     # steps of one chunk: vLLM's "align" mode materializes the state at every chunk's end
     kw: dict[str, Any] = {
@@ -213,8 +224,8 @@ def test_mamba_state_round_trip_is_byte_exact(
         "max_num_batched_tokens": CHUNK,
     }
     prompt = _prompt(4, 300)
-    _store(harness, server.address, prompt, **kw)
-    b = harness(server.address, **kw)
+    _store(harness, server.address, prompt, **kw, extra=COPY_MODES[mode])
+    b = harness(server.address, **kw, extra=COPY_MODES[mode])
     kinds = [g.kind for g in b.groups]
     assert kinds.count("mamba") == 3 and "full" in kinds
     b.add("b", prompt)
@@ -268,8 +279,9 @@ def test_mamba_chunks_without_a_state_at_their_end_are_not_resume_points(
     assert not b.invalid_blocks_seen and not c.invalid_blocks_seen
 
 
+@pytest.mark.parametrize("mode", list(COPY_MODES))
 def test_mamba_without_prefix_caching_loads_the_running_state(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     # Nemotron-H on vLLM's CPU build: prefix caching off, mamba_cache_mode "none": one running
     # state block per request; steps of one chunk leave a state at every chunk's end
@@ -294,8 +306,8 @@ def test_mamba_without_prefix_caching_loads_the_running_state(
         "max_num_batched_tokens": CHUNK,
     }
     prompt = _prompt(7, 300)
-    _store(harness, server.address, prompt, **kw)
-    b = harness(server.address, **kw)
+    _store(harness, server.address, prompt, **kw, extra=COPY_MODES[mode])
+    b = harness(server.address, **kw, extra=COPY_MODES[mode])
     b.add("b", prompt)
     # the forward pass would advance the one state block past 256
     b.step_until_scheduled("b", forward=False)

@@ -4,19 +4,22 @@ CPU tensors shaped like vLLM's paged KV cache (see vllm_harness.py), against a r
 
 from __future__ import annotations
 
+import functools
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from testkit.servers import ServerProcess, start_server
-from testkit.vllm_harness import Harness
+from testkit.vllm_harness import COPY_MODES, Harness
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
 CHUNK = 64  # kvtier chunk: two vLLM blocks of 32
+MODES = COPY_MODES
 
 
 @pytest.fixture
@@ -46,13 +49,14 @@ def _assert_exact(h: Harness, req_id: str, prompt: list[int], rank: int = 0) -> 
     assert got.numpy().tobytes() == h.expected(prompt, rank).numpy().tobytes()
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
 def test_round_trip_is_byte_exact(
-    layout: str, server: ServerProcess, harness: Callable[..., Harness]
+    layout: str, mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     prompt = _prompt(1, 300)  # 4 full chunks (256 tokens) and a tail
-    _store(harness, server.address, prompt, layout=layout)
-    b = harness(server.address, layout=layout)
+    _store(harness, server.address, prompt, layout=layout, extra=MODES[mode])
+    b = harness(server.address, layout=layout, extra=MODES[mode])
     b.add("b", prompt)
     out = b.step()
     meta = out.kv_connector_metadata
@@ -62,14 +66,72 @@ def test_round_trip_is_byte_exact(
     _assert_exact(b, "b", prompt)
     b.run_until_done(["b"])
     assert not b.invalid_blocks_seen
+    # the overlap figures vLLM's connector stats carry: a whole-request load hides nothing
+    stats = b.workers[0].get_kv_connector_stats()
+    assert stats is not None
+    figures = stats.reduce()
+    assert figures["loads"] == 1 and figures["load_copy_ms"] > 0
+    if mode == "whole":
+        assert figures["load_hidden"] == 0
+    # vLLM rebuilds each worker's stats from their data and sums them
+    summed = type(b.workers[0]).build_kv_connector_stats(dict(stats.data))
+    assert summed is not None and summed.aggregate(stats).reduce()["loads"] == 2
+    assert b.workers[0].get_kv_connector_stats() is None  # nothing copied since
+    # ... and counts them in its /metrics
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+    kinds = {k: functools.partial(k, registry=registry) for k in (Counter, Gauge, Histogram)}
+    prom = type(b.workers[0]).build_prom_metrics(
+        b.scheduler.vllm_config, kinds, ["engine"], {0: ["0"]}
+    )
+    prom.observe(stats.data, 0)
+    copied = registry.get_sample_value("vllm:kvtier_load_copy_seconds_total", {"engine": "0"})
+    waited = registry.get_sample_value("vllm:kvtier_load_waited_seconds_total", {"engine": "0"})
+    assert copied == pytest.approx(stats.data["load_copy_s"])
+    assert waited == pytest.approx(stats.data["load_exposed_s"])
 
 
-def test_partial_local_prefix_hit_loads_only_the_missing_blocks(
+def test_layerwise_wait_returns_once_its_own_layer_is_in_place(
     server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
-    prompt = _prompt(2, 300)
+    prompt = _prompt(11, 300)
     _store(harness, server.address, prompt)
-    b = harness(server.address)
+    b = harness(server.address, extra=MODES["layerwise"])
+    names = [name for _, _, name in b.forward_layers()]
+    first, last = names[0], names[-1]
+    worker = b.workers[0]
+    release = threading.Event()
+    # the loader holds after the first layer is in place, until the test lets it go on
+    worker.worker_side.layer_hook = lambda name: name == first and release.wait(30)
+    try:
+        b.add("b", prompt)
+        out = b.scheduler.schedule()
+        assert [(t.start, t.end) for t in out.kv_connector_metadata.loads] == [(0, 256)]
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(None)
+        worker.wait_for_layer_load(first)  # returns while the later layer is still pending
+        got, want = b.read_back("b", 0, 256), b.expected(prompt[:256], 0)
+        assert got[:, 0].numpy().tobytes() == want[:, 0].numpy().tobytes()
+        assert got[:, -1].numpy().tobytes() != want[:, -1].numpy().tobytes()
+        step = worker.worker_side._step
+        assert step is not None and not step.gate.is_open(last)
+    finally:
+        release.set()
+    worker.wait_for_layer_load(last)
+    assert b.read_back("b", 0, 256).numpy().tobytes() == want.numpy().tobytes()
+    worker.wait_for_save()
+    assert not worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_partial_local_prefix_hit_loads_only_the_missing_blocks(
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
+) -> None:
+    prompt = _prompt(2, 300)
+    _store(harness, server.address, prompt, extra=MODES[mode])
+    b = harness(server.address, extra=MODES[mode])
     # vLLM's own prefix cache in engine B holds the first 3 blocks (96 tokens) of the prompt
     other = prompt[:96] + _prompt(3, 40)
     b.add("other", other)
@@ -83,12 +145,13 @@ def test_partial_local_prefix_hit_loads_only_the_missing_blocks(
     _assert_exact(b, "b", prompt)
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 def test_preempted_request_resumes_from_kvtier(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     # 16 usable blocks of 32 tokens: y (7 blocks) is preempted when x (8 blocks) grows; x then
     # grows over y's freed blocks, so y's prefix is gone from vLLM's cache when it resumes
-    b = harness(server.address, num_blocks=17)
+    b = harness(server.address, num_blocks=17, extra=MODES[mode])
     x, y = _prompt(4, 250), _prompt(5, 200)
     b.add("x", x, max_tokens=200)
     b.add("y", y, max_tokens=60)
@@ -180,14 +243,15 @@ def test_server_lost_between_lookup_and_load_costs_a_recompute(
     b.run_until_done(["b"])
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 def test_server_lost_between_lookup_and_load_fails_that_request_under_fail(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     from vllm.v1.engine import FinishReason
 
     prompt = _prompt(17, 300)
     _store(harness, server.address, prompt)
-    b = harness(server.address, kv_load_failure_policy="fail")
+    b = harness(server.address, kv_load_failure_policy="fail", extra=MODES[mode])
     b.add("b", prompt, max_tokens=20)
     out = b.step(after_schedule=lambda: server.stop(signal.SIGKILL))
     assert [(t.start, t.end) for t in out.kv_connector_metadata.loads] == [(0, 256)]
@@ -215,12 +279,13 @@ def test_no_server_at_all_still_serves_requests(
     b.run_until_done(["b"])
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 def test_two_tensor_parallel_ranks_store_and_load_their_heads(
-    server: ServerProcess, harness: Callable[..., Harness]
+    mode: str, server: ServerProcess, harness: Callable[..., Harness]
 ) -> None:
     prompt = _prompt(9, 300)
-    _store(harness, server.address, prompt, tensor_parallel_size=2)
-    b = harness(server.address, tensor_parallel_size=2)
+    _store(harness, server.address, prompt, tensor_parallel_size=2, extra=MODES[mode])
+    b = harness(server.address, tensor_parallel_size=2, extra=MODES[mode])
     b.add("b", prompt)
     b.step()
     assert b.num_cached["b"] == 256
@@ -240,6 +305,11 @@ def test_config_is_checked_at_start(
 
     with pytest.raises(InvalidArgumentError, match=r"unknown key\(s\) \['adress'\]"):
         harness(server.address, extra={"adress": "ipc:///tmp/x.sock"})
+    with pytest.raises(InvalidArgumentError, match=r"layerwise='yes' must be true, false"):
+        harness(server.address, extra={"layerwise": "yes"})
+    # "auto", the default, copies whole requests where the KV cache is on the CPU
+    auto = harness(server.address).workers[0].worker_side
+    assert auto.config.layerwise == "auto" and auto.layerwise == (auto.layout.device.type == "cuda")
     odd = start_server("--l1-size", "16MiB", "--chunk-size", "48")
     try:
         with pytest.raises(InvalidArgumentError, match="multiple of the engine's block size"):

@@ -35,9 +35,24 @@ EXTRA_CONFIG_KEYS = {
     f"{DEFAULT_TIMEOUT_S:g})",
     "handoff_wait": "a kv_consumer: seconds a request waits for its hand-off while the prefill "
     f"instance still saves it, then its load fails (default {DEFAULT_HANDOFF_WAIT_S:g})",
+    "layerwise": "true: copy loads and saves layer by layer beside the forward pass; false: "
+    'each step\'s loads before it, its saves after it; "auto" (default): layer-wise where '
+    "the KV cache is on a GPU",
     **PREFILL_KEY,
     **CREDENTIAL_KEYS,
 }
+
+#: `kv_connector_extra_config` "layerwise": on, off, or "auto" (on where the KV is on a GPU)
+LAYERWISE_VALUES = {True: "on", False: "off", "on": "on", "off": "off", "auto": "auto"}
+
+
+def layerwise_mode(value: Any) -> str:
+    """ "on", "off" or "auto" from the config value (true, false, "auto"); "" for another."""
+    try:
+        return LAYERWISE_VALUES[value]
+    except (KeyError, TypeError):
+        return ""
+
 
 GroupKind = Literal["full", "sliding", "mla", "mamba"]
 
@@ -82,6 +97,7 @@ class ConnectorConfig:
     prefill_tokens_per_s: float = 0.0  # stated to kvtier with each lookup (0 = unknown)
     role: Role = "kv_both"  # vLLM's kv_role: kv_producer stores hand-offs, kv_consumer reads
     handoff_wait: float = DEFAULT_HANDOFF_WAIT_S  # kv_consumer: bounded wait for a hand-off
+    layerwise: str = "auto"  # "on", "off", "auto" (layerwise.use_layerwise)
     #: speculative decoding (drafting.py): tokens past a position that the drafter's KV at that
     #: position reads (EAGLE, EAGLE-3, MTP: 1, multi-module MTP: its modules; 0: none), and
     #: the trailing computed tokens vLLM prefills again (their draft KV is not final yet)
@@ -163,6 +179,12 @@ class ConnectorConfig:
                 f"kv_connector_extra_config handoff_wait={extra['handoff_wait']!r} must be >= 0 "
                 "seconds"
             )
+        layerwise = layerwise_mode(extra.get("layerwise", "auto"))
+        if not layerwise:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config layerwise={extra['layerwise']!r} must be true, false "
+                'or "auto"'
+            )
         if role != "kv_both" and any(g.kind == "mamba" for g in groups):
             raise InvalidArgumentError(
                 f"kv_role={role}: KVTierConnector hands off full-attention, sliding-window and "
@@ -183,6 +205,7 @@ class ConnectorConfig:
             prefill_tokens_per_s=prefill,
             role=role,
             handoff_wait=wait,
+            layerwise=layerwise,
             draft_lookahead=draft.lookahead,
             draft_reprefill=draft.reprefill,
             num_blocks=int(getattr(kv_cache_config, "num_blocks", 0) or 0),

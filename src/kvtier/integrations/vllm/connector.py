@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, stats_from
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -105,12 +106,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.worker_side.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        """Layer-wise: this layer's loads are in place (whole-request: they all were before
+        the forward pass)."""
+        self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # wait_for_save queues whole chunks after the forward pass
+        """Layer-wise: the forward pass wrote this layer; its saves copy it now (whole-request:
+        wait_for_save queues whole chunks after the forward pass)."""
+        self.worker_side.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         self.worker_side.wait_for_save(self._meta())
@@ -134,6 +139,28 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """Copy time and the part the forward pass waited for, since the last call."""
+        if self._worker is None:
+            return None
+        stats = KVTierStats(data=self._worker.overlap.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
+        return stats_from(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
+        """The copy seconds and the seconds waited for them, as counters in vLLM's /metrics."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -237,29 +237,48 @@ class CpuCopier:
         """Nothing to order on the CPU: the forward pass has written the blocks on return."""
         return None
 
-    def save(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+    def save(
+        self,
+        slot: Bytes,
+        group: int,
+        first: int,
+        pages: Sequence[int],
+        at: int = 0,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         """Copy `pages` (SKIP: left as they are) of layout group `group` into its piece's pages
-        [first, first + len(pages)); `slot` holds a chunk's bytes from byte `at` on."""
+        [first, first + len(pages)); `slot` holds a chunk's bytes from byte `at` on. `layers`:
+        the group's layers to copy (default: all)."""
         g = self._groups[group]
         base = g.check(slot, first, pages, at)
         if g.addresses is None:
-            g.copy_strided(slot, first, pages, at, save=True)
+            g.copy_strided(slot, first, pages, at, save=True, layers=layers)
             return
         pending, pb, pitch = self._pending(), g.page_bytes, g.pitch
-        for layer, address in enumerate(g.addresses):
+        for layer in range(len(g.addresses)) if layers is None else layers:
+            address = g.addresses[layer]
             dst = int(slot.ctypes.data) + base + (layer * g.kept + first) * pb
             pending.extend((dst + o * pb, address + p * pitch, n * pb) for o, p, n in g.runs(pages))
 
-    def load(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+    def load(
+        self,
+        slot: Bytes,
+        group: int,
+        first: int,
+        pages: Sequence[int],
+        at: int = 0,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         """Copy the piece's pages [first, first + len(pages)) into vLLM's `pages` (SKIP pages
-        are not written)."""
+        are not written); `layers` as for `save`."""
         g = self._groups[group]
         base = g.check(slot, first, pages, at)
         if g.addresses is None:
-            g.copy_strided(slot, first, pages, at, save=False)
+            g.copy_strided(slot, first, pages, at, save=False, layers=layers)
             return
         pending, pb, pitch = self._pending(), g.page_bytes, g.pitch
-        for layer, address in enumerate(g.addresses):
+        for layer in range(len(g.addresses)) if layers is None else layers:
+            address = g.addresses[layer]
             src = int(slot.ctypes.data) + base + (layer * g.kept + first) * pb
             pending.extend((address + p * pitch, src + o * pb, n * pb) for o, p, n in g.runs(pages))
 
@@ -270,6 +289,15 @@ class CpuCopier:
         """Run the gathered copies; they are done when this returns."""
         pending, self._local.pending = self._pending(), []
         copy_addresses(pending, threads=self.threads)
+
+    def flush(self) -> None:
+        """Run the gathered copies (a layer's, in a layer-wise load): done on return, so the
+        layer needs no event."""
+        self.sync()
+
+    def wait_compute(self, event: None) -> None:
+        """Nothing to order on the CPU: a flushed copy is done."""
+        return None
 
     def _pending(self) -> list[tuple[int, int, int]]:
         """(dst address, src address, bytes) runs this thread gathered since its last `sync`."""
@@ -321,13 +349,21 @@ class _CpuGroup:
         return base
 
     def copy_strided(
-        self, slot: Bytes, first: int, pages: Sequence[int], at: int, *, save: bool
+        self,
+        slot: Bytes,
+        first: int,
+        pages: Sequence[int],
+        at: int,
+        *,
+        save: bool,
+        layers: Sequence[int] | None = None,
     ) -> None:
         base = self.layout.offset - at
         piece = slot[base : base + self.layout.nbytes].reshape(
             (len(self.layers), self.kept, *self.layers[0].shape[1:])
         )
-        for layer, kv in enumerate(self.layers):
+        for layer in range(len(self.layers)) if layers is None else layers:
+            kv = self.layers[layer]
             for offset, p, count in page_runs(pages):
                 i = first + offset
                 if save:
@@ -342,9 +378,12 @@ class GpuCopier:
 
     Ordering, by construction: `mark()` records an event on the compute stream when vLLM's
     `wait_for_save` runs (after the forward pass that wrote the blocks was queued); the saver's
-    `wait(event)` makes the copy stream wait on it before any save copy starts. Loads are
-    queued on the copy stream and `sync()` waits for them before `start_load_kv` returns, so
-    attention never reads a block a load is still writing. Not exercised by `make test` (there
+    `wait(event)` makes the copy stream wait on it before any save copy starts (layer-wise: an
+    event per layer, recorded in `save_kv_layer`). Whole-request loads are queued on the copy
+    stream and `sync()` waits for them before `start_load_kv` returns; layer-wise, `flush()`
+    records an event after each layer's loads and `wait_for_layer_load` makes the compute
+    stream wait on it (`wait_compute`), so attention never reads a block a load is still
+    writing. Not exercised by `make test` (there
     is no GPU there): `make gpu-check` runs the connector tests on a CUDA machine.
     """
 
@@ -370,32 +409,64 @@ class GpuCopier:
             flat = torch.from_numpy(slot[base : base + group.nbytes])
         return flat.view(len(group.layers), group.kept_pages, group.page_bytes)
 
-    def save(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+    def save(
+        self,
+        slot: Bytes,
+        group: int,
+        first: int,
+        pages: Sequence[int],
+        at: int = 0,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         """Queue device-to-pinned-host copies of `pages` into the piece (run by `sync`)."""
         g = self.layout.groups[group]
+        chosen = range(len(g.layers)) if layers is None else layers
         piece = self._piece(slot, g, at)
         device = g.layers[0].device
         with torch.cuda.stream(self.stream):
             for offset, count, index in _segments(pages, device):
                 rows = slice(first + offset, first + offset + count)
-                for layer, kv in enumerate(g.layers):
+                for layer in chosen:
+                    kv = g.layers[layer]
                     got = torch.index_select(kv, 0, index).view(torch.uint8)
                     piece[layer, rows].copy_(got.view(count, g.page_bytes), non_blocking=True)
 
-    def load(self, slot: Bytes, group: int, first: int, pages: Sequence[int], at: int = 0) -> None:
+    def load(
+        self,
+        slot: Bytes,
+        group: int,
+        first: int,
+        pages: Sequence[int],
+        at: int = 0,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         """Queue pinned-host-to-device copies of the piece's pages into `pages` (by `sync`)."""
         g = self.layout.groups[group]
+        chosen = range(len(g.layers)) if layers is None else layers
         piece = self._piece(slot, g, at)
         device = g.layers[0].device
         with torch.cuda.stream(self.stream):
             for offset, count, index in _segments(pages, device):
                 rows = slice(first + offset, first + offset + count)
-                for layer, kv in enumerate(g.layers):
+                for layer in chosen:
+                    kv = g.layers[layer]
                     src = piece[layer, rows].to(device, non_blocking=True)
                     kv.index_copy_(0, index, src.view(kv.dtype).view(count, *g.page_shape))
 
     def sync(self) -> None:
         self.stream.synchronize()
+
+    def flush(self) -> Any:
+        """An event recorded on the copy stream after the copies queued so far (a layer's, in
+        a layer-wise load); `wait_compute` makes the compute stream wait for it."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait_compute(self, event: Any) -> None:
+        """The compute stream waits for `event` (a layer's loads) before its next kernels."""
+        if event is not None:
+            torch.cuda.current_stream(self.layout.device).wait_event(event)
 
 
 def _segments(pages: Sequence[int], device: torch.device) -> list[tuple[int, int, torch.Tensor]]:
