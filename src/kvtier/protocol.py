@@ -78,6 +78,14 @@ class Heartbeat(_Msg):
     """Keeps the client's leases (staging slots, in-flight retrieves) alive."""
 
 
+class KVGroup(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One KV cache group of an engine, as its KV events name it."""
+
+    group_idx: int  # the engine's index of the group
+    kind: str  # the engine's name for the group's kind (vLLM: "full_attention", "mamba", ...)
+    sliding_window: int = 0  # its window in tokens (0: none)
+
+
 class Register(_Msg):
     """A worker's KV layout for one model: the shape and dtype of one chunk of its shard."""
 
@@ -89,10 +97,15 @@ class Register(_Msg):
     #: the worker's part in prefill/decode hand-offs (HANDOFF_ROLES; "": none): a producer and
     #: a consumer of one model must store and read the same shards, checked here at start
     role: str = ""
+    #: the engine's KV cache groups a chunk holds a piece of (none: one, unnamed): the KV
+    #: events then announce each chunk once per group, labelled as the engine labels its own
+    kv_groups: list[KVGroup] = []
 
 
 #: the hand-off roles a Register may name
 HANDOFF_ROLES = ("kv_producer", "kv_consumer")
+#: KV cache groups one Register may name at most
+MAX_KV_GROUPS = 64
 
 
 class Lookup(_Msg):

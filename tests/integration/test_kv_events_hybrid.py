@@ -7,7 +7,9 @@ stored. For a model with a Mamba / linear-attention group only a chunk at whose 
 the recurrent state is a point a lookup resumes after (the connector stores the others with
 `resumable` False); those others are never announced, so a router never counts a prefix whose
 Mamba state is missing. The stores here are the connector's: one long prefill step (only its
-last chunk has a state), steps of two chunks, steps of one chunk."""
+last chunk has a state), steps of two chunks, steps of one chunk. The engine registered its KV
+cache groups, so each chunk is announced once per group, labelled as vLLM labels its own
+(`group_idx`, `kv_cache_spec_kind`)."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from testkit.servers import ServerProcess, free_port
 from testkit.waiting import wait_for
 
 from kvtier.client import Client
+from kvtier.protocol import KVGroup
 
 from .test_kv_events import SEED, dynamo_python, indexer_query
 
 CHUNKS = 8
+GROUPS = [KVGroup(0, "mamba"), KVGroup(1, "full_attention")]
 
 
 def prompt(i: int, n: int = CHUNKS) -> list[int]:
@@ -36,7 +40,8 @@ def store(
 ) -> None:
     tokens = prompt(i) if tokens is None else tokens
     with Client(server.address) as c:
-        c.register(model="m", chunk_shape=SHAPE, dtype="float16")
+        # the groups a Qwen3-Next-like engine registers: each chunk is announced per group
+        c.register(model="m", chunk_shape=SHAPE, dtype="float16", kv_groups=GROUPS)
         n = len(tokens) // CS
         rid = f"r{i}-{uuid.uuid4().hex[:6]}"
         assert c.store(rid, tokens, kv_for(i, n), model="m", resumable=flags) == n * CS
@@ -124,3 +129,66 @@ def test_dynamo_never_scores_a_hybrid_prefix_kvtier_would_not_serve(
     finally:
         indexer.kill()
         indexer.wait()
+
+
+def test_a_registered_engines_events_carry_vllms_group_labels(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """Decoded with vLLM's own classes: each stored chunk chain of a model whose engine named
+    its KV cache groups comes once per group, with `group_idx`, the kind and the window."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    tag = uuid.uuid4().hex[:8]
+    endpoint = f"ipc:///tmp/kvtier-groups-{tag}.pub"
+    server = server_factory("--chunk-size", str(CS), "--kv-events-endpoint", endpoint)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    groups = [KVGroup(0, "sliding_window", 1024), KVGroup(1, "full_attention")]
+    labels: list[tuple[int | None, str | None, int | None]] = []
+    try:
+
+        def heard() -> bool:  # the subscriber joins when it joins: store until it hears
+            with Client(server.address) as c:
+                c.register(model="g", chunk_shape=SHAPE, dtype="float16", kv_groups=groups)
+                rid = f"r-{uuid.uuid4().hex[:6]}"
+                tokens = [(t * 31 + len(labels)) % 50_000 for t in range(2 * CS)]
+                c.store(rid, tokens, kv_for(7, 2), model="g")
+            while sub.poll(500):
+                _, _, payload = sub.recv_multipart()
+                for e in decoder.decode(payload).events:
+                    if isinstance(e, BlockStored):
+                        labels.append(
+                            (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+                        )
+            return bool(labels)
+
+        assert wait_for(heard, timeout=30)
+        assert labels[:2] == [(0, "sliding_window", 1024), (1, "full_attention", None)]
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_malformed_kv_groups_are_refused_with_a_typed_error(server: ServerProcess) -> None:
+    from kvtier.errors import InvalidArgumentError
+
+    bad = {
+        "repeated index": [KVGroup(0, "mamba"), KVGroup(0, "full_attention")],
+        "too many": [KVGroup(i, "full_attention") for i in range(65)],
+        "long kind": [KVGroup(0, "x" * 65)],
+        "negative window": [KVGroup(0, "sliding_window", -1)],
+    }
+    with Client(server.address) as c:
+        for what, groups in bad.items():
+            try:
+                c.register(model="bad", chunk_shape=SHAPE, dtype="float16", kv_groups=groups)
+            except InvalidArgumentError as exc:
+                assert "kv_groups" in str(exc), (what, exc)
+            else:
+                raise AssertionError(f"{what}: accepted")
+        c.register(model="bad", chunk_shape=SHAPE, dtype="float16", kv_groups=GROUPS)

@@ -143,6 +143,12 @@ def test_sliding_window_round_trip_is_byte_exact_and_skips_the_null_block(
     _store(harness, server.address, prompt, specs=sliding_specs(), extra=COPY_MODES[mode])
     b = harness(server.address, specs=sliding_specs(), extra=COPY_MODES[mode])
     assert [g.kind for g in b.groups] == ["sliding", "full"]
+    # what the worker registers for the KV events: vLLM's own labels of its groups
+    config = b.workers[0].kvtier_config
+    assert [(g.index, g.spec_kind, g.sliding_window) for g in config.groups] == [
+        (0, "sliding_window", WINDOW),
+        (1, "full_attention", 0),
+    ]
     b.add("b", prompt)
     out = b.step()
     (load,) = out.kv_connector_metadata.loads
@@ -170,6 +176,7 @@ def test_mla_round_trip_is_byte_exact(
     _store(harness, server.address, prompt, specs=mla_specs, extra=COPY_MODES[mode])
     b = harness(server.address, specs=mla_specs, extra=COPY_MODES[mode])
     assert [g.kind for g in b.groups] == ["mla"]
+    assert [g.spec_kind for g in b.workers[0].kvtier_config.groups] == ["mla_attention"]
     b.add("b", prompt)
     b.step()
     assert b.num_cached["b"] == 256

@@ -126,6 +126,47 @@ def test_a_stored_chain_is_one_event_with_tokens_parent_and_salt(
         pub.close()
 
 
+def test_a_model_with_kv_cache_groups_is_announced_once_per_group_labelled(
+    endpoints: tuple[str, str],
+) -> None:
+    """Once a model's engine registered its groups, every store and removal of its chunks is
+    one event per group with vLLM's labels; another model's events stay unlabelled."""
+    from kvtier.protocol import KVGroup
+
+    pub = publisher(endpoints)
+    replay = Replayer(endpoints[1])
+    try:
+        groups = (KVGroup(0, "sliding_window", 1024), KVGroup(1, "full_attention"))
+        pub.learn_groups(compose("", "m"), groups)
+        chain = [key(i) for i in range(2)]
+        pub.notes.note(chain, None, np.arange(2 * CS, dtype="<u4").tobytes(), CS)
+        pub.stored(chain, "l1")
+        pub.removed(chain[:1], "l1", Removal.EVICTED)
+        pub.stored([key(9, model="other")], "l1")
+        pub.start()
+        assert pub.flush()
+        events = [e for _, _, batch in replay.replay(0) for e in batch.events]
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        removed = [e for e in events if isinstance(e, BlockRemoved)]
+        hashes = [low8(k) for k in chain]
+        labelled = [
+            (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in stored
+            if e.block_hashes == hashes
+        ]
+        assert labelled == [(0, "sliding_window", 1024), (1, "full_attention", None)]
+        assert all(e.token_ids == list(range(2 * CS)) for e in stored[:2])
+        assert [(e.group_idx, e.block_hashes) for e in removed] == [
+            (0, hashes[:1]),
+            (1, hashes[:1]),
+        ]
+        (other,) = [e for e in stored if e.block_hashes == [low8(key(9, model="other"))]]
+        assert other.group_idx is None and other.kv_cache_spec_kind is None
+    finally:
+        replay.close()
+        pub.close()
+
+
 def test_a_chain_noted_by_two_stores_is_one_event_and_another_chain_starts_a_new_one(
     endpoints: tuple[str, str],
 ) -> None:

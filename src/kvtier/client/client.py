@@ -151,17 +151,21 @@ class Client(NamedChunkCalls):
         chunk_shape: Sequence[int],
         dtype: str,
         role: str = "",
+        kv_groups: Sequence[p.KVGroup] = (),
     ) -> None:
         """Tell the server this worker's KV layout: one chunk of its shard is `chunk_shape`.
         `role`: its part in prefill/decode hand-offs ("kv_producer", "kv_consumer"; "" none),
         refused when a peer of the other role has registered the model with another
-        world size."""
+        world size. `kv_groups`: the engine's KV cache groups a chunk holds a piece of (the
+        KV events then announce each chunk once per group, labelled as the engine would)."""
         dtype = str(dtype).removeprefix("torch.")
         try:
             shape = [int(d) for d in chunk_shape]
         except (TypeError, ValueError) as exc:
             raise BadArrayError(f"chunk_shape {chunk_shape!r} must be a sequence of ints") from exc
-        register = p.Register(model, world_size, worker_id, shape, dtype, role=role)
+        register = p.Register(
+            model, world_size, worker_id, shape, dtype, role=role, kv_groups=list(kv_groups)
+        )
         self._connection.register(register)  # sent again to a restarted server
         self._world_sizes[model] = world_size
 

@@ -331,6 +331,7 @@ class KVTierServer:
         self.views = AdminViews(self.engine)
         if self.events is not None:
             self.engine.metrics.registry.register(EventMetrics(self.events))
+            self.engine.handshake.on_kv_groups = self.events.learn_groups
         if self.tiers.tiers:
             watch: PeriodicThread = create_periodic_thread(
                 f"tier-watch-{config.arena_name}",

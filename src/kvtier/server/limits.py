@@ -150,6 +150,7 @@ class Limits:
             raise InvalidArgumentError(
                 f"role must be one of {', '.join(p.HANDOFF_ROLES)} or empty, not {req.role[:32]!r}"
             )
+        _kv_groups(req.kv_groups)
 
     def lookup(self, req: p.Lookup) -> None:
         self._strings(req.request_id, req.model, req.cache_salt)
@@ -291,3 +292,23 @@ class Limits:
                 f"{num_chunks} chunks in one request; at most {self.max_request_chunks} "
                 "(--max-request-tokens / --chunk-size)"
             )
+
+
+def _kv_groups(groups: list[p.KVGroup]) -> None:
+    if len(groups) > p.MAX_KV_GROUPS:
+        raise InvalidArgumentError(
+            f"kv_groups names {len(groups)} groups, more than {p.MAX_KV_GROUPS}"
+        )
+    seen: set[int] = set()
+    for g in groups:
+        _name("kv_groups kind", g.kind, 64)
+        if not 0 <= g.group_idx < p.MAX_KV_GROUPS or g.group_idx in seen:
+            raise InvalidArgumentError(
+                f"kv_groups: group_idx {g.group_idx} is repeated or outside "
+                f"0..{p.MAX_KV_GROUPS - 1}"
+            )
+        if not 0 <= g.sliding_window < 2**31:
+            raise InvalidArgumentError(
+                f"kv_groups: sliding_window {g.sliding_window} is out of range"
+            )
+        seen.add(g.group_idx)

@@ -69,6 +69,8 @@ class CacheGroup:
     #: the same bytes on every TP rank (MLA latents, DSA indexer keys, DeepSeek-V4's caches:
     #: vLLM's `max_tp_shards` 1): stored once, by TP rank 0, and read by every rank
     replicated: bool = False
+    #: vLLM's name for the group's kind in its KV events ("full_attention", "mamba", ...)
+    spec_kind: str = ""
 
     def kept_blocks(self, chunk_size: int) -> int:
         """The blocks of a chunk its piece holds: every block for full attention and MLA, the
@@ -231,6 +233,24 @@ def default_model_name(vllm_config: Any, block_size: int) -> str:
     return f"vllm:{model_config.model}:{weights.label}:{dtype}{quant}:b{block_size}"
 
 
+#: vLLM's KV-event kind names for the connector's kinds, where vLLM names none itself
+_EVENT_KINDS = {
+    "full": "full_attention",
+    "mla": "mla_attention",
+    "sliding": "sliding_window",
+    "mamba": "mamba",
+}
+
+
+def _spec_kind(spec: Any, kind: GroupKind) -> str:
+    """The kind vLLM's own KV events give a group of `spec` (`get_kv_cache_spec_kind`)."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+    except ImportError:  # a vLLM that labels no event kinds: the connector's own kind
+        return _EVENT_KINDS[kind]
+    return str(get_kv_cache_spec_kind(spec).value)
+
+
 def cache_groups(kv_cache_config: Any, tp_size: int = 1) -> tuple[CacheGroup, ...]:
     """The model's KV cache groups as the connector stores them; refuses the kinds it cannot
     store, naming what to use instead.
@@ -270,7 +290,15 @@ def cache_groups(kv_cache_config: Any, tp_size: int = 1) -> tuple[CacheGroup, ..
             continue  # a replica vLLM rebuilds from another group after a load
         kind: GroupKind = "mla" if "mla" in kinds else next(iter(kinds))
         groups.append(
-            CacheGroup(kind, names, int(spec.block_size), index, windows.pop(), all(replicated))
+            CacheGroup(
+                kind,
+                names,
+                int(spec.block_size),
+                index,
+                windows.pop(),
+                all(replicated),
+                _spec_kind(spec, kind),
+            )
         )
     if not groups:
         raise InvalidArgumentError(

@@ -47,6 +47,7 @@ from kvtier.integrations.vllm.paged import (
     PagedLayout,
     copier_for,
 )
+from kvtier.protocol import KVGroup
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ class WorkerSide:
             chunk_shape=self.layout.chunk_shape,
             dtype=self.layout.dtype_name,
             role="" if self.config.role == "kv_both" else self.config.role,
+            kv_groups=[KVGroup(g.index, g.spec_kind, g.sliding_window) for g in self.config.groups],
         )
 
     def _ready(self) -> tuple[Client, PagedLayout, Copier] | None:

@@ -15,7 +15,11 @@ published hash is its name mixed with the salt) come from the store that named t
 write long after its store, a chunk that survived a restart), is published alone, without tokens
 or parent. A hand-off's chunks (a prefill instance's KV for one decode instance) are no
 prefix-cache entries and are never published: their stores hide them (`ChunkNotes.hide`). A
-batch's topic is `--kv-events-topic` followed by its chunks' model.
+batch's topic is `--kv-events-topic` followed by its chunks' model. When a model's engine
+registered its KV cache groups (`learn_groups`: vLLM's connector does), each event goes out once
+per group, with the group's `group_idx`, `kv_cache_spec_kind` and sliding window, as vLLM labels
+its own: a kvtier chunk holds every group's piece and is announced only when a lookup resumes
+after it, so each group's event is true of that group.
 
 Delivery is vLLM's: one sequence number per batch, monotonic from 0 at each start (a consumer
 that sees it go back knows the server restarted; each topic's first batch of a run begins with
@@ -45,6 +49,7 @@ import zmq
 
 from kvtier.config import ConfigError, ServerConfig
 from kvtier.keys import ChunkKey, shown
+from kvtier.protocol import KVGroup
 from kvtier.storage.observers import L1_TIER, Removal
 from kvtier.storage.tiers.base import L2Tier
 
@@ -183,6 +188,8 @@ class EventPublisher:
         self._topics: dict[str, bytes] = {}  # a model's topic
         self._tenants: dict[bytes, str] = {}  # a topic's tenant
         self._salts: dict[str, str] = {}  # a composed salt's client salt
+        # a model's KV cache groups, as its engine registered them (see `learn_groups`)
+        self._groups: dict[str, tuple[KVGroup, ...]] = {}
         self._num_reported = 0  # reports taken in (under `_lock`)
         self._num_published = 0  # reports turned into sent batches (the thread's own count)
         self._n = dict.fromkeys(
@@ -248,6 +255,12 @@ class EventPublisher:
                 self._reports.append(("cleared", model, cache_salt, tier))
 
     # -- the publishing thread ------------------------------------------------------------------
+
+    def learn_groups(self, model: str, groups: tuple[KVGroup, ...]) -> None:
+        """`model`'s engine keeps these KV cache groups: from now on its chunks are announced
+        once per group, each event with the group's `group_idx`, kind and window, as the
+        engine labels its own events. (Any thread: one dict assignment.)"""
+        self._groups[model] = groups
 
     def _run(self) -> None:
         # One round every _POLL_MS (sooner only for a replay request): what was reported
@@ -342,18 +355,29 @@ class EventPublisher:
                 by_model.setdefault(key.model, []).append(key)
         self._seen_models.update(by_model)
         for model, model_keys in by_model.items():
+            groups = self._groups.get(model, ())
             if kind == "removed":
-                yield (
-                    model,
-                    BlockRemoved(
-                        self._hashes(model_keys),
-                        place.medium,
-                        locality=place.locality,
-                    ),
+                removed = BlockRemoved(
+                    self._hashes(model_keys), place.medium, locality=place.locality
                 )
+                if not groups:
+                    yield model, removed
+                for g in groups:
+                    yield model, msgspec.structs.replace(removed, group_idx=g.group_idx)
             else:
                 for event in self._stored_events(model_keys, place):
-                    yield model, event
+                    if not groups:
+                        yield model, event
+                    for g in groups:
+                        yield (
+                            model,
+                            msgspec.structs.replace(
+                                event,
+                                group_idx=g.group_idx,
+                                kv_cache_spec_kind=g.kind,
+                                kv_cache_spec_sliding_window=g.sliding_window or None,
+                            ),
+                        )
 
     def _models(self) -> list[str]:
         return sorted(self._seen_models)

@@ -24,6 +24,8 @@ socket of a paused process says Hello again when it wakes; anyone else is refuse
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvtier import protocol as p
 from kvtier._version import __version__
 from kvtier.errors import (
@@ -87,6 +89,9 @@ class Handshake:
         # the process behind a connection, as the transport proved it for the Hello it is
         # handing over right now (set and taken on the transport thread)
         self._proofs: dict[bytes, int] = {}
+        #: told a model's KV cache groups when a worker registers them (the KV events label
+        #: each chunk's announcement per group); tenant-scoped model, groups
+        self.on_kv_groups: Callable[[str, tuple[p.KVGroup, ...]], None] | None = None
 
     def prove(self, identity: bytes, pid: int) -> None:
         """The connection `identity` is process `pid` (the kernel said so): for its Hello."""
@@ -212,6 +217,8 @@ class Handshake:
             role=req.role,
         )
         client.registrations[slot] = registration
+        if req.kv_groups and self.on_kv_groups is not None:
+            self.on_kv_groups(tenants.scoped_model(client, req.model), tuple(req.kv_groups))
         return p.Ok()
 
     def _check_handoff_peers(self, client: Peer, req: p.Register) -> None:
