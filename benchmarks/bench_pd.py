@@ -129,9 +129,15 @@ def measure(load: Load, workdir: Path) -> str:
     procs: list[Proc] = []
     try:
         addr = server.address
-        alone = [start_vllm(model, workdir / f"alone{i}.log", None) for i in range(2)]
-        prod = start_vllm(model, workdir / "producer.log", kv_config("kv_producer", addr))
-        cons = start_vllm(model, workdir / "consumer.log", kv_config("kv_consumer", addr))
+        alone = [
+            start_vllm(model, workdir / f"alone{i}.log", None, equal_cores=True) for i in range(2)
+        ]
+        prod = start_vllm(
+            model, workdir / "producer.log", kv_config("kv_producer", addr), equal_cores=True
+        )
+        cons = start_vllm(
+            model, workdir / "consumer.log", kv_config("kv_consumer", addr), equal_cores=True
+        )
         procs += [*alone, prod, cons]
         for p in procs:
             p.wait_ready()

