@@ -7,7 +7,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install install-test engines system-packages ibverbs run test lint typecheck pytest bench \
-	demo soak gpu-check clean
+	demo soak gpu-check coverage clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -107,12 +107,17 @@ typecheck: $(TEST_STAMP)
 # machine's cores well. Each file runs on one worker (its module fixtures, engines among them,
 # start once); tests/conftest.py groups the files that use the README's defaults and hands out
 # the slow files first. `PYTEST_WORKERS=0` runs everything in this process, in order.
-# Coverage of the package is measured in the workers and in the servers and clients the tests
-# start ([tool.coverage.run] in pyproject.toml), combined, and printed at the end.
 PYTEST_WORKERS ?= 2
+PYTEST_ARGS = -q $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile \
+	--no-loadscope-reorder)
 pytest: install-test
-	$(BIN)/python -m pytest -q --cov=kvtier --cov-report=term:skip-covered \
-	  $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The same suite with coverage of the package, measured in the workers and in the servers and
+# clients the tests start ([tool.coverage.run] in pyproject.toml), combined and printed at the
+# end. Tracing every process makes the run about 40% slower, so `make test` leaves it out.
+coverage: install-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS) --cov=kvtier --cov-report=term:skip-covered
 
 test: lint typecheck pytest
 

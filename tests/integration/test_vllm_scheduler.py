@@ -80,6 +80,8 @@ def test_round_trip_is_byte_exact(
     # ... and counts them in its /metrics
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+    from kvtier.integrations.vllm.stats import KVTierStats
+
     registry = CollectorRegistry()
     kinds = {k: functools.partial(k, registry=registry) for k in (Counter, Gauge, Histogram)}
     prom = type(b.workers[0]).build_prom_metrics(
@@ -90,6 +92,14 @@ def test_round_trip_is_byte_exact(
     waited = registry.get_sample_value("vllm:kvtier_load_waited_seconds_total", {"engine": "0"})
     assert copied == pytest.approx(stats.data["load_copy_s"])
     assert waited == pytest.approx(stats.data["load_exposed_s"])
+    # the scheduler counts its lookups and their time; vLLM sums them with the workers' figures
+    asked = b.scheduler.connector.scheduler_side.timing.snapshot()
+    assert asked["lookups"] == 1 and asked["lookup_s"] > 0
+    both = summed.aggregate(KVTierStats(data=asked)).reduce()
+    assert both["lookups"] == 1 and both["lookup_ms"] > 0 and both["loads"] == 2
+    prom.observe(asked, 0)
+    looked = registry.get_sample_value("vllm:kvtier_lookup_seconds_total", {"engine": "0"})
+    assert looked == pytest.approx(asked["lookup_s"])
 
 
 def test_layerwise_wait_returns_once_its_own_layer_is_in_place(

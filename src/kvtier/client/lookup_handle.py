@@ -26,6 +26,11 @@ class LookupHandle:
         self._hit_tokens = hit_tokens
         self._cache_salt = cache_salt
 
+    @property
+    def known(self) -> bool:
+        """Whether the hit is known here already (`poll` then asks the server nothing)."""
+        return self._hit_tokens is not None
+
     def poll(self) -> int | None:
         """The hit tokens once known, else None; one round trip at most, never waits."""
         if self._hit_tokens is None:

@@ -141,10 +141,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self.worker_side.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
-        """Copy time and the part the forward pass waited for, since the last call."""
-        if self._worker is None:
-            return None
-        stats = KVTierStats(data=self._worker.overlap.take())
+        """Since the last call: a worker's copy time and the part the forward pass waited for,
+        or the scheduler's lookups and the time they took."""
+        counted = self._worker.overlap if self._worker is not None else self.scheduler_side.timing
+        stats = KVTierStats(data=counted.take())
         return None if stats.is_empty() else stats
 
     @classmethod

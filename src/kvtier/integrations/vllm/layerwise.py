@@ -218,10 +218,11 @@ class Overlap:
 
     KEYS = ("load_copy_s", "load_exposed_s", "loads", "save_copy_s", "save_exposed_s", "saves")
 
-    def __init__(self) -> None:
+    def __init__(self, keys: tuple[str, ...] = KEYS) -> None:
+        self.keys = keys
         self._lock = threading.Lock()
-        self.total = dict.fromkeys(self.KEYS, 0.0)
-        self._since = dict.fromkeys(self.KEYS, 0.0)
+        self.total = dict.fromkeys(keys, 0.0)
+        self._since = dict.fromkeys(keys, 0.0)
 
     def add(self, **values: float) -> None:
         with self._lock:
@@ -231,7 +232,7 @@ class Overlap:
 
     def take(self) -> dict[str, float]:
         with self._lock:
-            since, self._since = self._since, dict.fromkeys(self.KEYS, 0.0)
+            since, self._since = self._since, dict.fromkeys(self.keys, 0.0)
         return since
 
     def snapshot(self) -> dict[str, float]:

@@ -19,11 +19,15 @@ from kvtier.integrations.vllm import handoff
 from kvtier.integrations.vllm.config import ConnectorConfig, check_group_blocks
 from kvtier.integrations.vllm.drafting import hit_point
 from kvtier.integrations.vllm.inputs import AdapterFingerprints, request_extra_key
+from kvtier.integrations.vllm.layerwise import Overlap
 from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, Transfer
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.002  # a consumer asks about a hand-off still being saved at most this often
+
+#: the scheduler's counters in vLLM's connector stats: lookups (and polls) sent, seconds in them
+LOOKUP_KEYS = ("lookups", "lookup_s")
 
 
 @dataclass
@@ -71,6 +75,7 @@ class SchedulerSide:
         self._loading: dict[str, tuple[_Request, frozenset[int]]] = {}  # loads of the last step
         self._async: list[str] = []  # requests whose asynchronous load this step plans
         self._adapters = AdapterFingerprints()
+        self.timing = Overlap(LOOKUP_KEYS)
         self.chunk_size = 0
         self.client = LazyClient(
             config.address, timeout=config.timeout, on_connect=self._check, token=config.token
@@ -111,6 +116,7 @@ class SchedulerSide:
             if client is None:
                 return 0, False
             tokens = request.all_token_ids[: request.num_tokens]
+            started = time.perf_counter()
             handle = state.recompute.call(
                 "lookup",
                 None,
@@ -125,12 +131,17 @@ class SchedulerSide:
                 **self._readers,
                 prefill_tokens_per_s=self.config.prefill_tokens_per_s,
             )
+            self.timing.add(lookups=1, lookup_s=time.perf_counter() - started)
             if not isinstance(handle, LookupHandle):
                 return 0, False
             state.lookup = handle
         if state.lookup is not None:
             failed: int | None = 0  # a failed poll reads as a miss, never as "pending"
+            started = time.perf_counter()
+            known = state.lookup.known
             hit = state.recompute.call("lookup", failed, state.lookup.poll)
+            if not known:  # a round trip asked the server
+                self.timing.add(lookups=1, lookup_s=time.perf_counter() - started)
             if hit is None:
                 return None, False  # L2 loads still run on the server: ask again next step
             state.lookup = None

@@ -1,7 +1,8 @@
-"""The connector's figures in vLLM's KV connector stats: how long loads and saves copied, and
-how much of that the forward pass waited for. vLLM sums them over the workers and logs them
-each interval (`KV Transfer metrics: ...`), with the share of copy time hidden behind compute,
-and counts them in its Prometheus `/metrics` (`KVTierPromMetrics`)."""
+"""The connector's figures in vLLM's KV connector stats: how long loads and saves copied, how
+much of that the forward pass waited for, and how long the scheduler spent asking kvtier. vLLM
+sums them over the workers and the scheduler and logs them each interval (`KV Transfer metrics:
+...`), with the share of copy time hidden behind compute, and counts them in its Prometheus
+`/metrics` (`KVTierPromMetrics`)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.integrations.vllm.layerwise import Overlap, hidden_fraction
+from kvtier.integrations.vllm.scheduler import LOOKUP_KEYS
+
+#: what the workers count (copies) and what the scheduler counts (lookups)
+KEYS = Overlap.KEYS + LOOKUP_KEYS
 
 
 @dataclass
 class KVTierStats(KVConnectorStats):  # type: ignore[misc]
-    """Sums of `Overlap`'s counters (seconds, counts) since the last report."""
+    """Sums of the workers' `Overlap` counters and the scheduler's lookup counters (seconds,
+    counts) since the last report."""
 
     def __post_init__(self) -> None:
-        for key in Overlap.KEYS:
+        for key in KEYS:
             self.data.setdefault(key, 0.0)
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(Overlap.KEYS, 0.0)
+        self.data = dict.fromkeys(KEYS, 0.0)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in Overlap.KEYS:
+        for key in KEYS:
             self.data[key] = self.data.get(key, 0.0) + float(other.data.get(key, 0.0))
         return self
 
@@ -41,10 +47,12 @@ class KVTierStats(KVConnectorStats):  # type: ignore[misc]
             "saves": int(d["saves"]),
             "save_copy_ms": round(d["save_copy_s"] * 1e3, 3),
             "save_hidden": round(hidden_fraction(d["save_copy_s"], d["save_exposed_s"]), 3),
+            "lookups": int(d["lookups"]),
+            "lookup_ms": round(d["lookup_s"] * 1e3, 3),
         }
 
     def is_empty(self) -> bool:
-        return not (self.data.get("loads") or self.data.get("saves"))
+        return not any(self.data.get(k) for k in ("loads", "saves", "lookups"))
 
 
 def stats_from(data: dict[str, Any] | None) -> KVTierStats | None:
@@ -61,6 +69,9 @@ PROM_COUNTERS = (
      "Seconds kvtier's saves copied KV out of vLLM's blocks"),
     ("save_exposed_s", "vllm:kvtier_save_waited_seconds",
      "Seconds the forward pass waited for kvtier's saves (the copy time not hidden)"),
+    ("lookups", "vllm:kvtier_lookups", "Lookups and lookup polls the scheduler sent to kvtier"),
+    ("lookup_s", "vllm:kvtier_lookup_seconds",
+     "Seconds the scheduler spent in kvtier lookups and polls (round trips included)"),
 )  # fmt: skip
 
 
