@@ -29,10 +29,10 @@ replay request (`event_replay.py`). Storage only
 appends a report (a tuple of what it was told) to a queue, without a lock, and a store's note
 is appended as it came: one thread of this module takes the queue every few milliseconds in
 one go, files the notes, merges each run of one kind and tier into one report, turns them
-into batches, encodes the tokens, and sends, never blocking (PUB drops at its high-water mark; a full replay socket drops the
-reply). When reports come faster than that thread publishes, the excess is dropped and the
-sequence skips a number, so a consumer sees the gap; its replay then cannot fill it, and the
-consumer knows its view is incomplete.
+into batches, encodes the tokens, and sends, never blocking (PUB drops at its high-water
+mark; a full replay socket drops the reply). When reports come faster than that thread
+publishes, the excess is dropped and the sequence skips a number, so a consumer sees the gap;
+its replay then cannot fill it, and the consumer knows its view is incomplete.
 """
 
 from __future__ import annotations
