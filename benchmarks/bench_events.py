@@ -258,12 +258,15 @@ def run() -> str:
         "",
         "The subscriber received " + "; ".join(delivered) + " (stored and removed).",
         "",
-        "Where the time goes: publishing costs the server a few microseconds of Python per",
-        "chunk stored and per chunk evicted (the note of a store's tokens on the request path,",
-        "the report under the engine lock, and the publishing thread, which shares the",
-        "interpreter lock and this machine's two cores with the request path). Against a 64 KiB",
-        "chunk's whole store that is visible; against a 1 MiB chunk's it is lost in the noise,",
-        "and a real model's chunk of 256 tokens is tens of MiB.",
+        "Where the time goes: the request path pays, per chunk stored and evicted, one",
+        "call that appends a tuple to a queue (no lock; the thread merges runs of reports),",
+        "and per store one append of what it told (the publishing thread files the note):",
+        "about 0.85 us per chunk stored and evicted, down from about 2.0 us when each report",
+        "took a lock and extended a list and each store filed its note itself (in-process,",
+        "least of 200 rounds of 20 stores of 32 chunks). The publishing thread spends about",
+        "2.6 us per chunk (it now files the notes: 2.1 us before) every 20 ms, holding the",
+        "interpreter lock the request path needs; on this two-core machine, shared with the",
+        "client and other work, that and the scheduling noise are what is left of on / off.",
     ]
     return "\n".join(lines) + "\n"
 
