@@ -15,6 +15,7 @@ from kvtier.keys import ChunkKey
 __all__ = ["NO_STORE", "ChunkNotes", "Note", "StoreNote"]
 
 _MAX_HIDDEN = 1 << 16  # hand-off chunks kept unpublished (oldest forgotten first)
+_MAX_TOLD = 256  # stores' notes waiting to be filed; past it, the request that notes files them
 
 
 class StoreNote(NamedTuple):
@@ -36,7 +37,8 @@ class ChunkNotes:
     """The parent and tokens of the most recently stored chunks (about `capacity`, whole stores
     forgotten oldest first; 0 keeps none, for a server without KV events), taken from the
     stores that named them. A store is kept as it came, once: a note costs the request that
-    makes it one dict entry per chunk, and the publisher encodes the tokens.
+    makes it one append (what it told, as it told it); the reader (the publishing thread)
+    files it, one dict entry per chunk, before it reads, and encodes the tokens.
     Thread-safe; each call holds its lock briefly."""
 
     def __init__(self, capacity: int = 0) -> None:
@@ -47,8 +49,12 @@ class ChunkNotes:
         self._stores: deque[StoreNote] = deque()
         self._chunks = 0  # chunks of the stores kept
         self._lock = threading.Lock()
+        # notes made and not filed yet, as their stores told them (appended without a lock:
+        # a deque's append and popleft are atomic); the reader files them (`file`)
+        self._told: deque[tuple[tuple[ChunkKey, ...], bytes | None, bytes, int, bytes]] = deque()
         # hand-off chunks: never published (a late report of one forgotten would be)
         self._hidden: OrderedDict[ChunkKey, None] = OrderedDict()
+        self.hides = False  # whether any chunk was hidden (`shown` has work to do)
 
     def note(
         self,
@@ -59,7 +65,31 @@ class ChunkNotes:
         extra_key: bytes = b"",
     ) -> None:
         """`keys` name consecutive chunks of `tokens` (packed uint32, starting at the first
-        key's chunk), after the chunk named `parent` (None: they start the prompt)."""
+        key's chunk), after the chunk named `parent` (None: they start the prompt). Only kept
+        for the reader to file (`file`): the request that notes pays one append."""
+        if self._capacity:
+            self._told.append((tuple(keys), parent, tokens, chunk_size, extra_key))
+            if len(self._told) > _MAX_TOLD:  # no reader for that long: file them here
+                self.file()
+
+    def file(self) -> None:
+        """File the notes told since the last call, in the order they were told (the
+        publishing thread calls it every round, and before it reads)."""
+        told = self._told
+        while told:
+            with self._lock:  # one note at a time: a reader of the notes waits for one only
+                if told:
+                    self._file_one(*told.popleft())
+
+    def _file_one(
+        self,
+        keys: tuple[ChunkKey, ...],
+        parent: bytes | None,
+        tokens: bytes,
+        chunk_size: int,
+        extra_key: bytes,
+    ) -> None:
+        """One store's note (under `_lock`)."""
         step = 4 * chunk_size
         n = min(len(keys), len(tokens) // step)  # only chunks whose every token came
         first = max(0, n - self._capacity)  # more than all we keep: the last ones
@@ -67,18 +97,17 @@ class ChunkNotes:
             return
         if first:
             parent = keys[first - 1].chunk_hash
-        store = StoreNote(tuple(keys[first:n]), parent, tokens[first * step : n * step], extra_key)
+        store = StoreNote(keys[first:n], parent, tokens[first * step : n * step], extra_key)
         places = zip(itertools.repeat(store), range(n - first), strict=False)
-        with self._lock:
-            self._where.update(zip(store.keys, places, strict=False))
-            self._stores.append(store)
-            self._chunks += len(store.keys)
-            while self._chunks > self._capacity:
-                old = self._stores.popleft()
-                self._chunks -= len(old.keys)
-                for key in old.keys:
-                    if self._where.get(key, (None,))[0] is old:  # not named again since
-                        del self._where[key]
+        self._where.update(zip(store.keys, places, strict=False))
+        self._stores.append(store)
+        self._chunks += len(store.keys)
+        while self._chunks > self._capacity:
+            old = self._stores.popleft()
+            self._chunks -= len(old.keys)
+            for key in old.keys:
+                if self._where.get(key, (None,))[0] is old:  # not named again since
+                    del self._where[key]
 
     def __bool__(self) -> bool:
         """Whether notes are kept at all (a server without KV events keeps none)."""
@@ -90,6 +119,7 @@ class ChunkNotes:
         if not self:
             return
         with self._lock:
+            self.hides = True
             for key in keys:
                 self._hidden[key] = None
                 self._hidden.move_to_end(key)
@@ -104,6 +134,9 @@ class ChunkNotes:
             return [key for key in keys if key not in self._hidden]
 
     def get_many(self, keys: Sequence[ChunkKey]) -> list[Note | None]:
+        """Where each of `keys` was noted (None: not noted, or forgotten)."""
+        if self._told:
+            self.file()
         get = self._where.get
         with self._lock:
             return [get(key) for key in keys]

@@ -112,6 +112,7 @@ class ReplayServer:
         self.max_peers = max_peers
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._cursors: dict[bytes, list[float]] = {}  # peer -> [next seq, last progress]
+        self._moved = False  # whether a replay sent something in the last round, or is new
         self.replays = 0
         self.malformed = 0
         self._unlogged = 0
@@ -119,8 +120,9 @@ class ReplayServer:
 
     @property
     def busy(self) -> bool:
-        """Whether some replay waits for its peer's queue to drain."""
-        return bool(self._cursors)
+        """Whether some replay is under way and moved in the last round (its peer reads): the
+        next round comes sooner. Replays whose peers read nothing wait for the usual round."""
+        return self._moved
 
     def receive(self) -> None:
         """Take every waiting request; a new request of a peer replaces its cursor."""
@@ -131,9 +133,14 @@ class ReplayServer:
                 self._malformed()
                 continue
             client, _, start = frames
-            if client not in self._cursors and len(self._cursors) >= self.max_peers:
+            old = self._cursors.get(client)
+            if old is None and len(self._cursors) >= self.max_peers:
                 self._cursors.pop(next(iter(self._cursors)))  # the oldest replay gives way
-            self._cursors[client] = [int.from_bytes(start, "big"), time.monotonic()]
+            # a peer that asks again keeps its last progress: asking is not reading, so one
+            # that never reads loses its cursor after STALL_S however often it asks
+            since = time.monotonic() if old is None else old[1]
+            self._cursors[client] = [int.from_bytes(start, "big"), since]
+            self._moved = True
             self.replays += 1
 
     def _malformed(self) -> None:
@@ -154,6 +161,7 @@ class ReplayServer:
     def send(self) -> None:
         """Send each waiting replay what its peer's queue takes now."""
         now = time.monotonic()
+        self._moved = False
         for client, cursor in list(self._cursors.items()):
             try:
                 done = self._send_some(client, cursor)
@@ -179,6 +187,7 @@ class ReplayServer:
                 return False
             cursor[0] = seq + 1
             cursor[1] = time.monotonic()
+            self._moved = True
         try:
             sock.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
         except zmq.Again:

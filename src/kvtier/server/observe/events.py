@@ -26,25 +26,29 @@ that sees it go back knows the server restarted; each topic's first batch of a r
 `AllBlocksCleared`, and the disk tier's survivors are the first chunks stored), at least once, a
 replay buffer bounded in bytes, one window per tenant, behind a ROUTER socket answering vLLM's
 replay request (`event_replay.py`). Storage only
-adds a report to a list (under the engine lock for the L1's), where a run of one kind and tier
-joins the previous report, and a store's note keeps its tokens as they came: one thread of
-this module takes the list every few milliseconds, turns it into batches, encodes the tokens,
-and sends, never blocking (PUB drops at its high-water mark; a full replay socket drops the
-reply). When reports come faster than that thread publishes, the excess is dropped and the
-sequence skips a number, so a consumer sees the gap; its replay then cannot fill it, and the
-consumer knows its view is incomplete.
+appends a report (a tuple of what it was told) to a queue, without a lock, and a store's note
+is appended as it came: one thread of this module takes the queue every few milliseconds in
+one go, files the notes, merges each run of one kind and tier into one report, turns them
+into batches, encodes the tokens, and sends, never blocking (PUB drops at its high-water
+mark; a full replay socket drops the reply). When reports come faster than that thread
+publishes, the excess is dropped and the sequence skips a number, so a consumer sees the gap;
+its replay then cannot fill it, and the consumer knows its view is incomplete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import operator
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 import zmq
 
 from kvtier.config import ConfigError, ServerConfig
@@ -83,6 +87,10 @@ _REPLAY_POLL_MS = 2  # while a replay waits for its peer's queue
 _MAX_SUBSCRIPTION_BYTES = 4096
 _MAX_REPORTS = 1 << 20  # chunks reported, waiting for the thread; past it, dropped (a seq gap)
 _SHUTDOWN_S = 2.0
+# a report's kind (a flush waits for the reports before it), and the parts of a report
+_STORED, _REMOVED, _CLEARED, _FLUSH = "stored", "removed", "cleared", "flush"
+_KIND_TIER, _KEYS = operator.itemgetter(0, 1), operator.itemgetter(2)
+_MODEL, _SALT, _CHUNK_HASH = (operator.itemgetter(i) for i in (0, 1, 3))  # a ChunkKey's
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
@@ -145,12 +153,18 @@ class EventPublisher:
         self._int_hashes = int_hashes
         self._places = {L1_TIER: L1_PLACE, **places}
         self.notes = notes
-        # reports waiting for the thread, a run of one kind and tier merged into one as it
-        # comes (a commit or an eviction reports chunk by chunk); `_lock` guards them
-        self._reports: list[tuple[Any, ...]] = []
-        self._pending = 0  # chunks (and clears) in them
-        self._lock = threading.Lock()
+        # reports waiting for the thread, as they came (a commit or an eviction reports chunk
+        # by chunk): a deque's append and popleft are atomic, so a report takes no lock; the
+        # thread merges a run of one kind and tier into one
+        self._inbox: deque[tuple[str, str, Any]] = deque()  # (kind, tier, what)
+        # chunks (and clears) reported (the reporters' count) and taken (the thread's): what
+        # waits is the difference, each side writing only its own
+        self._in_chunks = 0
+        self._out_chunks = 0
         self._max_reports = max_reports
+        self._lock = threading.Lock()  # guards `_drops` (the rare path)
+        self._drops = 0  # reports dropped
+        self._drops_seen = 0  # of those, the ones the thread skipped a number for
         self._buffer = ReplayBuffer(buffer_bytes, buffer_batches)
         # a batch is at most MAX_BATCH_BYTES (see _split): a queue of that many bytes is this
         # many batches, for a subscriber or a replay peer that does not read
@@ -182,7 +196,6 @@ class EventPublisher:
             raise
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
-        self._gap = False  # reports were dropped since the last take (under `_lock`)
         self._seen_models: set[str] = set()  # whose topics an unfiltered clear empties
         self._announced: set[bytes] = set()  # topics published since start
         self._topics: dict[str, bytes] = {}  # a model's topic
@@ -190,11 +203,7 @@ class EventPublisher:
         self._salts: dict[str, str] = {}  # a composed salt's client salt
         # a model's KV cache groups, as its engine registered them (see `learn_groups`)
         self._groups: dict[str, tuple[KVGroup, ...]] = {}
-        self._num_reported = 0  # reports taken in (under `_lock`)
-        self._num_published = 0  # reports turned into sent batches (the thread's own count)
-        self._n = dict.fromkeys(
-            ("batches", "events", "blocks", "dropped_reports", "subscriptions"), 0
-        )
+        self._n = dict.fromkeys(("batches", "events", "blocks", "subscriptions"), 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-kv-events", daemon=True)
 
@@ -214,45 +223,35 @@ class EventPublisher:
         """Start the publishing thread (before the tiers report what survived)."""
         self._thread.start()
 
-    # -- what storage reports (any thread, maybe under the engine lock: a short lock only) -----
+    # -- what storage reports (any thread, maybe under the engine lock: an append only) -------
 
     def _admit(self, chunks: int) -> bool:
-        """Count a report of `chunks` in, or drop it (and mark the gap) when the thread is that
-        far behind; under `_lock`."""
-        if self._pending + chunks > self._max_reports:
-            self._n["dropped_reports"] += 1
-            self._gap = True
+        """Count a report of `chunks` in, or drop it (and count the drop, which the thread
+        turns into a skipped number) when the thread is that far behind."""
+        if self._in_chunks - self._out_chunks + chunks > self._max_reports:
+            with self._lock:
+                self._drops += 1
             return False
-        self._pending += chunks
-        self._num_reported += 1
+        self._in_chunks += chunks
         return True
 
-    def _report(self, kind: str, keys: Sequence[ChunkKey], tier: str) -> None:
-        with self._lock:
-            if not self._admit(len(keys)):
-                return
-            last = self._reports[-1] if self._reports else None
-            if last is not None and last[0] == kind and last[2] == tier:
-                last[1].extend(keys)
-            else:
-                self._reports.append((kind, list(keys), tier))
-
     def stored(self, keys: Sequence[ChunkKey], tier: str) -> None:
-        keys = self.notes.shown(keys)
-        if keys:
-            self._report("stored", keys, tier)
+        if self.notes.hides:
+            keys = self.notes.shown(keys)
+        if keys and self._admit(len(keys)):
+            self._inbox.append((_STORED, tier, keys))
 
     def removed(self, keys: Sequence[ChunkKey], tier: str, reason: Removal) -> None:
         if reason is Removal.DECLINED:  # never announced, so never taken back
             return
-        keys = self.notes.shown(keys)
-        if keys:
-            self._report("removed", keys, tier)
+        if self.notes.hides:
+            keys = self.notes.shown(keys)
+        if keys and self._admit(len(keys)):
+            self._inbox.append((_REMOVED, tier, keys))
 
     def cleared(self, tier: str, model: str | None, cache_salt: str | None) -> None:
-        with self._lock:
-            if self._admit(1):
-                self._reports.append(("cleared", model, cache_salt, tier))
+        if self._admit(1):
+            self._inbox.append((_CLEARED, tier, (model, cache_salt)))
 
     # -- the publishing thread ------------------------------------------------------------------
 
@@ -282,7 +281,9 @@ class EventPublisher:
                     if self._replay in ready:
                         replays.receive()
                     replays.send()
-                if self._reports:
+                if self.notes:
+                    self.notes.file()
+                if self._inbox:
                     self._publish_reports()
             except Exception:
                 logger.exception("kv events: publishing failed")
@@ -299,12 +300,33 @@ class EventPublisher:
                 pub.setsockopt(zmq.SUBSCRIBE, b"")
             self._n["subscriptions"] += 1
 
+    def _take(self) -> tuple[list[tuple[Any, ...]], list[threading.Event]]:
+        """The reports waiting, each run of one kind and tier merged into one (grouped in C:
+        no Python step per report), and the flushes waiting for them."""
+        inbox = self._inbox
+        popleft = inbox.popleft
+        taken = [popleft() for _ in range(len(inbox))]  # only this thread takes
+        reports: list[tuple[Any, ...]] = []
+        flushes: list[threading.Event] = []
+        chunks = 0
+        for (kind, tier), run in itertools.groupby(taken, _KIND_TIER):
+            if kind is _STORED or kind is _REMOVED:
+                keys = list(itertools.chain.from_iterable(map(_KEYS, run)))
+                chunks += len(keys)
+                reports.append((kind, keys, tier))
+            elif kind is _CLEARED:
+                for _, _, (model, cache_salt) in run:
+                    chunks += 1
+                    reports.append((kind, model, cache_salt, tier))
+            else:
+                flushes.extend(flush for _, _, flush in run)
+        self._out_chunks += chunks
+        return reports, flushes
+
     def _publish_reports(self) -> None:
-        with self._lock:
-            reports, self._reports = self._reports, []
-            self._pending = 0
-            taken = self._num_reported
-            gap, self._gap = self._gap, False
+        drops = self._drops
+        gap, self._drops_seen = drops != self._drops_seen, drops
+        reports, flushes = self._take()
         if gap:  # reports were dropped: skip a number so consumers see it
             self._seq += 1
         by_topic: dict[bytes, list[Event]] = {}
@@ -323,7 +345,8 @@ class EventPublisher:
             tenant = self._tenants[topic]
             for batch in split_batches(events, self._chunk_size):
                 self._send(tenant, topic, self._encoder.encode(KVEventBatch(now, batch)), batch)
-        self._num_published = taken
+        for flush in flushes:
+            flush.set()
 
     def _send(self, tenant: str, topic: bytes, payload: bytes, events: list[Event]) -> None:
         seq = self._seq
@@ -338,7 +361,7 @@ class EventPublisher:
     def _events(self, report: tuple[Any, ...]) -> Iterable[tuple[str, Event]]:
         """(model, event) pairs for one report."""
         kind = report[0]
-        if kind == "cleared":
+        if kind is _CLEARED:
             _, model, cache_salt, _tier = report
             if cache_salt is None:
                 for m in [model] if model is not None else self._models():
@@ -347,7 +370,7 @@ class EventPublisher:
         _, keys, tier = report
         place = self._places.get(tier, Place(MEDIUM_STORAGE, REMOTE))
         model = keys[0].model
-        if all(key.model == model for key in keys):  # the usual case: one request's chunks
+        if len(set(map(_MODEL, keys))) == 1:  # the usual case: one request's chunks
             by_model = {model: keys}
         else:
             by_model = {}
@@ -356,7 +379,7 @@ class EventPublisher:
         self._seen_models.update(by_model)
         for model, model_keys in by_model.items():
             groups = self._groups.get(model, ())
-            if kind == "removed":
+            if kind is _REMOVED:
                 removed = BlockRemoved(
                     self._hashes(model_keys), place.medium, locality=place.locality
                 )
@@ -465,12 +488,15 @@ class EventPublisher:
 
     def _hashes(self, keys: Sequence[ChunkKey]) -> list[bytes | int]:
         salt = self._salt(keys[0].cache_salt) if keys else ""
-        if salt or any(k.cache_salt != keys[0].cache_salt for k in keys):
+        if salt or len(set(map(_SALT, keys))) > 1:
             return [self._hash(k.chunk_hash, self._salt(k.cache_salt)) for k in keys]
+        names = list(map(_CHUNK_HASH, keys))
         if not self._int_hashes:
-            return [k.chunk_hash for k in keys]
+            return names
+        if len(names) >= 16 and set(map(len, names)) == {32}:  # each one's last 8 bytes, in C
+            return np.frombuffer(b"".join(names), ">u8")[3::4].tolist()  # type: ignore[no-any-return]
         from_bytes = int.from_bytes
-        return [from_bytes(k.chunk_hash[-8:], "big") for k in keys]
+        return [from_bytes(name[-8:], "big") for name in names]
 
     # -- admin and lifecycle --------------------------------------------------------------------
 
@@ -495,16 +521,15 @@ class EventPublisher:
             buffered_bytes=self._buffer.total_bytes,
             replays=self._replays.replays if self._replays is not None else 0,
             malformed_replays=self._replays.malformed if self._replays is not None else 0,
+            dropped_reports=self._drops,
             **self._n,
         )
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every report so far was published; False on timeout (tests, benchmarks)."""
-        target = self._num_reported
-        deadline = time.monotonic() + timeout
-        while self._num_published < target and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return self._num_published >= target
+        done = threading.Event()
+        self._inbox.append((_FLUSH, "", done))  # set once what came before it went out
+        return done.wait(timeout)
 
     def close(self) -> None:
         """Publish what was reported, stop the thread and close the sockets; idempotent."""
