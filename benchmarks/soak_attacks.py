@@ -20,8 +20,9 @@ server let an attacker hold.
 - `events`: subscriptions of long random topics to the KV events, replay requests whose answers
   are never read, and malformed replay requests.
 
-The honest side's third attack is its own: two of its clients number requests from one small
-shared pool of request ids (see `soak_clients.worker`), so one id is used at once for two prompts.
+The honest side has a hazard of its own, in the run without attackers too: two of its clients
+number requests from one small shared pool of request ids (see `soak_clients.worker`), so one id
+is used at once for two prompts.
 """
 
 from __future__ import annotations

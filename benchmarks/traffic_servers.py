@@ -195,11 +195,22 @@ COUNTERS = {
     "vllm:external_prefix_cache_hits_total": "external_hits",
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:num_preemptions_total": "preemptions",
+    # where a request's time goes (sums over the requests; the connector's only with kvtier)
+    "vllm:time_to_first_token_seconds_sum": "ttft_s",
+    "vllm:time_to_first_token_seconds_count": "first_tokens",
+    "vllm:request_queue_time_seconds_sum": "queue_s",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:request_prefill_time_seconds_count": "prefills",
+    "vllm:kvtier_lookup_seconds_total": "lookup_s",
+    "vllm:kvtier_load_copy_seconds_total": "load_copy_s",
+    "vllm:kvtier_load_waited_seconds_total": "load_waited_s",
+    "vllm:kvtier_save_copy_seconds_total": "save_copy_s",
+    "vllm:kvtier_save_waited_seconds_total": "save_waited_s",
 }
 
 
 def vllm_counters(server: VLLM) -> dict[str, float]:
-    """vLLM's prefix-cache counters (tokens) from its /metrics."""
+    """vLLM's prefix-cache counters (tokens) and time sums (seconds) from its /metrics."""
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
         text = r.read().decode()
     out = dict.fromkeys(COUNTERS.values(), 0.0)
