@@ -382,7 +382,8 @@ def _gil_section(delays: dict[str, list[float]]) -> list[str]:
                             ("reader", "beside a thread reading from the disk tier"))
     ]  # fmt: skip
     return [
-        "Why loads slow a lookup down: in one process, a thread sleeps 0.5 ms and then runs ~30 µs"
+        "What a disk reader thread does to a request thread's wake-ups: in one process, a thread"
+        " sleeps 0.5 ms and then runs ~30 µs"
         " of Python (as the server's request thread between requests), beside a thread that"
         " keeps reading 128 objects of 128 KiB from a disk tier (an L2 reader thread's work for"
         " one 16 MiB load, at its lowered CPU priority), and without it: how late it wakes, its"
