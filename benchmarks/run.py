@@ -26,6 +26,7 @@ MODULES = [
     "benchmarks.bench_policy",
     "benchmarks.bench_serve",
     "benchmarks.bench_concurrency",
+    "benchmarks.bench_lookup",
     "benchmarks.bench_copy",
     "benchmarks.bench_tiers",
     "benchmarks.bench_events",

@@ -250,15 +250,26 @@ def _from_ndarray(tokens: npt.NDArray[np.generic]) -> npt.NDArray[np.uint32]:
     return tokens.astype(TOKEN_DTYPE)
 
 
-def _from_ints(tokens: Iterable[int]) -> npt.NDArray[np.uint32]:
+def _packed_ints(tokens: Iterable[int]) -> array.array[int]:
+    """Python ints packed as native uint32 (this machine is little-endian: `_NATIVE_U4`);
+    OverflowError or TypeError for a value that is no uint32."""
     # array.array packs in C, ~3x faster than np.asarray(list, dtype=int64), and is strict where
-    # numpy is lax: it refuses floats and strings (numpy truncates 1.5 to 1 and parses "5").
+    # numpy is lax: it refuses floats and strings (numpy truncates 1.5 to 1 and parses "5"). 'I'
+    # refuses negative ids and ids above 2**32 - 1 itself. A list goes through fromlist, which
+    # reads the list's items directly: 8k ids in ~35 us against ~55 us for array("I", list).
+    if type(tokens) is list:
+        packed = array.array("I")
+        packed.fromlist(tokens)
+        return packed
+    return array.array("I", tokens)
+
+
+def _from_ints(tokens: Iterable[int]) -> npt.NDArray[np.uint32]:
     if not isinstance(tokens, list | tuple | range):
         tokens = list(tokens)  # iterated twice when an error has to be located
     try:
         if _NATIVE_U4:
-            # 'I' refuses negative ids and ids above 2**32 - 1 itself.
-            return np.frombuffer(array.array("I", tokens), TOKEN_DTYPE)
+            return np.frombuffer(_packed_ints(tokens), TOKEN_DTYPE)
         values = np.frombuffer(array.array("q", tokens), np.int64)
     except (OverflowError, TypeError):
         raise _bad_token(tokens) from None
@@ -304,6 +315,12 @@ def token_bytes(tokens: TokenIds) -> bytes | memoryview:
     if isinstance(tokens, bytes):
         _buffer_view(tokens)  # validates the length
         return tokens
+    if type(tokens) is list and _NATIVE_U4:
+        # a list (what most callers pass): packed straight to bytes, no numpy views between
+        try:
+            return _packed_ints(tokens).tobytes()
+        except (OverflowError, TypeError):
+            raise _bad_token(tokens) from None
     return _token_view(tokens)
 
 

@@ -246,7 +246,8 @@ class Connection:
                 self._idle.append(conn)
                 conn = None
             finish = self._closed and self._busy == 0
-            self._pool_changed.notify_all()
+            if self._closed:  # only close() waits for the pool, and only once it closed it
+                self._pool_changed.notify_all()
         if conn is not None:
             conn.sock.close(linger=0)
         if finish:

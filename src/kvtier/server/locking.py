@@ -45,7 +45,10 @@ class TimedLock:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._local = threading.local()
+        # The holder's depth and the start of its outermost hold: read and written only by the
+        # thread holding `_lock`, so plain attributes do (no thread-local lookups per hold).
+        self._depth = 0
+        self._t0 = 0.0
         self._stats: dict[str, HoldStats] = {}
         self._stats_lock = threading.Lock()
 
@@ -61,18 +64,16 @@ class TimedLock:
 
     def _enter(self) -> None:
         self._lock.acquire()
-        local = self._local
-        depth: int = getattr(local, "depth", 0)
-        local.depth = depth + 1
+        depth = self._depth
+        self._depth = depth + 1
         if depth == 0:
-            local.t0 = time.perf_counter()
+            self._t0 = time.perf_counter()
 
     def _exit(self, operation: str) -> None:
-        local = self._local
-        depth: int = local.depth - 1
-        local.depth = depth
+        depth = self._depth - 1
+        self._depth = depth
         if depth == 0:
-            self._record(operation, time.perf_counter() - local.t0)
+            self._record(operation, time.perf_counter() - self._t0)
         self._lock.release()
 
     def _record(self, operation: str, seconds: float) -> None:
