@@ -122,6 +122,14 @@ def test_copy_pairs_of_unequal_sizes_raise(copier: str) -> None:
         copy_pairs([(np.zeros(10, np.uint8), np.zeros(20, np.uint8))], threads=1)
 
 
+def test_copy_pairs_into_a_read_only_array_raise(copier: str) -> None:
+    dst = np.zeros(8192, np.uint8)
+    dst.flags.writeable = False
+    with pytest.raises(ValueError):
+        copy_pairs([(dst, np.ones(8192, np.uint8))], threads=1)
+    assert not dst.any()
+
+
 def test_copy_pairs_of_strided_arrays_copy_exactly(copier: str) -> None:
     src = np.arange(4 * 8192, dtype=np.uint8).reshape(4, 8192)
     dst = np.zeros((8192, 4), np.uint8).T  # the same shape, not contiguous

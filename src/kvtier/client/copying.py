@@ -103,9 +103,11 @@ def copy_pairs(pairs: Sequence[tuple[Bytes, Bytes]], *, threads: int | None = No
     """Copy each `(dst, src)` pair of equal-sized uint8 arrays, in parallel when large."""
     lib = copy_library()
     if lib is not None and all(d.flags.c_contiguous and s.flags.c_contiguous for d, s in pairs):
-        for dst, src in pairs:
+        for dst, src in pairs:  # as numpy's copyto would refuse them, before any byte moves
             if dst.nbytes != src.nbytes:
                 raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+            if not dst.flags.writeable:
+                raise ValueError("copy into a read-only array")
         runs = [(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in pairs]
         _copy_native(lib, runs, threads)
         return
@@ -178,6 +180,9 @@ def _copy_native(
         for helper in helpers:
             helper.cancel()  # not started (a busy machine had not run that thread yet)
         wait(helpers)  # those that started finish the runs they took
+    for helper in helpers:
+        if not helper.cancelled():
+            helper.result()  # raises a helper's error, if one had any
 
 
 def _cut(runs: npt.NDArray[np.uint64], piece: int) -> npt.NDArray[np.uint64]:
