@@ -19,9 +19,9 @@
 #define KVTIER_X86 1
 #endif
 
-/* ABI version: copying.py refuses a library of another version (a stale build). */
+/* ABI version: kvtier/client/native/__init__.py refuses a library of another one (a stale
+ * build). */
 int kvtier_copy_abi(void) { return 1; }
-
 
 #ifdef KVTIER_X86
 typedef void (*stream_fn)(char *dst, const char *src, size_t n);
