@@ -1,8 +1,10 @@
 """Copy speed of store and retrieve, kvtier against LMCache 0.5.6 and a memcpy (issue 11).
 
 The issue's workload: 64 chunks of shape (32, 2, 256, 8, 128) float16 (32 MiB each, 2 GiB), best
-of 3 rounds. kvtier's client splits large copies over `copy_threads()` threads (numpy releases
-the GIL while copying). LMCache 0.5.6's multiprocess server is measured in the same run on the
+of 4 rounds: two turns of two rounds per server, kvtier's and LMCache's turns alternating, so that
+a busy moment of a shared machine does not decide the comparison. kvtier's client splits large
+copies over `copy_threads()` threads (the native helper's calls release the GIL, as numpy's copies
+do without it). LMCache 0.5.6's multiprocess server is measured in the same run on the
 same bytes, through its engine-driven shared-memory path with its own client copy code (torch's
 threads; see `benchmarks/peer_lmcache.py`): the bytes sit in paged per-layer tensors, 32 layers of
 (2, 1024, 16, 8, 128), the layout of LMCache's own `lmcache bench server`. The baseline is the
@@ -22,7 +24,8 @@ from benchmarks.common import start_server, stop_server, table
 
 CHUNK_SHAPE = (32, 2, 256, 8, 128)
 NUM_CHUNKS = 64
-ROUNDS = 3
+ROUNDS = 2  # rounds per turn
+TURNS = 2  # each server measured in turns, the two alternating: best of ROUNDS * TURNS
 L1_GIB = 3  # both servers: one round's 2 GiB fits, the next round evicts (kvtier) or clears it
 LMCACHE_BLOCK_SIZE = 16  # tokens per paged block on LMCache's side, as in its own server bench
 
@@ -32,7 +35,7 @@ def _memcpy(dst: np.ndarray, src: np.ndarray, threads: int) -> float:
     from kvtier.client.copying import copy_pairs
 
     best = float("inf")
-    for _ in range(ROUNDS):
+    for _ in range(3):
         t0 = time.perf_counter()
         copy_pairs([(dst[i], src[i]) for i in range(len(src))], threads=threads)
         best = min(best, time.perf_counter() - t0)
@@ -130,15 +133,22 @@ def run() -> str:
     rows_out = out.reshape(NUM_CHUNKS, -1).view(np.uint8)
     memcpy_n = _memcpy(rows_out, rows_in, threads)
     memcpy_1 = _memcpy(rows_out, rows_in, 1)
-    store_s, retrieve_s = _kvtier(kv, out)
     missing = peer_lmcache.unavailable()
     failed: str | None = None
     lmc: tuple[float, float, int] | None = None
-    if missing is None:
-        try:
-            lmc = _lmcache(kv, out)
-        except Exception as exc:  # reported in the section; kvtier's figures still stand
-            failed = f"{type(exc).__name__}: {str(exc)[:800]}"
+    store_s = retrieve_s = float("inf")
+    # kvtier, LMCache, kvtier, LMCache: neither side's best rests on one moment of the machine
+    for _ in range(TURNS):
+        ours = _kvtier(kv, out)
+        store_s, retrieve_s = min(store_s, ours[0]), min(retrieve_s, ours[1])
+        if missing is None and failed is None:
+            try:
+                peer = _lmcache(kv, out)
+            except Exception as exc:  # reported in the section; kvtier's figures still stand
+                failed, lmc = f"{type(exc).__name__}: {str(exc)[:800]}", None
+            else:
+                best = peer if lmc is None else (min(lmc[0], peer[0]), min(lmc[1], peer[1]))
+                lmc = (best[0], best[1], peer[2])
     memcpy_n = max(memcpy_n, _memcpy(rows_out, rows_in, threads))
     memcpy_1 = max(memcpy_1, _memcpy(rows_out, rows_in, 1))
 
@@ -185,8 +195,10 @@ def run() -> str:
     lines = [
         "## Copy speed: store and retrieve against memcpy",
         "",
-        f"{NUM_CHUNKS} chunks of {CHUNK_SHAPE} float16 ({kv.nbytes >> 20} MiB), best of {ROUNDS};"
-        f" the kvtier client splits copies over {threads} threads (one per CPU, at most 8). A"
+        f"{NUM_CHUNKS} chunks of {CHUNK_SHAPE} float16 ({kv.nbytes >> 20} MiB), best of"
+        f" {ROUNDS * TURNS}: {TURNS} turns of {ROUNDS} rounds per server, kvtier's and"
+        " LMCache's alternating (one server runs at a time); the kvtier client splits copies"
+        f" over {threads} threads (one per CPU, at most 8). A"
         " kvtier store includes its Reserve and Commit round trips, a retrieve its Retrieve and"
         f" RetrieveDone; {L1_GIB} GiB L1. LMCache {peer_lmcache.VERSION}: its multiprocess server"
         f" on CPU in its own process ({L1_GIB} GiB L1 in shared memory), engine-driven transfer"

@@ -31,6 +31,8 @@ from testkit.readme import DOCUMENTS, shell_blocks
 from kvtier._version import __version__
 
 REPO = Path(__file__).resolve().parents[2]
+# the wheel holds the native copy helper (hatch_build.py): tagged for this platform, no Python ABI
+WHEEL_TAG = "py3-none-" + sysconfig.get_platform().replace("-", "_").replace(".", "_")
 
 
 def run(*argv: str | Path, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -62,13 +64,14 @@ def build_wheel(out: Path) -> Path:
 
 def test_wheel_installs_into_a_fresh_venv_and_serves(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path / "dist")
-    assert wheel.name.startswith(f"kvtier-{__version__}-py3-none-any")
+    assert wheel.name == f"kvtier-{__version__}-{WHEEL_TAG}.whl"
 
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         for needed in ("kvtier/__init__.py", "kvtier/py.typed", "kvtier/static/app.js",
                        "kvtier/static/index.html", "kvtier/static/style.css",
-                       "kvtier/server/views.py"):  # fmt: skip
+                       "kvtier/server/views.py",
+                       "kvtier/client/native/libkvtier_copy.so"):  # fmt: skip
             assert needed in names, needed
         dist_info = f"kvtier-{__version__}.dist-info"
         license_files = [n for n in names if n.startswith(dist_info) and "LICENSE" in n]
@@ -127,7 +130,9 @@ def test_wheel_installs_into_a_fresh_venv_and_serves(tmp_path: Path) -> None:
         client = textwrap.dedent(
             f"""
             import numpy as np, kvtier
+            from kvtier.client.native import copy_library
             assert kvtier.__file__.startswith({str(venv)!r}), kvtier.__file__
+            assert copy_library() is not None, "the wheel's native copy helper did not load"
             with kvtier.Client({address!r}) as c:
                 c.register(model="wheel", chunk_shape=(2, 2, 256, 1, 16), dtype="float16")
                 tokens = np.arange(512, dtype=np.uint32)
@@ -248,7 +253,7 @@ def test_the_readme_install_commands_work_in_a_fresh_venv(tmp_path: Path) -> Non
     # A wheel built in the clone, for a venv that has no kvtier yet.
     _shell(BUILD_WHEEL, venv, clone)
     wheels = list((clone / "dist").glob("kvtier-*.whl"))
-    assert [w.name for w in wheels] == [f"kvtier-{__version__}-py3-none-any.whl"]
+    assert [w.name for w in wheels] == [f"kvtier-{__version__}-{WHEEL_TAG}.whl"]
     # The extras resolve (pip's dry run: torch alone is hundreds of MB) to the CPU torch.
     transformers, vllm, wheel = _resolve_all([
         (INSTALL_TRANSFORMERS, venv, clone, tmp_path / "transformers.json"),

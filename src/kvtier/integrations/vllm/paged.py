@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.client.copying import copy_addresses
+from kvtier.client.copying import copy_addresses, copy_threads
 from kvtier.errors import InvalidArgumentError
 from kvtier.integrations.vllm.config import CacheGroup
 
@@ -221,15 +221,17 @@ class CpuCopier:
     instead of numpy slices (a 16k-token transfer is thousands of page runs: slicing them cost
     about a tenth of the copy time); consecutive pages merge into one run where the cache holds
     them back to back (attention pages; Mamba state pages are padded, one run each). Other
-    layouts are copied through their strides at once. `threads` > 1 splits the copies over a
-    thread pool (ctypes releases the GIL); the default is one, on the calling thread: on this
-    machine's shared cores a second thread did not pay, and the saver thread runs beside the
-    forward pass. Torch's `index_select` / `index_copy_` are not used: their OpenMP threads lose
-    badly to a busy forward pass on the same cores."""
+    layouts are copied through their strides at once. A large transfer is split over `threads`
+    (default: `copy_threads()`, KVTIER_COPY_THREADS). With the native helper the threads take
+    its runs one by one, so one whose core is busy with the forward pass copies fewer runs
+    instead of holding the transfer up, and large transfers bypass the caches (streaming stores:
+    page-sized memcpy otherwise runs at about half the speed of one large one). Torch's
+    `index_select` / `index_copy_` are not used: their OpenMP threads lose badly to a busy
+    forward pass on the same cores."""
 
-    def __init__(self, layout: PagedLayout, threads: int = 1) -> None:
+    def __init__(self, layout: PagedLayout, threads: int | None = None) -> None:
         self.layout = layout
-        self.threads = max(1, threads)
+        self.threads = copy_threads() if threads is None else max(1, threads)
         self._groups = [_CpuGroup(g) for g in layout.groups]
         self._local = threading.local()  # each thread's gathered copies (loads, the saver)
 
