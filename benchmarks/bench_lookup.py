@@ -249,7 +249,7 @@ def _wake_delays(reader: bool) -> list[float]:
             data = np.random.default_rng(0).integers(0, 255, 128 << 10, dtype=np.uint8)
             keys = [ObjectKey("m", "", 1, 0, i.to_bytes(32, "little")) for i in range(128)]
             for key in keys:
-                tier.put(key, memoryview(data), "bench")
+                tier.put(key, data.tobytes(), "bench")
             items = [(key, memoryview(bytearray(data.nbytes)), "bench") for key in keys]
 
             def read() -> None:
