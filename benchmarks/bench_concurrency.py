@@ -18,11 +18,14 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
 from benchmarks.common import percentile, stop_server, table
+
+T = TypeVar("T")
 
 PROMPT = 32768
 CHUNK_SHAPE = (64, 1024)  # float16: 128 KiB per chunk, 16 MiB per 32k-token prompt
@@ -144,6 +147,35 @@ def _hot_phase(address: str) -> list[float]:
     return samples
 
 
+def alternate_beside_loaders(
+    address: str, seeds: list[int], measure: Callable[[], T], rounds: int, busy_after_s: float
+) -> tuple[list[tuple[T, T]], list[Any]]:
+    """`rounds` pairs of `measure()`: with the loader processes paused (quiet), then while they
+    load `seeds`' prompts (busy), alternated so a slow minute of the machine hits both; and each
+    loader's (lookups, full hits, lookup times)."""
+    ctx = mp.get_context("spawn")
+    go, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
+    loaders = [
+        ctx.Process(target=_loader, args=(address, seeds[i::LOADERS], go, stop, queue))
+        for i in range(LOADERS)
+    ]
+    for loader in loaders:
+        loader.start()
+    pairs = []
+    for _ in range(rounds):
+        go.clear()
+        time.sleep(1)  # the loads in flight end
+        quiet = measure()
+        go.set()
+        time.sleep(busy_after_s)  # the loaders are loading
+        pairs.append((quiet, measure()))
+    stop.set()
+    results = [queue.get(timeout=600) for _ in loaders]
+    for loader in loaders:
+        loader.join()
+    return pairs, results
+
+
 def _lookups_beside_loads() -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="kvtier-bench-l2-")
     disk = f"disk://{folder}?size=2GiB"
@@ -161,26 +193,9 @@ def _lookups_beside_loads() -> dict[str, Any]:
         proc, address, admin = _start("--l1-size", "80MiB", "--l2", disk)
         try:
             _store_prompts(address, [0])  # the hot prompt, in L1
-            ctx = mp.get_context("spawn")
-            go, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
-            loaders = [
-                ctx.Process(target=_loader, args=(address, seeds[i::LOADERS], go, stop, queue))
-                for i in range(LOADERS)
-            ]
-            for loader in loaders:
-                loader.start()
-            rounds = []
-            for _ in range(ROUNDS):
-                go.clear()
-                time.sleep(1)  # the loads in flight end
-                quiet = _hot_phase(address)
-                go.set()
-                time.sleep(2)  # the loaders are loading
-                rounds.append((quiet, _hot_phase(address)))
-            stop.set()
-            results = [queue.get(timeout=600) for _ in loaders]
-            for loader in loaders:
-                loader.join()
+            rounds, results = alternate_beside_loaders(
+                address, seeds, lambda: _hot_phase(address), ROUNDS, busy_after_s=2
+            )
             holds = _admin(admin)["lock_hold"]
         finally:
             stop_server(proc)

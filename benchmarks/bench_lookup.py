@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_concurrency import LOAD_PROMPTS, LOADERS, _loader, _start, _store_prompts
+from benchmarks.bench_concurrency import (
+    LOAD_PROMPTS,
+    LOADERS,
+    _start,
+    _store_prompts,
+    alternate_beside_loaders,
+)
 from benchmarks.bench_serve import _echo_client, _echo_server
 from benchmarks.common import percentile, start_server, stop_server, table
 
@@ -192,27 +198,9 @@ def _beside_loads() -> dict[str, Any]:
         proc, address, _ = _start("--l1-size", "80MiB", "--l2", disk)
         try:
             _fill(address)
-            ctx = mp.get_context("spawn")
-            go, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
-            loaders = [
-                ctx.Process(target=_loader, args=(address, seeds[i::LOADERS], go, stop, queue))
-                for i in range(LOADERS)
-            ]
-            for loader in loaders:
-                loader.start()
-            rounds = []
-            for _ in range(ROUNDS):
-                go.clear()
-                time.sleep(1)  # the loads in flight end
-                quiet = _run_client(address, 1, False)[0]["list"]
-                go.set()
-                time.sleep(1)  # the loaders are loading
-                busy = _run_client(address, 1, False)[0]["list"]
-                rounds.append((quiet, busy))
-            stop.set()
-            results = [queue.get(timeout=600) for _ in loaders]
-            for loader in loaders:
-                loader.join()
+            rounds, results = alternate_beside_loaders(
+                address, seeds, lambda: _run_client(address, 1, False)[0]["list"], ROUNDS, 1
+            )
         finally:
             stop_server(proc)
     finally:
