@@ -14,7 +14,6 @@ baselines.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from benchmarks.bench_concurrency import (
     _store_prompts,
     alternate_beside_loaders,
 )
-from benchmarks.bench_serve import _echo_client, _echo_server
+from benchmarks.bench_serve import _echo_client, _echo_server, handler_times
 from benchmarks.common import percentile, start_server, stop_server, table
 
 PROMPT = 8192  # 32 chunks of 256 tokens, 32 KiB packed
@@ -129,54 +128,8 @@ def _round_trips(n: int) -> list[float]:
 
 
 def _handler_times(n: int) -> tuple[list[float], float]:
-    """The server's own work for one such lookup, on an engine in this process (no sockets):
-    decoding, hashing and naming, the L1 under the engine lock, the reply; and the engine
-    lock's mean hold per lookup."""
-    from kvtier import protocol as p
-    from kvtier.config import ServerConfig
-    from kvtier.periodic import PeriodicThreadRegistry
-    from kvtier.server.app import build_engine
-
-    name = f"kvtier-bench-lk-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    config = ServerConfig(
-        address=[f"ipc:///tmp/{name}.sock"], l1_size=64 << 20, l2=["none"], arena_name=name
-    )
-    engine = build_engine(config, registry=PeriodicThreadRegistry(), start_threads=False)
-    who = b"bench"
-
-    def call(msg: Any, payloads: list[bytes] | None = None) -> None:
-        reply = p.decode_reply(engine.call(who, p.encode(msg), payloads or [])[0])
-        assert not isinstance(reply, p.ErrorReply), reply
-
-    tokens = np.array(_prompt(), "<u4").tobytes()
-    chunks = PROMPT // config.chunk_size
-    try:
-        engine.handshake.prove(who, os.getpid())  # what the transport proves for ipc://
-        call(p.Hello(p.PROTOCOL_VERSION, "bench", host_id=p.local_host_id(), pid=os.getpid()))
-        call(p.Register("lk", 1, 0, [16], "float16"))
-        call(p.StoreInline("fill", tokens, "lk", 1, 0, 0, PROMPT, [16], "float16", chunks),
-             [bytes(32)] * chunks)  # fmt: skip
-        call(p.EndSession("fill"))
-        for i in range(50):
-            call(p.Lookup(f"warm{i}", tokens, "lk"))
-            call(p.EndSession(f"warm{i}"))
-        before = engine.lock_stats()
-        samples = []
-        for i in range(n):
-            header = p.encode(p.Lookup(f"r{i}", tokens, "lk"))
-            t0 = time.perf_counter()
-            engine.call(who, header)
-            samples.append(time.perf_counter() - t0)
-            call(p.EndSession(f"r{i}"))
-        holds = engine.lock_stats()
-        locked = sum(
-            holds[op].total_s - (before[op].total_s if op in before else 0.0)
-            for op in ("Lookup", "sessions")
-            if op in holds
-        )
-    finally:
-        engine.close()
-    return samples, locked / n
+    """The server's own work for one such lookup, a new request each time (`handler_times`)."""
+    return handler_times(np.array(_prompt(), "<u4").tobytes(), n, ("first",))["first"]
 
 
 # -- beside loads from the disk tier ---------------------------------------------------------------

@@ -298,9 +298,19 @@ def _single_lookups(
 
 
 def _handler_times() -> dict[str, tuple[list[float], float]]:
-    """The server's own work for one 16k-token lookup, per call mode: an engine in this process
-    (no sockets), frames in, reply out: decoding, hashing and naming, the L1 under the engine
-    lock, the reply. Each mode's samples and the engine lock's mean hold per lookup."""
+    """The server's own work for one 16k-token lookup, per call mode (`handler_times`)."""
+    tokens = np.arange(SINGLE_PROMPT, dtype="<u4").tobytes()
+    return handler_times(tokens, SINGLE_ROUNDS * SINGLE_BLOCK, ("first", "repeated"))
+
+
+def handler_times(
+    tokens: bytes, n: int, modes: tuple[str, ...]
+) -> dict[str, tuple[list[float], float]]:
+    """The server's own work for `n` lookups of `tokens` (packed uint32, whole chunks, stored
+    first) per call mode ("first": a new request each time, its session ended untimed;
+    "repeated": one request): an engine in this process (no sockets), frames in, reply out:
+    decoding, hashing and naming, the L1 under the engine lock, the reply. Each mode's samples
+    and the engine lock's mean hold per lookup."""
     from kvtier import protocol as p
     from kvtier.config import ServerConfig
     from kvtier.periodic import PeriodicThreadRegistry
@@ -318,24 +328,23 @@ def _handler_times() -> dict[str, tuple[list[float], float]]:
         assert not isinstance(reply, p.ErrorReply), reply
         return reply
 
-    tokens = np.arange(SINGLE_PROMPT, dtype="<u4").tobytes()
-    num_chunks = SINGLE_PROMPT // config.chunk_size
+    prompt = len(tokens) // 4
+    num_chunks = prompt // config.chunk_size
     results: dict[str, tuple[list[float], float]] = {}
     try:
         engine.handshake.prove(who, os.getpid())  # what the transport proves for ipc://
         call(p.Hello(p.PROTOCOL_VERSION, "bench", host_id=p.local_host_id(), pid=os.getpid()))
         call(p.Register("lk", 1, 0, [16], "float16"))
-        fill = p.StoreInline("fill", tokens, "lk", 1, 0, 0, SINGLE_PROMPT, [16], "float16",
+        fill = p.StoreInline("fill", tokens, "lk", 1, 0, 0, prompt, [16], "float16",
                              num_chunks)  # fmt: skip
         call(fill, [bytes(32)] * num_chunks)
         call(p.EndSession("fill"))
-        for mode in ("first", "repeated"):
+        for mode in modes:
             for i in range(50):  # warm up
                 call(p.Lookup(f"warm{i}", tokens, "lk"))
                 call(p.EndSession(f"warm{i}"))
             before = engine.lock_stats()
             samples = []
-            n = SINGLE_ROUNDS * SINGLE_BLOCK
             for i in range(n):
                 rid = f"{mode}-{i}" if mode == "first" else mode
                 header = p.encode(p.Lookup(rid, tokens, "lk"))
